@@ -1,0 +1,249 @@
+"""Wire types: what `dora serve`, the inference instances and `dora learn` say to each other.
+
+Every message is a msgspec Struct. Messages between serve and learn are tagged (`type` field) so one
+decoder reads any of them; they travel as msgpack frames over ZeroMQ. Nothing is ever pickled.
+
+Arrays (token ids, logprobs, masks, per-token versions) travel as raw little-endian bytes and are read
+with `numpy.frombuffer`, never as lists of Python ints: a 16 x 4096-token group then costs a few memcpys,
+not 65,536 boxed integers. `Sample.build` packs them from lists or arrays; `Sample.tokens()` and friends
+unpack them without copying.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Literal
+
+import msgspec
+import numpy as np
+import numpy.typing as npt
+
+FinishReason = Literal["stop", "length", "abort", "tool_limit", "context", "error"]
+
+I32 = np.dtype("<i4")
+F32 = np.dtype("<f4")
+U8 = np.dtype("u1")
+
+
+def pack(
+    values: Sequence[int] | Sequence[float] | npt.NDArray[np.generic], dtype: np.dtype
+) -> bytes:
+    """Pack a sequence as raw little-endian bytes of `dtype`."""
+    return np.ascontiguousarray(values, dtype=dtype).tobytes()
+
+
+class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """How to sample one completion. Training rollouts keep top_p = 1 and top_k = -1 (DESIGN §5)."""
+
+    max_tokens: int = 256
+    min_tokens: int = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    stop: list[str] = msgspec.field(default_factory=list)
+    stop_token_ids: list[int] = msgspec.field(default_factory=list)
+    ignore_eos: bool = False
+    seed: int | None = None
+
+
+class Completion(msgspec.Struct, kw_only=True):
+    """What an instance returns for one request (the instance interface of DESIGN §5).
+
+    `token_ids` are the sampled tokens only (not the prompt); `logprobs[i]` is the behaviour
+    log-probability of `token_ids[i]`: `log_softmax(logits / T)` over the whole vocabulary; `versions[i]`
+    the weight version that sampled it (all equal unless a partial-mode request spanned a weight load).
+    `finish_reason` is "abort" when the request was aborted; the tokens so far are still returned.
+    """
+
+    request_id: str
+    token_ids: list[int]
+    logprobs: list[float]
+    versions: list[int]
+    finish_reason: FinishReason
+    prompt_tokens: int = 0
+
+    @property
+    def version(self) -> int:
+        """The version of the first sampled token (the version the request was pinned to)."""
+        return self.versions[0] if self.versions else -1
+
+
+class Sample(msgspec.Struct, kw_only=True, array_like=True):
+    """One trajectory: every turn of one episode as one token sequence.
+
+    `token_ids` holds the prompt and every later token; `loss_mask[i] == 1` exactly for tokens the policy
+    sampled; `logprobs[i]` is the behaviour log-probability of token i (0 where the mask is 0);
+    `versions[i]` the version that sampled token i (-1 where not sampled). `masked` marks a sample whose
+    episode failed: it stays in its group (C2) but contributes no gradient.
+    """
+
+    token_ids: bytes
+    loss_mask: bytes
+    logprobs: bytes
+    versions: bytes
+    prompt_len: int
+    reward: float
+    reward_components: dict[str, float] = msgspec.field(default_factory=dict)
+    finish_reason: FinishReason = "stop"
+    masked: bool = False
+    num_turns: int = 1
+    num_tool_calls: int = 0
+    metadata: dict[str, str] = msgspec.field(default_factory=dict)
+
+    @classmethod
+    def build(
+        cls,
+        *,
+        token_ids: Sequence[int] | npt.NDArray[np.generic],
+        loss_mask: Sequence[int] | npt.NDArray[np.generic],
+        logprobs: Sequence[float] | npt.NDArray[np.generic],
+        versions: Sequence[int] | npt.NDArray[np.generic],
+        prompt_len: int,
+        reward: float,
+        **fields: object,
+    ) -> Sample:
+        """Pack arrays into a Sample; all four arrays must have the same length."""
+        n = len(token_ids)
+        if not (len(loss_mask) == len(logprobs) == len(versions) == n):
+            raise ValueError(
+                f"sample arrays differ in length: tokens {n}, mask {len(loss_mask)}, "
+                f"logprobs {len(logprobs)}, versions {len(versions)}"
+            )
+        return cls(
+            token_ids=pack(token_ids, I32),
+            loss_mask=pack(loss_mask, U8),
+            logprobs=pack(logprobs, F32),
+            versions=pack(versions, I32),
+            prompt_len=prompt_len,
+            reward=reward,
+            **fields,  # type: ignore[arg-type]
+        )
+
+    def tokens(self) -> npt.NDArray[np.int32]:
+        return np.frombuffer(self.token_ids, dtype=I32)
+
+    def mask(self) -> npt.NDArray[np.uint8]:
+        return np.frombuffer(self.loss_mask, dtype=U8)
+
+    def behaviour_logprobs(self) -> npt.NDArray[np.float32]:
+        return np.frombuffer(self.logprobs, dtype=F32)
+
+    def token_versions(self) -> npt.NDArray[np.int32]:
+        return np.frombuffer(self.versions, dtype=I32)
+
+    def __len__(self) -> int:
+        return len(self.token_ids) // I32.itemsize
+
+
+class Group(msgspec.Struct, kw_only=True, array_like=True):
+    """The G samples of one prompt, all generated by `version` (C1) except in partial mode."""
+
+    id: str
+    prompt_id: str
+    version: int
+    samples: list[Sample]
+    incarnation: int = 0
+
+
+# --- serve -> learn -------------------------------------------------------------------------------
+
+
+class Assigned(msgspec.Struct, tag="assigned", kw_only=True):
+    """A completed group assigned to train step `step` by the transfer queue."""
+
+    step: int
+    group: Group
+
+
+class StepClosed(msgspec.Struct, tag="step_closed", kw_only=True):
+    """Every group of `step` has been sent; `num_groups` of them."""
+
+    step: int
+    num_groups: int
+
+
+class Hello(msgspec.Struct, tag="hello", kw_only=True):
+    """First message on a connection: who is talking and where its state starts."""
+
+    role: Literal["serve", "learn"]
+    incarnation: int
+    step: int
+    token: str = ""
+
+
+# --- learn -> serve -------------------------------------------------------------------------------
+
+
+class WeightsReady(msgspec.Struct, tag="weights_ready", kw_only=True):
+    """Version `version` is published. `path` is a safetensors folder (filesystem transport) or empty
+    when the tensors follow inline as `WeightChunk`s."""
+
+    version: int
+    incarnation: int
+    path: str = ""
+    num_chunks: int = 0
+
+
+class WeightChunk(msgspec.Struct, tag="weight_chunk", kw_only=True):
+    """Raw tensors of one version, streamed inline (CPU default transport)."""
+
+    version: int
+    index: int
+    names: list[str]
+    dtypes: list[str]
+    shapes: list[list[int]]
+    data: list[bytes]
+
+
+class StepDone(msgspec.Struct, tag="step_done", kw_only=True):
+    """Step `step` is trained; version `step + 1` is published. Carries the step's metrics."""
+
+    step: int
+    incarnation: int
+    metrics: dict[str, float] = msgspec.field(default_factory=dict)
+
+
+class Durable(msgspec.Struct, tag="durable", kw_only=True):
+    """A checkpoint containing step `step` is on disk."""
+
+    step: int
+    incarnation: int
+
+
+class Shutdown(msgspec.Struct, tag="shutdown", kw_only=True):
+    """The sender is stopping; `reason` says why."""
+
+    reason: str = ""
+
+
+ServeMessage = Assigned | StepClosed | Hello | Shutdown
+LearnMessage = WeightsReady | WeightChunk | StepDone | Durable | Hello | Shutdown
+
+_encoder = msgspec.msgpack.Encoder()
+_serve_decoder = msgspec.msgpack.Decoder(ServeMessage)
+_learn_decoder = msgspec.msgpack.Decoder(LearnMessage)
+
+
+def encode(message: ServeMessage | LearnMessage) -> bytes:
+    """Encode one message as a msgpack frame."""
+    return _encoder.encode(message)
+
+
+def decode_from_serve(frame: bytes) -> ServeMessage:
+    """Decode a frame sent by `dora serve`; raises `ProtocolError` if malformed."""
+    from dora.errors import ProtocolError
+
+    try:
+        return _serve_decoder.decode(frame)
+    except msgspec.DecodeError as exc:
+        raise ProtocolError(f"malformed message from dora serve: {exc}") from exc
+
+
+def decode_from_learn(frame: bytes) -> LearnMessage:
+    """Decode a frame sent by `dora learn`; raises `ProtocolError` if malformed."""
+    from dora.errors import ProtocolError
+
+    try:
+        return _learn_decoder.decode(frame)
+    except msgspec.DecodeError as exc:
+        raise ProtocolError(f"malformed message from dora learn: {exc}") from exc
