@@ -1,7 +1,9 @@
-"""The error tree. Every error dora raises on purpose is a `DoraError`, so callers can catch ours only.
+"""The error tree. Every error dora raises on purpose is a `DoraError`, so callers can catch ours
+only.
 
-Errors are caught only where a policy exists (STYLE.md): a tool exception becomes a tool message, a failed
-episode becomes a marked sample, a network call gets bounded retries. Everything else propagates.
+Errors are caught only where a policy exists (STYLE.md): a tool exception becomes a tool message, a
+failed episode becomes a marked sample, a network call gets bounded retries. Everything else
+propagates.
 """
 
 from __future__ import annotations
@@ -40,7 +42,8 @@ class VersionMismatch(ServerError):
 
 
 class EnvError(DoraError):
-    """An environment failed: a bad task, a reward that raised, or an episode that could not finish."""
+    """An environment failed: a bad task, a reward that raised, or an episode that could not
+    finish."""
 
 
 class DataError(DoraError):

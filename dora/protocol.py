@@ -3,10 +3,10 @@
 Every message is a msgspec Struct. Messages between serve and learn are tagged (`type` field) so one
 decoder reads any of them; they travel as msgpack frames over ZeroMQ. Nothing is ever pickled.
 
-Arrays (token ids, logprobs, masks, per-token versions) travel as raw little-endian bytes and are read
-with `numpy.frombuffer`, never as lists of Python ints: a 16 x 4096-token group then costs a few memcpys,
-not 65,536 boxed integers. `Sample.build` packs them from lists or arrays; `Sample.tokens()` and friends
-unpack them without copying.
+Arrays (token ids, logprobs, masks, per-token versions) travel as raw little-endian bytes and are
+read with `numpy.frombuffer`, never as lists of Python ints: a 16 x 4096-token group then costs a
+few memcpys, not 65,536 boxed integers. `Sample.build` packs them from lists or arrays;
+`Sample.tokens()` and friends unpack them without copying.
 """
 
 from __future__ import annotations
@@ -50,9 +50,10 @@ class Completion(msgspec.Struct, kw_only=True):
     """What an instance returns for one request (the instance interface of DESIGN §5).
 
     `token_ids` are the sampled tokens only (not the prompt); `logprobs[i]` is the behaviour
-    log-probability of `token_ids[i]`: `log_softmax(logits / T)` over the whole vocabulary; `versions[i]`
-    the weight version that sampled it (all equal unless a partial-mode request spanned a weight load).
-    `finish_reason` is "abort" when the request was aborted; the tokens so far are still returned.
+    log-probability of `token_ids[i]`: `log_softmax(logits / T)` over the whole vocabulary;
+    `versions[i]` the weight version that sampled it (all equal unless a partial-mode request
+    spanned a weight load). `finish_reason` is "abort" when the request was aborted; the tokens so
+    far are still returned.
     """
 
     request_id: str
@@ -71,10 +72,10 @@ class Completion(msgspec.Struct, kw_only=True):
 class Sample(msgspec.Struct, kw_only=True, array_like=True):
     """One trajectory: every turn of one episode as one token sequence.
 
-    `token_ids` holds the prompt and every later token; `loss_mask[i] == 1` exactly for tokens the policy
-    sampled; `logprobs[i]` is the behaviour log-probability of token i (0 where the mask is 0);
-    `versions[i]` the version that sampled token i (-1 where not sampled). `masked` marks a sample whose
-    episode failed: it stays in its group (C2) but contributes no gradient.
+    `token_ids` holds the prompt and every later token; `loss_mask[i] == 1` exactly for tokens the
+    policy sampled; `logprobs[i]` is the behaviour log-probability of token i (0 where the mask is
+    0); `versions[i]` the version that sampled token i (-1 where not sampled). `masked` marks a
+    sample whose episode failed: it stays in its group (C2) but contributes no gradient.
     """
 
     token_ids: bytes
@@ -175,8 +176,8 @@ class Hello(msgspec.Struct, tag="hello", kw_only=True):
 
 
 class WeightsReady(msgspec.Struct, tag="weights_ready", kw_only=True):
-    """Version `version` is published. `path` is a safetensors folder (filesystem transport) or empty
-    when the tensors follow inline as `WeightChunk`s."""
+    """Version `version` is published. `path` is a safetensors folder (filesystem transport) or
+    empty when the tensors follow inline as `WeightChunk`s."""
 
     version: int
     incarnation: int

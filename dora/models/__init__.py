@@ -1,4 +1,5 @@
-"""Models dora can build offline: tiny causal LMs with a character tokenizer, for tests and examples."""
+"""Models dora can build offline: tiny causal LMs with a character tokenizer, for tests and
+examples."""
 
 from dora.models.tiny import TinyModelSpec, build_tiny_model, char_tokenizer
 

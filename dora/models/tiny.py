@@ -1,16 +1,18 @@
 """Tiny causal LMs with a character tokenizer, built from a config, fully offline.
 
-Tests and the examples need a real model that trains in seconds on two CPU cores and never touches the
-network. `build_tiny_model` writes an ordinary Hugging Face folder (config, safetensors weights,
-tokenizer, chat template) that transformers, the embedded engine and vLLM all load like any other model.
+Tests and the examples need a real model that trains in seconds on two CPU cores and never touches
+the network. `build_tiny_model` writes an ordinary Hugging Face folder (config, safetensors weights,
+tokenizer, chat template) that transformers, the embedded engine and vLLM all load like any other
+model.
 
-The tokenizer maps every character to one token (`tokenizers` WordLevel over single characters, split
-with the regex `[\\s\\S]` because Oniguruma's `.` does not match a newline). A few chat markers are single
-special tokens, so the chat template's structure costs one token each, and `<|im_end|>` is the end of
-turn the model learns to emit. The chat template is ChatML with hermes-style tools: tool schemas are
-listed in the system turn, the assistant calls a tool with `<tool_call>{json}</tool_call>`, and results
-come back in `tool` turns. Because every character is a token, rendering a conversation and tokenizing
-it is exactly the concatenation of the rendered pieces, which keeps token-in-token-out episodes exact.
+The tokenizer maps every character to one token (`tokenizers` WordLevel over single characters,
+split with the regex `[\\s\\S]` because Oniguruma's `.` does not match a newline). A few chat
+markers are single special tokens, so the chat template's structure costs one token each, and
+`<|im_end|>` is the end of turn the model learns to emit. The chat template is ChatML with
+hermes-style tools: tool schemas are listed in the system turn, the assistant calls a tool with
+`<tool_call>{json}</tool_call>`, and results come back in `tool` turns. Because every character is a
+token, rendering a conversation and tokenizing it is exactly the concatenation of the rendered
+pieces, which keeps token-in-token-out episodes exact.
 """
 
 from __future__ import annotations
@@ -90,7 +92,7 @@ def char_tokenizer() -> object:
 
 
 def build_tiny_model(out_dir: str | Path, spec: TinyModelSpec | None = None) -> Path:
-    """Write a randomly initialised tiny causal LM and its tokenizer to `out_dir`; return the path."""
+    """Write a randomly initialised tiny causal LM and its tokenizer to `out_dir`; return it."""
     import torch
     from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
