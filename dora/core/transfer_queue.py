@@ -1,0 +1,628 @@
+"""The transfer queue: the staleness gate that keeps C2 (every admitted group consumed once, or
+counted) and C3 (`0 <= t - w <= K`) by construction. Pure: no I/O, no clock, no asyncio.
+
+State: the step `t` being filled, its free slots `f`, and for every unassigned group (admitted,
+running or completed) its deadline `d = min(w + K, T - 1)`. With `U(<= s)` the unassigned groups of
+deadline `<= s` and `cap(s) = f + (s - t) * B`, the queue keeps, after every operation,
+
+    for every s >= t:  U(<= s) <= cap(s)                                    (the invariant)
+
+Every deadline lies in `[t, t + K]` (versions are never newer than `t`), so the queue keeps the
+counts of unassigned groups per deadline in a list indexed by `d - t`; checking the invariant is
+then O(K). Completed groups wait in a heap ordered by deadline (earliest deadline first), so every
+operation costs O(K + log n).
+
+Rules (DESIGN.md §3):
+- admission at version `w` needs (a) `w + K >= t` and (b) room for one more group of deadline
+  `w + K` in the invariant; `w` is the newest loaded version unless `legacy_filling` is on;
+- an admitted group that has not sampled a token may be re-bound to a newer loaded version (that
+  moves its deadline later and never raises any `U(<= s)`); `start` freezes the version;
+- a completed group is assigned to step `t` only if the invariant holds afterwards, earliest
+  deadline first; when `f` reaches 0 the step closes and `t` advances. Assignments are returned by
+  the call that unlocked them (`complete`, `filter`, `rebind`, `rollback`, a failure that masks);
+- a completed group may be filtered (removed and counted); a failed group is retried at its
+  version (at most `max_retries` times) or masked: it completes with masked samples and is
+  consumed like any other group;
+- groups stay until the step that consumed them is durable (`on_durable`);
+- `rollback(c)` after a trainer restart from the checkpoint of step `c`: steps `<= c` are durable,
+  filling continues at step `c + 1` with version `c + 1`; groups of versions `<= c + 1` are offered
+  again, groups of later ("ghost") versions are removed and counted as rolled back, and the
+  trainer's incarnation advances so that messages of the lost run are ignored.
+
+Accounting, always: admitted = consumed + filtered + rolled_back + unassigned (0 at the end).
+`consumed` counts groups assigned to a step that no roll-back has undone.
+
+Non-obvious choices:
+- Version numbers stay plain `int` (STYLE.md); the incarnation that published each version is
+  kept beside it (`version_tag`), and every trainer message may carry its incarnation: a message
+  from an older incarnation is ignored and counted, so a ghost is never taken for a real version.
+- The queue knows nothing about instances. "No capacity" is a reason the driver records
+  (`record_admission_wait(RefusalReason.NO_CAPACITY)`); the queue reports the other reasons.
+
+Usage by an event-driven driver (the server and the simulator do exactly this)::
+
+    q = TransferQueue(groups_per_step=B, max_staleness=K, num_steps=T)
+    q.on_version_loaded(0)                  # an instance holds version 0
+    match q.try_admit("g1"):                # an instance of the newest version has room for G
+        case Admitted(version=w): start_on_instance("g1", w); q.start("g1")
+        case Refused(reason=r): wait(r)
+    for a in q.complete("g1"):              # the group's G samples are done and scored
+        send_to_trainer(a.group_id, a.step)
+    q.on_step_done(0)                       # StepDone(0): version 1 is published
+    q.on_durable(0)                         # Durable(0): groups of step 0 may be forgotten
+"""
+
+from __future__ import annotations
+
+import enum
+import heapq
+from dataclasses import dataclass
+
+from dora.errors import SchedulingError
+
+__all__ = [
+    "Accounting",
+    "Admitted",
+    "Assigned",
+    "FailureOutcome",
+    "GroupState",
+    "Refusal",
+    "RefusalReason",
+    "Refused",
+    "RollbackReport",
+    "TrainerWait",
+    "TransferQueue",
+    "VersionCounts",
+]
+
+
+class RefusalReason(enum.Enum):
+    """Why a group cannot be admitted now."""
+
+    WEIGHTS_NOT_LOADED = "weights_not_loaded"
+    """Rule (a): no loaded version `w` has `w + K >= t` (or none is loaded at all)."""
+    INVARIANT = "invariant"
+    """Rule (b): one more group of that deadline would break `U(<= s) <= cap(s)`."""
+    HORIZON = "horizon"
+    """The run's last step is filled; nothing more will be consumed."""
+    NOT_NEWEST = "not_newest"
+    """A version older than the newest was asked for and legacy filling is off."""
+    NO_CAPACITY = "no_capacity"
+    """No instance has room (recorded by the driver; the queue never returns it)."""
+
+
+class TrainerWait(enum.Enum):
+    """Why step `t` cannot take another group now."""
+
+    NONE = "none"
+    """Nothing blocks: the run is finished or a group can be assigned."""
+    NO_COMPLETED_GROUP = "no_completed_group"
+    """No completed, unassigned group exists."""
+    DEADLINE_GROUP_RUNNING = "deadline_group_running"
+    """Completed groups exist, but earlier-deadline groups still running must go first."""
+
+
+class GroupState(enum.Enum):
+    ADMITTED = "admitted"
+    """Bound to a version, no token sampled yet: may be re-bound."""
+    STARTED = "started"
+    """Running; its version is frozen."""
+    COMPLETED = "completed"
+    """Done and scored, waiting for a step."""
+    ASSIGNED = "assigned"
+    """Assigned to a step, kept until that step is durable."""
+
+
+@dataclass(frozen=True, slots=True)
+class Admitted:
+    group_id: str
+    version: int
+    deadline: int
+
+
+@dataclass(frozen=True, slots=True)
+class Refused:
+    reason: RefusalReason
+
+
+Refusal = Refused
+"""Alias: the refusal outcome of `try_admit`."""
+
+
+@dataclass(frozen=True, slots=True)
+class Assigned:
+    """Group `group_id` (sampled by `version`) trains at step `step`."""
+
+    group_id: str
+    step: int
+    version: int
+
+
+@dataclass(frozen=True, slots=True)
+class FailureOutcome:
+    """What `fail` decided: retry the group at its version, or mask it (it completes with masked
+    samples, and `assigned` lists what that completion unlocked)."""
+
+    group_id: str
+    retried: bool
+    assigned: tuple[Assigned, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class RollbackReport:
+    """The result of `rollback`: ghost groups removed (abort them), groups offered again (their
+    earlier assignments are void), and the assignments made under the new incarnation."""
+
+    step: int
+    incarnation: int
+    rolled_back: tuple[str, ...]
+    reoffered: tuple[str, ...]
+    ghost_versions: tuple[int, ...]
+    assigned: tuple[Assigned, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class VersionCounts:
+    admitted: int
+    started: int
+    completed: int
+    assigned: int
+
+
+@dataclass(frozen=True, slots=True)
+class Accounting:
+    """admitted == consumed + filtered + rolled_back + unassigned, always."""
+
+    admitted: int
+    consumed: int
+    filtered: int
+    rolled_back: int
+    unassigned: int
+    masked: int
+    retried: int
+    reoffered: int
+    ignored_messages: int
+
+
+_STATES = tuple(GroupState)
+_STATE_INDEX = {s: i for i, s in enumerate(_STATES)}
+
+
+class _Group:
+    __slots__ = ("attempts", "deadline", "gid", "masked", "pinned", "state", "step", "version")
+
+    def __init__(self, gid: str, version: int, deadline: int) -> None:
+        self.gid = gid
+        self.version = version
+        self.deadline = deadline
+        self.state = GroupState.ADMITTED
+        self.step = -1
+        self.attempts = 0
+        self.pinned = False
+        self.masked = False
+
+
+class TransferQueue:
+    """The staleness gate. See the module docstring for the rules and a usage example."""
+
+    def __init__(
+        self,
+        *,
+        groups_per_step: int,
+        max_staleness: int,
+        num_steps: int | None = None,
+        max_retries: int = 0,
+        legacy_filling: bool = False,
+    ) -> None:
+        if groups_per_step < 1:
+            raise SchedulingError(f"groups_per_step must be >= 1, got {groups_per_step}")
+        if max_staleness < 0:
+            raise SchedulingError(f"max_staleness must be >= 0, got {max_staleness}")
+        if num_steps is not None and num_steps < 1:
+            raise SchedulingError(f"num_steps must be >= 1 or None, got {num_steps}")
+        self._b = groups_per_step
+        self._k = max_staleness
+        self._horizon = None if num_steps is None else num_steps - 1
+        self._max_retries = max_retries
+        self._legacy = legacy_filling
+        self._t = 0
+        self._f = groups_per_step
+        self._due = [0] * (max_staleness + 1)  # unassigned groups per deadline, index d - t
+        self._groups: dict[str, _Group] = {}
+        self._ready: list[tuple[int, int, str]] = []  # completed groups: (deadline, seq, id)
+        self._seq = 0
+        self._by_step: dict[int, list[str]] = {}
+        self._loaded: set[int] = set()
+        self._newest: int | None = None
+        self._published = 0
+        self._trained = -1
+        self._durable = -1
+        self._incarnation = 0
+        self._version_incarnation: dict[int, int] = {0: 0}
+        self._per_version: dict[int, list[int]] = {}
+        self._staleness = [0] * (max_staleness + 1)
+        self._admission_waits = dict.fromkeys(RefusalReason, 0)
+        self._admitted = self._consumed = self._filtered = self._rolled_back = 0
+        self._masked = self._retried = self._reoffered = self._ignored = 0
+
+    # --- read-only views -------------------------------------------------------------------
+
+    @property
+    def step(self) -> int:
+        """The step being filled (`t`)."""
+        return self._t
+
+    @property
+    def free_slots(self) -> int:
+        """Free slots of step `t` (`f`)."""
+        return self._f
+
+    @property
+    def groups_per_step(self) -> int:
+        return self._b
+
+    @property
+    def max_staleness(self) -> int:
+        return self._k
+
+    @property
+    def incarnation(self) -> int:
+        return self._incarnation
+
+    @property
+    def newest_version(self) -> int | None:
+        """The newest loaded version, or None before any is loaded."""
+        return self._newest
+
+    @property
+    def published_version(self) -> int:
+        """The newest version the trainer has published in this incarnation."""
+        return self._published
+
+    @property
+    def finished(self) -> bool:
+        """Every step of the run is filled."""
+        return self._horizon is not None and self._t > self._horizon
+
+    def version_tag(self, version: int) -> tuple[int, int]:
+        """`(incarnation that published it, version)`: the identity a journal should store."""
+        return (self._version_incarnation.get(version, self._incarnation), version)
+
+    def state(self, group_id: str) -> GroupState | None:
+        """The group's state, or None once it is durable, filtered or rolled back."""
+        g = self._groups.get(group_id)
+        return None if g is None else g.state
+
+    def group_version(self, group_id: str) -> int:
+        return self._get(group_id).version
+
+    def deadline(self, group_id: str) -> int:
+        return self._get(group_id).deadline
+
+    def version_counts(self) -> dict[int, VersionCounts]:
+        """Groups the queue holds, per version and state."""
+        return {w: VersionCounts(*c) for w, c in sorted(self._per_version.items()) if any(c)}
+
+    def unassigned_by_deadline(self) -> list[int]:
+        """`[U(= t), U(= t + 1), ..., U(= t + K)]`."""
+        return list(self._due)
+
+    def staleness_histogram(self) -> list[int]:
+        """Consumed groups by staleness `t - w`, index 0..K."""
+        return list(self._staleness)
+
+    def admission_waits(self) -> dict[RefusalReason, int]:
+        """How many refusals of each reason (plus those the driver recorded)."""
+        return dict(self._admission_waits)
+
+    def accounting(self) -> Accounting:
+        unassigned = sum(self._due)
+        return Accounting(
+            admitted=self._admitted,
+            consumed=self._consumed,
+            filtered=self._filtered,
+            rolled_back=self._rolled_back,
+            unassigned=unassigned,
+            masked=self._masked,
+            retried=self._retried,
+            reoffered=self._reoffered,
+            ignored_messages=self._ignored,
+        )
+
+    def trainer_wait(self) -> TrainerWait:
+        """Why step `t` is not filling now (the driver times the wait)."""
+        if self.finished or self._f == 0:
+            return TrainerWait.NONE
+        self._drop_stale_heads()
+        if not self._ready:
+            return TrainerWait.NO_COMPLETED_GROUP
+        return TrainerWait.DEADLINE_GROUP_RUNNING
+
+    def check_invariant(self) -> None:
+        """Raise SchedulingError if `U(<= s) <= cap(s)` fails for some `s >= t` (O(K))."""
+        if self._slack_min(0, self._k) < 0:
+            raise SchedulingError(f"invariant broken at step {self._t}: due={self._due}")
+
+    # --- admission ---------------------------------------------------------------------------
+
+    def admission_blocker(self, version: int | None = None) -> RefusalReason | None:
+        """Why a group at `version` (default: the newest loaded) cannot be admitted now, or None."""
+        if self.finished:
+            return RefusalReason.HORIZON
+        w = self._newest if version is None else version
+        if w is None or w not in self._loaded or w + self._k < self._t:
+            return RefusalReason.WEIGHTS_NOT_LOADED
+        if w != self._newest and not self._legacy:
+            return RefusalReason.NOT_NEWEST
+        i = self._deadline_of(w) - self._t
+        if self._slack_min(i, self._k) < 1:
+            return RefusalReason.INVARIANT
+        return None
+
+    def try_admit(self, group_id: str, *, version: int | None = None) -> Admitted | Refused:
+        """Admit `group_id` at `version` (default: the newest loaded) if both rules allow it.
+        Call it when an instance of that version has room for the whole group (bind late)."""
+        if group_id in self._groups:
+            raise SchedulingError(f"group {group_id!r} is already in the queue")
+        reason = self.admission_blocker(version)
+        if reason is not None:
+            self._admission_waits[reason] += 1
+            return Refused(reason)
+        w = self._newest if version is None else version
+        assert w is not None
+        g = _Group(group_id, w, self._deadline_of(w))
+        self._groups[group_id] = g
+        self._due[g.deadline - self._t] += 1
+        self._count(g, +1)
+        self._admitted += 1
+        return Admitted(group_id, w, g.deadline)
+
+    def record_admission_wait(self, reason: RefusalReason) -> None:
+        """Count a wait the driver saw (e.g. NO_CAPACITY), beside the queue's own refusals."""
+        self._admission_waits[reason] += 1
+
+    def rebind(self, group_id: str, *, version: int) -> list[Assigned]:
+        """Move an admitted group that has not sampled a token to a newer loaded version."""
+        g = self._get(group_id)
+        if g.state is not GroupState.ADMITTED or g.pinned:
+            raise SchedulingError(f"group {group_id!r} has started or is pinned; cannot rebind")
+        if version not in self._loaded or version <= g.version:
+            raise SchedulingError(f"cannot rebind {group_id!r} from {g.version} to {version}")
+        self._count(g, -1)
+        self._due[g.deadline - self._t] -= 1
+        g.version = version
+        g.deadline = self._deadline_of(version)
+        self._due[g.deadline - self._t] += 1
+        self._count(g, +1)
+        return self._assign()
+
+    def start(self, group_id: str) -> None:
+        """The group sampled its first token: its version is frozen from now on."""
+        g = self._get(group_id)
+        if g.state is GroupState.ADMITTED:
+            self._move(g, GroupState.STARTED)
+        elif g.state is not GroupState.STARTED:
+            raise SchedulingError(f"group {group_id!r} is {g.state.value}; cannot start")
+
+    # --- completion --------------------------------------------------------------------------
+
+    def complete(self, group_id: str, *, filtered: bool = False) -> list[Assigned]:
+        """The group is done and scored. `filtered=True` drops it by the configured filter.
+        Returns the assignments this unlocked, in order."""
+        g = self._get(group_id)
+        if g.state not in (GroupState.ADMITTED, GroupState.STARTED):
+            raise SchedulingError(f"group {group_id!r} is {g.state.value}; cannot complete")
+        self._move(g, GroupState.COMPLETED)
+        if filtered:
+            return self.filter(group_id)
+        self._push_ready(g)
+        return self._assign()
+
+    def filter(self, group_id: str) -> list[Assigned]:
+        """Remove a completed, unassigned group (a configured filter). Always safe."""
+        g = self._get(group_id)
+        if g.state is not GroupState.COMPLETED:
+            raise SchedulingError(f"group {group_id!r} is {g.state.value}; cannot filter")
+        self._remove_unassigned(g)
+        self._filtered += 1
+        return self._assign()
+
+    def fail(self, group_id: str, *, retry_allowed: bool = True) -> FailureOutcome:
+        """The group's episode failed. Retry it at its version while retries are left (and the
+        driver allows it, e.g. the version is still served); otherwise mask it."""
+        g = self._get(group_id)
+        if g.state not in (GroupState.ADMITTED, GroupState.STARTED):
+            raise SchedulingError(f"group {group_id!r} is {g.state.value}; cannot fail")
+        if retry_allowed and g.attempts < self._max_retries:
+            g.attempts += 1
+            g.pinned = True
+            self._move(g, GroupState.ADMITTED)
+            self._retried += 1
+            return FailureOutcome(group_id, True, ())
+        g.masked = True
+        self._masked += 1
+        return FailureOutcome(group_id, False, tuple(self.complete(group_id)))
+
+    def is_masked(self, group_id: str) -> bool:
+        return self._get(group_id).masked
+
+    # --- trainer messages ----------------------------------------------------------------------
+
+    def on_version_loaded(self, version: int, *, incarnation: int | None = None) -> bool:
+        """An instance now holds `version`. False (ignored) if it is a stale incarnation's."""
+        if self._stale(incarnation):
+            return False
+        if version > self._published:
+            raise SchedulingError(f"version {version} loaded but only {self._published} published")
+        self._loaded.add(version)
+        if self._newest is None or version > self._newest:
+            self._newest = version
+        return True
+
+    def on_step_done(self, step: int, *, incarnation: int | None = None) -> bool:
+        """StepDone(step): the trainer trained `step` and published version `step + 1`."""
+        if self._stale(incarnation):
+            return False
+        if step >= self._t:
+            raise SchedulingError(f"step {step} done but the queue is still filling {self._t}")
+        self._trained = max(self._trained, step)
+        if step + 1 > self._published:
+            self._published = step + 1
+            self._version_incarnation[step + 1] = self._incarnation
+        return True
+
+    def on_durable(self, step: int, *, incarnation: int | None = None) -> list[str]:
+        """Durable(step): forget groups of steps `<= step`. Returns their ids (prune journals)."""
+        if self._stale(incarnation):
+            return []
+        released: list[str] = []
+        for s in range(self._durable + 1, step + 1):
+            for gid in self._by_step.pop(s, ()):
+                g = self._groups.pop(gid)
+                self._count(g, -1)
+                released.append(gid)
+        self._durable = max(self._durable, step)
+        return released
+
+    def rollback(self, checkpoint_step: int) -> RollbackReport:
+        """The trainer restarted from the checkpoint holding step `checkpoint_step` (-1: from
+        scratch). Filling resumes at step `c + 1` with version `c + 1`."""
+        c = checkpoint_step
+        if c < self._durable:
+            raise SchedulingError(f"rollback to {c} but step {self._durable} is durable")
+        if c >= self._t:
+            raise SchedulingError(f"rollback to {c} but step {c} was never filled")
+        self.on_durable(c)
+        self._incarnation += 1
+        ghosts = tuple(sorted(w for w in self._loaded if w > c + 1))
+        rolled_back: list[str] = []
+        reoffered: list[str] = []
+        for g in list(self._groups.values()):
+            if g.version > c + 1:
+                if g.state is GroupState.ASSIGNED:
+                    self._unassign(g)
+                self._count(g, -1)
+                del self._groups[g.gid]
+                rolled_back.append(g.gid)
+            elif g.state is GroupState.ASSIGNED:
+                self._unassign(g)
+                self._move(g, GroupState.COMPLETED)
+                reoffered.append(g.gid)
+        self._by_step.clear()
+        self._rolled_back += len(rolled_back)
+        self._reoffered += len(reoffered)
+        self._t, self._f = c + 1, self._b
+        self._trained = c
+        self._published = c + 1
+        self._version_incarnation = {
+            w: i for w, i in self._version_incarnation.items() if w <= c + 1
+        }
+        self._loaded -= set(ghosts)
+        self._newest = max(self._loaded, default=None)
+        self._due = [0] * (self._k + 1)
+        self._ready.clear()
+        for g in self._groups.values():
+            self._due[g.deadline - self._t] += 1
+            if g.state is GroupState.COMPLETED:
+                self._push_ready(g)
+        self.check_invariant()
+        assigned = tuple(self._assign())
+        return RollbackReport(
+            c, self._incarnation, tuple(rolled_back), tuple(reoffered), ghosts, assigned
+        )
+
+    # --- internals ---------------------------------------------------------------------------
+
+    def _get(self, group_id: str) -> _Group:
+        g = self._groups.get(group_id)
+        if g is None:
+            raise SchedulingError(f"unknown group {group_id!r}")
+        return g
+
+    def _stale(self, incarnation: int | None) -> bool:
+        if incarnation is None or incarnation == self._incarnation:
+            return False
+        if incarnation > self._incarnation:
+            raise SchedulingError(f"incarnation {incarnation} is ahead of {self._incarnation}")
+        self._ignored += 1
+        return True
+
+    def _deadline_of(self, version: int) -> int:
+        d = version + self._k
+        return d if self._horizon is None else min(d, self._horizon)
+
+    def _slack_min(self, lo: int, hi: int) -> int:
+        """min over s = t+lo .. t+hi (clipped to the horizon) of cap(s) - U(<= s)."""
+        if self._horizon is not None:
+            hi = min(hi, self._horizon - self._t)
+        u = sum(self._due[:lo])
+        best = 1 << 62
+        for i in range(lo, hi + 1):
+            u += self._due[i]
+            best = min(best, self._f + i * self._b - u)
+        return best
+
+    def _count(self, g: _Group, delta: int) -> None:
+        c = self._per_version.get(g.version)
+        if c is None:
+            c = self._per_version[g.version] = [0, 0, 0, 0]
+        c[_STATE_INDEX[g.state]] += delta
+
+    def _move(self, g: _Group, state: GroupState) -> None:
+        self._count(g, -1)
+        g.state = state
+        self._count(g, +1)
+
+    def _push_ready(self, g: _Group) -> None:
+        self._seq += 1
+        heapq.heappush(self._ready, (g.deadline, self._seq, g.gid))
+
+    def _drop_stale_heads(self) -> None:
+        ready = self._ready
+        while ready:
+            g = self._groups.get(ready[0][2])
+            if g is not None and g.state is GroupState.COMPLETED and g.deadline == ready[0][0]:
+                return
+            heapq.heappop(ready)
+
+    def _remove_unassigned(self, g: _Group) -> None:
+        self._due[g.deadline - self._t] -= 1
+        self._count(g, -1)
+        del self._groups[g.gid]
+
+    def _unassign(self, g: _Group) -> None:
+        self._consumed -= 1
+        self._staleness[g.step - g.version] -= 1
+        g.step = -1
+
+    def _assign(self) -> list[Assigned]:
+        """Assign completed groups to step `t`, earliest deadline first, while the invariant
+        allows; close steps as they fill."""
+        out: list[Assigned] = []
+        while not self.finished:
+            self._drop_stale_heads()
+            if not self._ready:
+                break
+            d = self._ready[0][0]
+            # Taking a group of deadline d lowers cap(s) by one for every s >= t but U(<= s)
+            # only for s >= d: the steps t .. d-1 need one slot of slack.
+            if d > self._t and self._slack_min(0, d - self._t - 1) < 1:
+                break
+            gid = heapq.heappop(self._ready)[2]
+            g = self._groups[gid]
+            self._due[d - self._t] -= 1
+            self._move(g, GroupState.ASSIGNED)
+            g.step = self._t
+            self._by_step.setdefault(self._t, []).append(gid)
+            self._consumed += 1
+            self._staleness[self._t - g.version] += 1
+            out.append(Assigned(gid, self._t, g.version))
+            self._f -= 1
+            if self._f == 0:
+                if self._due[0]:
+                    raise SchedulingError(f"step {self._t} closed with deadline groups left")
+                self._t += 1
+                self._f = self._b
+                self._due.pop(0)
+                self._due.append(0)
+        return out
