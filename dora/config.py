@@ -1,0 +1,454 @@
+"""Every setting of a dora run, as msgspec Structs, loaded from TOML or YAML plus dotted overrides.
+
+One top-level `DoraConfig` per file, with the sections `model`, `serve`, `rollout`, `learn`, `env`,
+`data` and `log`. Each field carries its one-line description and its bounds in `msgspec.Meta`, so
+the same source feeds validation, `dora config show` and docs/config.md (a test regenerates the doc
+and fails if it drifted).
+
+Errors are for people: an unknown key names its path and suggests the nearest valid key; a wrong
+type names the key, the value and the expected type; cross-field rules say what would be valid.
+
+Modes are presets (DESIGN §3): `sync` forces `rollout.staleness = 0` and `one_step_off` forces 1.
+The resolved config (what `dora config show` prints) is what runs.
+"""
+
+from __future__ import annotations
+
+import difflib
+import tomllib
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Annotated, Literal, get_args, get_origin, get_type_hints
+
+import msgspec
+
+from dora.errors import ConfigError
+
+Mode = Literal["sync", "one_step_off", "partial", "dora"]
+M = msgspec.Meta
+
+
+class _Section(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """Base of every config section."""
+
+
+class ModelConfig(_Section):
+    """The policy model."""
+
+    path: Annotated[
+        str,
+        M(description="Hugging Face model folder, or 'tiny' to build the tiny character model"),
+    ] = "tiny"
+    dtype: Annotated[
+        Literal["float32", "bfloat16", "float16"], M(description="Weights dtype for training")
+    ] = "float32"
+    tiny_hidden_size: Annotated[int, M(ge=16, description="Hidden size when path = 'tiny'")] = 128
+    tiny_layers: Annotated[int, M(ge=1, description="Layers when path = 'tiny'")] = 2
+    max_model_len: Annotated[
+        int, M(ge=16, description="Context limit in tokens (prompt plus every turn)")
+    ] = 1024
+
+
+class ServeConfig(_Section):
+    """The rollout side: inference instances and the endpoint the trainer connects to."""
+
+    backend: Annotated[
+        Literal["embedded", "vllm"], M(description="Inference backend for the instances")
+    ] = "embedded"
+    instances: Annotated[
+        int, M(ge=1, description="Number of inference instances (DP replicas)")
+    ] = 2
+    threads_per_instance: Annotated[
+        int, M(ge=1, description="torch threads in each embedded instance")
+    ] = 1
+    max_running: Annotated[
+        int, M(ge=1, description="Most sequences an instance decodes at once (its capacity)")
+    ] = 64
+    urls: Annotated[
+        list[str], M(description="Attach to instances already running at these URLs (vllm)")
+    ] = msgspec.field(default_factory=list)
+    host: Annotated[str, M(description="Address every dora server binds to")] = "127.0.0.1"
+    port: Annotated[
+        int, M(ge=0, le=65535, description="ZMQ port for the trainer link; 0 picks a free one")
+    ] = 0
+    token: Annotated[
+        str, M(description="Shared secret for control endpoints; required off loopback")
+    ] = ""
+    kv_migration: Annotated[
+        bool, M(description="Migrate requests with their KV cache when the backend can")
+    ] = True
+    request_timeout_s: Annotated[
+        float, M(gt=0, description="Deadline for one LLM call to an instance")
+    ] = 600.0
+    weight_load_timeout_s: Annotated[
+        float, M(gt=0, description="Deadline for an instance to load a version")
+    ] = 120.0
+
+
+class RolloutConfig(_Section):
+    """How groups are sampled and scheduled."""
+
+    mode: Annotated[Mode, M(description="sync, one_step_off, partial or dora (default)")] = "dora"
+    staleness: Annotated[
+        int, M(ge=0, le=64, description="K: most steps between sampling and training a group")
+    ] = 2
+    group_size: Annotated[int, M(ge=1, description="G: samples per prompt (one GRPO group)")] = 8
+    batch_size: Annotated[int, M(ge=1, description="B: groups per train step")] = 4
+    max_tokens: Annotated[
+        int, M(ge=1, description="Most tokens the policy samples in one episode, all turns")
+    ] = 256
+    temperature: Annotated[float, M(gt=0, description="Sampling temperature")] = 1.0
+    top_p: Annotated[
+        float, M(gt=0, le=1, description="Nucleus sampling; keep 1 for unbiased training")
+    ] = 1.0
+    max_turns: Annotated[int, M(ge=1, description="Most assistant turns in one episode")] = 8
+    tool_timeout_s: Annotated[float, M(gt=0, description="Deadline for one tool call")] = 30.0
+    legacy_filling: Annotated[
+        bool, M(description="Let old versions start new groups too (off: newest only)")
+    ] = False
+    on_env_error: Annotated[
+        Literal["mask", "retry"],
+        M(description="A failed episode: mask its sample, or retry its group at the same version"),
+    ] = "mask"
+    max_retries: Annotated[int, M(ge=0, description="Retries of a failed group before masking")] = 2
+
+
+class LearnConfig(_Section):
+    """The trainer."""
+
+    steps: Annotated[int, M(ge=1, description="T: train steps in the run")] = 20
+    lr: Annotated[float, M(gt=0, description="Learning rate (AdamW)")] = 1e-4
+    weight_decay: Annotated[float, M(ge=0, description="AdamW weight decay")] = 0.0
+    grad_clip: Annotated[float, M(gt=0, description="Max gradient norm")] = 1.0
+    updates_per_step: Annotated[
+        int, M(ge=1, description="Optimizer updates per step (mini-batches of the B groups)")
+    ] = 1
+    processes: Annotated[int, M(ge=1, description="Trainer ranks (gloo DDP on CPU)")] = 1
+    threads: Annotated[int, M(ge=1, description="torch threads per trainer rank")] = 1
+    loss: Annotated[
+        Literal["grpo", "dr_grpo", "gspo"], M(description="Policy-gradient objective")
+    ] = "grpo"
+    aggregation: Annotated[
+        Literal["token", "sequence"], M(description="Normalise the loss per token or per sequence")
+    ] = "token"
+    clip_low: Annotated[float, M(ge=0, description="PPO clip below: ratio >= 1 - clip_low")] = 0.2
+    clip_high: Annotated[
+        float, M(ge=0, description="PPO clip above: ratio <= 1 + clip_high (DAPO clip-higher)")
+    ] = 0.28
+    off_policy: Annotated[
+        Literal["none", "tis", "decoupled"],
+        M(description="Correction for stale or mismatched behaviour logprobs"),
+    ] = "tis"
+    tis_cap: Annotated[float, M(gt=0, description="Cap of truncated importance weights")] = 2.0
+    kl_coef: Annotated[float, M(ge=0, description="KL penalty to the initial policy; 0 is off")] = (
+        0.0
+    )
+    filter_zero_variance: Annotated[
+        bool, M(description="Drop groups whose rewards are all equal (DAPO dynamic sampling)")
+    ] = False
+    micro_batch_tokens: Annotated[
+        int, M(ge=16, description="Token budget of one packed micro-batch")
+    ] = 8192
+    checkpoint_every: Annotated[
+        int, M(ge=1, description="Steps between checkpoints (one is always written at the end)")
+    ] = 10
+    weight_transport: Annotated[
+        Literal["filesystem", "inline"], M(description="How versions reach dora serve")
+    ] = "inline"
+    seed: Annotated[int, M(description="Seed of the trainer")] = 0
+
+
+class EnvConfig(_Section):
+    """The environment class episodes run in."""
+
+    cls: Annotated[
+        str, M(description="'module:Class' of the environment, e.g. 'envs.math:ChainArithmeticEnv'")
+    ] = "envs.math:ChainArithmeticEnv"
+    kwargs: Annotated[
+        dict[str, str | int | float | bool | list[str | int | float]],
+        M(description="Keyword arguments for the environment's constructor"),
+    ] = msgspec.field(default_factory=dict)
+
+
+class DataConfig(_Section):
+    """Where tasks come from and how evaluation samples them."""
+
+    source: Annotated[
+        str, M(description="Dataset file (JSONL/parquet), or '' for the env's own generator")
+    ] = ""
+    seed: Annotated[int, M(description="Seed of the prompt stream (reshuffled every epoch)")] = 0
+    eval_source: Annotated[
+        str, M(description="Held-out dataset file, or '' for the env's own held-out split")
+    ] = ""
+    eval_size: Annotated[int, M(ge=0, description="Held-out tasks per evaluation; 0 is off")] = 64
+    eval_every: Annotated[int, M(ge=1, description="Steps between evaluations")] = 5
+
+
+class LogConfig(_Section):
+    """Where a run writes, and what it shows."""
+
+    run_dir: Annotated[str, M(description="Run directory; '' makes runs/<name>-<timestamp>")] = ""
+    name: Annotated[str, M(description="Run name")] = "dora"
+    metrics_every_s: Annotated[
+        float, M(gt=0, description="Seconds between periodic metric records")
+    ] = 1.0
+    progress: Annotated[bool, M(description="Show a live progress display in the terminal")] = True
+    tensorboard: Annotated[bool, M(description="Also log to TensorBoard")] = False
+    wandb: Annotated[bool, M(description="Also log to Weights & Biases")] = False
+
+
+class DoraConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """A whole run."""
+
+    model: ModelConfig = msgspec.field(default_factory=ModelConfig)
+    serve: ServeConfig = msgspec.field(default_factory=ServeConfig)
+    rollout: RolloutConfig = msgspec.field(default_factory=RolloutConfig)
+    learn: LearnConfig = msgspec.field(default_factory=LearnConfig)
+    env: EnvConfig = msgspec.field(default_factory=EnvConfig)
+    data: DataConfig = msgspec.field(default_factory=DataConfig)
+    log: LogConfig = msgspec.field(default_factory=LogConfig)
+
+
+MODE_STALENESS: dict[str, int] = {"sync": 0, "one_step_off": 1}
+
+
+# --- loading ----------------------------------------------------------------------------------
+
+
+def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> DoraConfig:
+    """Load a TOML or YAML file, apply `key=value` overrides, validate, resolve mode presets."""
+    raw: dict[str, object] = {}
+    if path is not None:
+        raw = _read_file(Path(path))
+    for item in overrides:
+        key, value = _parse_override(item)
+        _set_dotted(raw, key, value, origin=item)
+    _check_keys(raw, DoraConfig, prefix="")
+    try:
+        config = msgspec.convert(raw, DoraConfig, strict=False)
+    except msgspec.ValidationError as exc:
+        raise ConfigError(_explain(exc, raw)) from None
+    return _resolve(config)
+
+
+def _read_file(path: Path) -> dict[str, object]:
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path}")
+    text = path.read_text()
+    try:
+        if path.suffix == ".toml":
+            data: object = tomllib.loads(text)
+        elif path.suffix in (".yaml", ".yml"):
+            import yaml
+
+            data = yaml.safe_load(text) or {}
+        else:
+            raise ConfigError(f"{path}: config files end in .toml, .yaml or .yml")
+    except (tomllib.TOMLDecodeError, ValueError) as exc:
+        raise ConfigError(f"{path}: not valid {path.suffix[1:].upper()}: {exc}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: the top level must be a table of sections")
+    return data
+
+
+def _parse_override(item: str) -> tuple[str, object]:
+    key, sep, text = item.partition("=")
+    if not sep or not key:
+        raise ConfigError(f"override {item!r} is not of the form section.key=value")
+    try:
+        value: object = tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = text  # a bare word is a string: rollout.mode=sync
+    return key.strip(), value
+
+
+def _set_dotted(raw: dict[str, object], key: str, value: object, *, origin: str) -> None:
+    parts = key.split(".")
+    node = raw
+    for part in parts[:-1]:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"override {origin!r}: {part} is a value, not a section")
+        node = child
+    node[parts[-1]] = value
+
+
+def _check_keys(raw: Mapping[str, object], struct: type, *, prefix: str) -> None:
+    """Unknown keys are errors that name the key path and suggest the nearest valid key."""
+    fields = {f.name: f.type for f in msgspec.structs.fields(struct)}
+    hints = get_type_hints(struct, include_extras=True)
+    for key, value in raw.items():
+        path = f"{prefix}{key}"
+        if key not in fields:
+            near = difflib.get_close_matches(key, list(fields), n=1, cutoff=0.6)
+            hint = f"; did you mean {prefix}{near[0]}?" if near else ""
+            valid = ", ".join(sorted(fields))
+            raise ConfigError(f"unknown key {path!r}{hint} (valid keys here: {valid})")
+        sub = _struct_type(hints[key])
+        if sub is not None:
+            if not isinstance(value, dict):
+                raise ConfigError(f"{path} is a section: expected a table, got {value!r}")
+            _check_keys(value, sub, prefix=f"{path}.")
+
+
+def _struct_type(tp: object) -> type | None:
+    if get_origin(tp) is Annotated:
+        tp = get_args(tp)[0]
+    if isinstance(tp, type) and issubclass(tp, msgspec.Struct):
+        return tp
+    return None
+
+
+def _explain(exc: msgspec.ValidationError, raw: Mapping[str, object]) -> str:
+    """Turn msgspec's `Expected ... - at `$.learn.lr`` into a message naming key, value, type."""
+    message = str(exc)
+    text, _, where = message.rpartition(" - at ")
+    if not text:
+        return f"invalid config: {message}"
+    path = where.strip("`").removeprefix("$.").removeprefix("$")
+    value: object = raw
+    for part in path.split("."):
+        value = value.get(part, "<missing>") if isinstance(value, Mapping) else "<missing>"
+    expected = f"{text[0].lower()}{text[1:]}"
+    choices = _literal_choices(path)
+    if choices:
+        expected = f"expected one of {', '.join(repr(c) for c in choices)}"
+    return f"{path} = {value!r} is invalid: {expected}"
+
+
+def _literal_choices(path: str) -> tuple[object, ...]:
+    struct: type | None = DoraConfig
+    tp: object = None
+    for part in path.split("."):
+        if struct is None:
+            return ()
+        hints = get_type_hints(struct, include_extras=True)
+        if part not in hints:
+            return ()
+        tp = hints[part]
+        struct = _struct_type(tp)
+    if get_origin(tp) is Annotated:
+        tp = get_args(tp)[0]
+    return get_args(tp) if get_origin(tp) is Literal else ()
+
+
+def _resolve(config: DoraConfig) -> DoraConfig:
+    """Apply mode presets and check rules that span fields."""
+    rollout = config.rollout
+    if rollout.mode in MODE_STALENESS:
+        rollout = msgspec.structs.replace(rollout, staleness=MODE_STALENESS[rollout.mode])
+        config = msgspec.structs.replace(config, rollout=rollout)
+    if rollout.group_size < 2 and config.learn.loss in ("grpo", "dr_grpo", "gspo"):
+        raise ConfigError(
+            f"rollout.group_size = {rollout.group_size} is invalid: group-relative advantages "
+            "need at least 2 samples per group"
+        )
+    if config.learn.updates_per_step > rollout.batch_size:
+        raise ConfigError(
+            f"learn.updates_per_step = {config.learn.updates_per_step} is invalid: it must be at "
+            f"most rollout.batch_size = {rollout.batch_size} (each update needs at least one group)"
+        )
+    loopback = config.serve.host in ("127.0.0.1", "localhost", "::1")
+    if not loopback and not config.serve.token:
+        raise ConfigError(
+            f"serve.host = {config.serve.host!r} is off loopback: set serve.token so that control "
+            "endpoints and the trainer link are authenticated"
+        )
+    return config
+
+
+def to_toml_dict(config: DoraConfig) -> dict[str, object]:
+    """The config as plain data, in section order (for `dora config show` and run directories)."""
+    data = msgspec.to_builtins(config)
+    assert isinstance(data, dict)
+    return data
+
+
+def render_toml(config: DoraConfig) -> str:
+    """Render a resolved config as TOML text that `load_config` reads back unchanged."""
+    lines: list[str] = []
+    for section, values in to_toml_dict(config).items():
+        lines.append(f"[{section}]")
+        assert isinstance(values, dict)
+        tables: list[tuple[str, dict[str, object]]] = []
+        for key, value in values.items():
+            if isinstance(value, dict):
+                tables.append((key, value))
+            else:
+                lines.append(f"{key} = {_toml_value(value)}")
+        for key, table in tables:
+            lines.append(f"[{section}.{key}]")
+            lines.extend(f"{k} = {_toml_value(v)}" for k, v in table.items())
+        lines.append("")
+    return "\n".join(lines)
+
+
+def _toml_value(value: object) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return msgspec.json.encode(value).decode()
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    return repr(value)
+
+
+def field_docs() -> list[tuple[str, str, str, str]]:
+    """(key path, type, default, description) for every setting, in declaration order."""
+    rows: list[tuple[str, str, str, str]] = []
+    defaults = to_toml_dict(DoraConfig())
+    for section in msgspec.structs.fields(DoraConfig):
+        struct = _struct_type(section.type)
+        assert struct is not None
+        hints = get_type_hints(struct, include_extras=True)
+        section_defaults = defaults[section.name]
+        assert isinstance(section_defaults, dict)
+        for field in msgspec.structs.fields(struct):
+            tp, *extras = get_args(hints[field.name])
+            meta = next(e for e in extras if isinstance(e, msgspec.Meta))
+            bounds = [
+                f"{op} {getattr(meta, name)}"
+                for name, op in (("ge", ">="), ("gt", ">"), ("le", "<="), ("lt", "<"))
+                if getattr(meta, name) is not None
+            ]
+            type_name = _type_name(tp) + (f" ({', '.join(bounds)})" if bounds else "")
+            default = _toml_value(section_defaults[field.name])
+            rows.append(
+                (f"{section.name}.{field.name}", type_name, default, meta.description or "")
+            )
+    return rows
+
+
+def _type_name(tp: object) -> str:
+    if get_origin(tp) is Literal:
+        return " or ".join(repr(a) for a in get_args(tp))
+    if get_origin(tp) is not None:
+        return str(tp).replace("typing.", "").replace("|", "or")
+    return getattr(tp, "__name__", None) or str(tp)
+
+
+def config_markdown() -> str:
+    """docs/config.md, generated from the Structs (a test fails if the file drifts)."""
+    out = [
+        "# Configuration reference",
+        "",
+        "Generated from `dora/config.py` by `dora config docs`; do not edit by hand.",
+        "Set any key in the config file's section, or on the command line as `section.key=value`",
+        "(`dora run examples/math/config.toml learn.lr=1e-6 rollout.staleness=2`).",
+        "`rollout.mode = sync` forces `rollout.staleness = 0`; `one_step_off` forces 1.",
+        "",
+    ]
+    current = ""
+    for key, type_name, default, description in field_docs():
+        section = key.split(".")[0]
+        if section != current:
+            current = section
+            out += [
+                f"## `[{section}]`",
+                "",
+                "| key | type | default | meaning |",
+                "|---|---|---|---|",
+            ]
+        out.append(f"| `{key}` | {type_name} | `{default}` | {description} |")
+    out.append("")
+    return "\n".join(out).replace("|\n## ", "|\n\n## ")
