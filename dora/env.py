@@ -1,0 +1,346 @@
+"""The environment API: what a user writes to train a model on a task.
+
+An environment is a class. One object is made **per episode** by a factory (the class itself, or
+`load_env("module:Class", **kwargs)`), so per-episode state lives on `self`: a game board, a
+shopping cart, the number of guesses so far. The reason: the G episodes of a group, and hundreds of
+episodes in one event loop, run concurrently; an object per episode means tools and `step` can keep
+state without locks, without leaking between episodes and without stringly typed state dicts. What
+is shared and expensive (a dataset, a database snapshot, a process pool for scoring) is passed to
+the constructor and shared by reference.
+
+The life of an episode (the runner is `dora.serve.episode.run_episode`):
+
+1. `reset(task)` returns the opening messages (OpenAI chat format) or a plain string, which is sent
+   as-is with no chat template (base models, completion-style tasks).
+2. The model samples a turn. If it called tools (`tools()` lists plain typed functions, sync or
+   async, whose signature and docstring become the OpenAI schema), the runner runs them and appends
+   the tool results; the model goes again.
+3. A turn without tool calls goes to `step(messages)`, which returns the environment's reply and
+   whether the episode is over. The default ends the episode: a single-turn task or a ReAct-style
+   tool loop needs no `step`. A simulated user or a game overrides it.
+4. `reward(episode)` scores the finished episode: a float, or a dict of named components whose sum
+   is the reward. Any of `reset`, `step`, `reward` may be `async`; CPU-heavy scoring belongs in a
+   `ScorerPool`.
+
+An exception from `reset`, `step` or `reward` never crashes training: the episode's sample is masked
+(it stays in its group but has no gradient), the error is logged and counted, and the group policy
+applies. An exception inside a tool is the model's business: it becomes a tool message.
+
+Tasks are `Task(prompt_id, data)`; a `PromptStream` cycles through a list of them forever,
+reshuffled each epoch with a seed, and can resume from a position.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import importlib
+import inspect
+import multiprocessing
+import multiprocessing.pool
+import random
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import NotRequired, ParamSpec, Required, TypedDict, TypeVar, cast
+
+from dora.errors import ConfigError
+from dora.protocol import FinishReason
+from dora.tools import ToolCall, ToolFunction
+
+__all__ = [
+    "Env",
+    "Episode",
+    "Message",
+    "Prompt",
+    "PromptStream",
+    "Reply",
+    "Reward",
+    "ScorerPool",
+    "SingleTurnEnv",
+    "Task",
+    "load_env",
+    "load_object",
+]
+
+P = ParamSpec("P")
+T = TypeVar("T")
+
+
+class Message(TypedDict, total=False):
+    """One chat message in OpenAI format."""
+
+    role: Required[str]
+    content: Required[str]
+    tool_calls: NotRequired[list[ToolCall]]
+    tool_call_id: NotRequired[str]
+    name: NotRequired[str]
+
+
+Prompt = list[Message] | str
+"""What `reset` returns: chat messages (rendered with the chat template), or text sent as-is."""
+
+Reply = tuple[list[Message] | str, bool]
+"""What `step` returns: the environment's reply (messages, or text in plain-text episodes) and
+`done`."""
+
+Reward = float | dict[str, float]
+"""A reward, or named components whose sum is the reward."""
+
+
+@dataclass(frozen=True)
+class Task:
+    """One prompt of a dataset. `prompt_id` is stable across runs (it names the group in logs and in
+    the journal); `data` is the row: whatever `reset` and `reward` need (question, answer, ...)."""
+
+    prompt_id: str
+    data: Mapping[str, object] = field(default_factory=dict)
+
+    def __getitem__(self, key: str) -> object:
+        return self.data[key]
+
+
+@dataclass
+class Episode:
+    """A finished episode, as `reward` sees it.
+
+    `messages` is the whole conversation in OpenAI format (assistant turns carry their parsed
+    `tool_calls`), or for plain-text episodes the prompt followed by the turns. `completion` is the
+    text of the model's last turn. `finish_reason` says why the episode ended: "stop" (done),
+    "length" (token budget), "context" (context limit), "tool_limit" (max turns).
+    """
+
+    task: Task
+    messages: list[Message] | str
+    completion: str
+    finish_reason: FinishReason
+    num_turns: int
+    num_tool_calls: int
+    num_tool_errors: int
+
+
+class Env:
+    """Base class of environments; one object per episode (see the module docstring).
+
+    Override `reset` and `reward`; add `tools` and `step` for multi-turn tasks. Each may be async.
+    """
+
+    def reset(self, task: Task) -> Prompt | Awaitable[Prompt]:
+        """The opening messages of an episode for `task` (or a plain-text prompt)."""
+        raise NotImplementedError(f"{type(self).__name__} must implement reset(task)")
+
+    def tools(self) -> Sequence[ToolFunction]:
+        """The functions the model may call this episode (bound methods can use `self`)."""
+        return []
+
+    def step(self, messages: list[Message] | str) -> Reply | Awaitable[Reply]:
+        """Answer a model turn that called no tool; the default ends the episode."""
+        return [], True
+
+    def reward(self, episode: Episode) -> Reward | Awaitable[Reward]:
+        """Score the finished episode."""
+        raise NotImplementedError(f"{type(self).__name__} must implement reward(episode)")
+
+
+class SingleTurnEnv(Env):
+    """Prompt -> answer -> reward. Subclasses write `prompt(task)` and `score(answer, task)`.
+
+    `system_prompt`, when set, opens the conversation. `chat = False` sends the prompt as plain
+    text.
+    """
+
+    system_prompt: str | None = None
+    chat: bool = True
+
+    def prompt(self, task: Task) -> str:
+        """The user message; by default the task's `question` (or `prompt`) field."""
+        for key in ("question", "prompt", "problem"):
+            if key in task.data:
+                return str(task.data[key])
+        raise KeyError(
+            f"task {task.prompt_id!r} has no question/prompt/problem field; override prompt()"
+        )
+
+    def score(self, answer: str, task: Task) -> Reward | Awaitable[Reward]:
+        """The reward of `answer` (the model's reply) to `task`."""
+        raise NotImplementedError(f"{type(self).__name__} must implement score(answer, task)")
+
+    def reset(self, task: Task) -> Prompt:
+        if not self.chat:
+            return self.prompt(task)
+        messages: list[Message] = []
+        if self.system_prompt is not None:
+            messages.append({"role": "system", "content": self.system_prompt})
+        messages.append({"role": "user", "content": self.prompt(task)})
+        return messages
+
+    def reward(self, episode: Episode) -> Reward | Awaitable[Reward]:
+        return self.score(episode.completion, episode.task)
+
+
+async def call_maybe_async(
+    fn: Callable[P, T | Awaitable[T]], *args: P.args, **kwargs: P.kwargs
+) -> T:
+    """Call `fn`; await the result if it is awaitable (an `async def` hook)."""
+    result = fn(*args, **kwargs)
+    if inspect.isawaitable(result):
+        return cast(T, await result)
+    return result
+
+
+# --- loading --------------------------------------------------------------------------------------
+
+
+def load_object(spec: str) -> object:
+    """Import `"package.module:attribute"`; a ConfigError says what failed and how to fix it."""
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        raise ConfigError(
+            f"{spec!r} is not of the form 'package.module:Name', "
+            "e.g. 'envs.math:ChainArithmeticEnv'"
+        )
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ConfigError(f"cannot import module {module_name!r} for {spec!r}: {exc}") from exc
+    obj: object = module
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            names = ", ".join(n for n in dir(module) if not n.startswith("_"))
+            raise ConfigError(f"module {module_name!r} has no attribute {attr!r}; it has: {names}")
+        obj = getattr(obj, part)
+    return obj
+
+
+def load_env(spec: str, **kwargs: object) -> Callable[[], Env]:
+    """The env factory named by `"module:Class"`, bound to `kwargs`: call it once per episode.
+
+    The class is instantiated once here to check the kwargs, so a bad config fails at load time with
+    a ConfigError, not in the middle of a run.
+    """
+    cls = load_object(spec)
+    if not (isinstance(cls, type) and issubclass(cls, Env)):
+        raise ConfigError(f"{spec!r} is {cls!r}, not a subclass of dora.env.Env")
+    try:
+        cls(**kwargs)
+    except TypeError as exc:
+        raise ConfigError(f"cannot build {spec!r} with {sorted(kwargs)}: {exc}") from exc
+    return functools.partial(cls, **kwargs)
+
+
+# --- tasks ----------------------------------------------------------------------------------------
+
+
+class PromptStream:
+    """An endless stream of tasks: every epoch visits each task once, in an order shuffled by
+    `(seed, epoch)`, so the stream is reproducible and `PromptStream(tasks, seed=s, position=p)`
+    resumes exactly where a stream that had handed out `p` tasks stopped (the dispatcher journals
+    `position`).
+    """
+
+    def __init__(
+        self, tasks: Sequence[Task], *, seed: int = 0, shuffle: bool = True, position: int = 0
+    ):
+        if not tasks:
+            raise ConfigError("the task list is empty: a prompt stream needs at least one task")
+        ids = [t.prompt_id for t in tasks]
+        if len(set(ids)) != len(ids):
+            dup = next(i for i in ids if ids.count(i) > 1)
+            raise ConfigError(
+                f"prompt_id {dup!r} appears more than once; prompt ids must be unique"
+            )
+        self.tasks = list(tasks)
+        self.seed = seed
+        self.shuffle = shuffle
+        self.position = position
+        self._order: list[int] = []
+        self._order_epoch = -1
+
+    @property
+    def epoch(self) -> int:
+        return self.position // len(self.tasks)
+
+    def _epoch_order(self, epoch: int) -> list[int]:
+        order = list(range(len(self.tasks)))
+        if self.shuffle:
+            random.Random(f"{self.seed}:{epoch}").shuffle(order)
+        return order
+
+    def next(self) -> Task:
+        """The next task; advances `position`."""
+        epoch, index = divmod(self.position, len(self.tasks))
+        if epoch != self._order_epoch:
+            self._order, self._order_epoch = self._epoch_order(epoch), epoch
+        self.position += 1
+        return self.tasks[self._order[index]]
+
+    def __iter__(self) -> Iterator[Task]:
+        while True:
+            yield self.next()
+
+
+# --- scoring off the event loop -------------------------------------------------------------------
+
+
+class ScorerPool:
+    """Runs CPU-heavy scoring functions in worker processes, each call with a timeout.
+
+    A process pool, not threads: scorers such as math-verify use `signal.alarm`, which works only in
+    a main thread, and CPU-bound Python in a thread would still hold the GIL against the event loop.
+    A call that times out poisons its worker, so the pool is terminated and rebuilt (other calls in
+    flight on the old pool fail with TimeoutError too, and callers treat that as a zero score or an
+    env error). Functions and arguments must be picklable (module-level functions). Use as `async
+    with ScorerPool() as pool`.
+    """
+
+    def __init__(self, *, processes: int = 1, timeout_s: float = 10.0) -> None:
+        self.processes = processes
+        self.timeout_s = timeout_s
+        self._pool: multiprocessing.pool.Pool | None = None
+
+    def _get_pool(self) -> multiprocessing.pool.Pool:
+        if self._pool is None:
+            # spawn: forking a process that runs threads (torch, executors) can deadlock.
+            self._pool = multiprocessing.get_context("spawn").Pool(self.processes)
+        return self._pool
+
+    async def run(self, fn: Callable[..., T], *args: object) -> T:
+        """`fn(*args)` in a worker process; raises TimeoutError after `timeout_s`."""
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[T] = loop.create_future()
+
+        def settle(value: T | None, exc: BaseException | None) -> None:
+            if future.done():
+                return
+            if exc is not None:
+                future.set_exception(exc)
+            else:
+                future.set_result(cast(T, value))
+
+        def done(value: T) -> None:
+            loop.call_soon_threadsafe(settle, value, None)
+
+        def failed(exc: BaseException) -> None:
+            loop.call_soon_threadsafe(settle, None, exc)
+
+        pool = self._get_pool()
+        pool.apply_async(fn, args, callback=done, error_callback=failed)
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                return await future
+        except TimeoutError:
+            if self._pool is pool:
+                self._pool = None
+                await asyncio.to_thread(pool.terminate)
+            raise
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.terminate()
+            self._pool.join()
+            self._pool = None
+
+    async def __aenter__(self) -> ScorerPool:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await asyncio.to_thread(self.close)

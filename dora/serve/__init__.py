@@ -1,0 +1,1 @@
+"""The rollout side: instances and router, dispatcher, episode runner, weight store."""

@@ -1,0 +1,320 @@
+"""Tools: plain typed Python functions, their OpenAI schemas, tool calls parsed from sampled text,
+and running those calls with timeouts.
+
+A tool is any function (sync or async) with annotated parameters. Its name is the function's name,
+its description the docstring's text before the `Args:` section, and each parameter's description
+comes from the Google-style `Args:` section (`name: text` or `name (type): text`) or from
+`Annotated[T, "text"]`. Parameters without a default are required.
+
+Tool calls are parsed from the text the model sampled, never from a re-rendering of it, in two
+formats:
+
+- hermes: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` (any number per turn; a final
+  call whose closing tag is missing because sampling stopped right after it is accepted when its
+  JSON parses);
+- OpenAI JSON: the whole turn is a JSON object `{"name": ..., "arguments": ...}`, a list of them, or
+  `{"tool_calls": [{"type": "function", "function": {...}}]}`.
+
+Everything that goes wrong on the model's side becomes a tool message the model reads, never an
+exception: malformed JSON, an unknown tool, bad arguments, a tool that raises, a tool that hangs (it
+is timed out). Sync tools run in a worker thread so they cannot block the event loop; a timed-out
+sync tool keeps its thread until it returns (Python cannot kill a thread), so tools that can hang
+for good should be async or bound their own work.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import json
+import re
+import types
+import typing
+import uuid
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Literal, TypedDict
+
+import msgspec
+
+ToolFunction = Callable[..., object]
+JSON = dict[str, object]
+
+
+class FunctionCall(TypedDict):
+    """The function part of an OpenAI tool call; `arguments` is a JSON object encoded as a
+    string."""
+
+    name: str
+    arguments: str
+
+
+class ToolCall(TypedDict):
+    """One OpenAI-style tool call."""
+
+    id: str
+    type: Literal["function"]
+    function: FunctionCall
+
+
+@dataclass(frozen=True)
+class ParsedTurn:
+    """An assistant turn split into its text and its tool calls.
+
+    `content` is the text outside tool calls; `errors[i]` is a description of a malformed call the
+    model should be told about (it gets a tool message, like a call).
+    """
+
+    content: str
+    calls: list[ToolCall] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+
+
+# --- schemas --------------------------------------------------------------------------------------
+
+_SIMPLE: dict[object, str] = {str: "string", int: "integer", float: "number", bool: "boolean"}
+
+
+def _type_schema(tp: object) -> JSON:
+    """JSON schema of one annotation; falls back to msgspec for anything unusual."""
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if origin is typing.Annotated:
+        return _type_schema(args[0])
+    if tp in _SIMPLE:
+        return {"type": _SIMPLE[tp]}
+    if origin in (typing.Union, types.UnionType):
+        rest = [a for a in args if a is not type(None)]
+        if len(rest) == 1:
+            return _type_schema(rest[0])
+        return {"anyOf": [_type_schema(a) for a in rest]}
+    if origin is Literal:
+        return {"enum": list(args)}
+    if tp in (list, tuple) or origin in (list, tuple, Sequence):
+        return {"type": "array", "items": _type_schema(args[0])} if args else {"type": "array"}
+    if tp is dict or origin is dict:
+        return {"type": "object"}
+    schema: JSON = msgspec.json.schema(tp)
+    return schema
+
+
+_ARG_LINE = re.compile(r"^\s*(\*{0,2}\w+)\s*(?:\([^)]*\))?\s*:\s*(.*)$")
+
+
+def _parse_docstring(doc: str) -> tuple[str, dict[str, str]]:
+    """Split a Google-style docstring into (description, {parameter: description})."""
+    lines = inspect.cleandoc(doc).splitlines() if doc else []
+    description: list[str] = []
+    params: dict[str, str] = {}
+    section = "description"
+    current: str | None = None
+    arg_indent: int | None = None
+    for line in lines:
+        stripped = line.strip()
+        if re.fullmatch(r"(Args|Arguments|Parameters|Params):", stripped):
+            section, current, arg_indent = "args", None, None
+            continue
+        if re.fullmatch(r"[A-Z][A-Za-z ]*:", stripped) and not line.startswith(" "):
+            section, current = "other", None
+            continue
+        if section == "description":
+            description.append(line)
+        elif section == "args" and stripped:
+            indent = len(line) - len(line.lstrip())
+            match = _ARG_LINE.match(line)
+            if match and (arg_indent is None or indent <= arg_indent):
+                arg_indent = indent
+                current = match.group(1).lstrip("*")
+                params[current] = match.group(2).strip()
+            elif current:
+                params[current] = f"{params[current]} {stripped}".strip()
+    return "\n".join(description).strip(), params
+
+
+def tool_schema(fn: ToolFunction) -> JSON:
+    """The OpenAI tool schema of `fn` (`{"type": "function", "function": {...}}`).
+
+    Raises `TypeError` if a parameter has no annotation or is variadic: the model could not be told
+    what to send.
+    """
+    name = getattr(fn, "__name__", None)
+    if not name:
+        raise TypeError(f"tool {fn!r} has no __name__; give it one")
+    description, arg_docs = _parse_docstring(inspect.getdoc(fn) or "")
+    hints = typing.get_type_hints(fn, include_extras=True)
+    properties: dict[str, object] = {}
+    required: list[str] = []
+    for pname, param in inspect.signature(fn).parameters.items():
+        if param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
+            raise TypeError(f"tool {name!r}: *args/**kwargs cannot be described to a model")
+        if pname not in hints:
+            raise TypeError(f"tool {name!r}: parameter {pname!r} needs a type annotation")
+        hint = hints[pname]
+        prop = _type_schema(hint)
+        text = arg_docs.get(pname)
+        if typing.get_origin(hint) is typing.Annotated:
+            extra = [m for m in typing.get_args(hint)[1:] if isinstance(m, str)]
+            text = text or (extra[0] if extra else None)
+        if text:
+            prop = {**prop, "description": text}
+        properties[pname] = prop
+        if param.default is param.empty:
+            required.append(pname)
+    return {
+        "type": "function",
+        "function": {
+            "name": name,
+            "description": description,
+            "parameters": {"type": "object", "properties": properties, "required": required},
+        },
+    }
+
+
+# --- parsing --------------------------------------------------------------------------------------
+
+_HERMES = re.compile(r"<tool_call>(.*?)(?:</tool_call>|\Z)", re.DOTALL)
+
+
+def _make_call(obj: object) -> ToolCall | str:
+    """A ToolCall from a decoded JSON object, or the reason it is not one."""
+    if not isinstance(obj, dict):
+        return f"expected a JSON object, got {type(obj).__name__}"
+    if isinstance(obj.get("function"), dict):
+        obj = obj["function"]
+        assert isinstance(obj, dict)
+    name = obj.get("name")
+    if not isinstance(name, str) or not name:
+        return 'missing "name"'
+    args = obj.get("arguments", obj.get("parameters", {}))
+    if isinstance(args, str):
+        try:
+            args = json.loads(args) if args.strip() else {}
+        except json.JSONDecodeError as exc:
+            return f'"arguments" of {name!r} is not valid JSON: {exc}'
+    if not isinstance(args, dict):
+        return f'"arguments" of {name!r} must be a JSON object'
+    return {
+        "id": f"call_{uuid.uuid4().hex[:12]}",
+        "type": "function",
+        "function": {"name": name, "arguments": json.dumps(args)},
+    }
+
+
+def _openai_json(text: str) -> list[object] | None:
+    """The call objects if the whole text is OpenAI-style tool-call JSON, else None."""
+    stripped = text.strip()
+    if not stripped or stripped[0] not in "[{":
+        return None
+    try:
+        obj = json.loads(stripped)
+    except json.JSONDecodeError:
+        return None
+    items = obj.get("tool_calls") if isinstance(obj, dict) and "tool_calls" in obj else obj
+    items = items if isinstance(items, list) else [items]
+
+    def looks_like_call(x: object) -> bool:
+        return isinstance(x, dict) and ("function" in x or ("name" in x and "arguments" in x))
+
+    return items if items and all(looks_like_call(x) for x in items) else None
+
+
+def parse_tool_calls(text: str) -> ParsedTurn:
+    """Split sampled assistant text into content and tool calls (hermes tags, else OpenAI JSON)."""
+    if "<tool_call>" in text:
+        calls: list[ToolCall] = []
+        errors: list[str] = []
+        for match in _HERMES.finditer(text):
+            body = match.group(1).strip()
+            try:
+                result = _make_call(json.loads(body))
+            except json.JSONDecodeError as exc:
+                result = f"tool call is not valid JSON ({exc}): {body[:200]!r}"
+            (calls.append if isinstance(result, dict) else errors.append)(result)  # type: ignore[arg-type]
+        content = text[: text.index("<tool_call>")].rstrip()
+        return ParsedTurn(content=content, calls=calls, errors=errors)
+    items = _openai_json(text)
+    if items is None:
+        return ParsedTurn(content=text)
+    parsed = [_make_call(item) for item in items]
+    return ParsedTurn(
+        content="",
+        calls=[c for c in parsed if isinstance(c, dict)],
+        errors=[e for e in parsed if isinstance(e, str)],
+    )
+
+
+# --- execution ------------------------------------------------------------------------------------
+
+
+def _render_result(value: object) -> str:
+    if isinstance(value, str):
+        return value
+    try:
+        return json.dumps(value)
+    except TypeError:
+        return str(value)
+
+
+class ToolBox:
+    """The tools of one episode: their schemas, and calls run against them with a timeout."""
+
+    def __init__(self, tools: Sequence[ToolFunction], *, timeout_s: float = 30.0) -> None:
+        self.timeout_s = timeout_s
+        self._tools: dict[str, ToolFunction] = {}
+        self._types: dict[str, type[msgspec.Struct]] = {}
+        self.schemas: list[JSON] = []
+        for fn in tools:
+            schema = tool_schema(fn)
+            name = getattr(fn, "__name__", "")
+            if name in self._tools:
+                raise TypeError(f"two tools are named {name!r}")
+            self._tools[name] = fn
+            self.schemas.append(schema)
+            self._types[name] = _arguments_struct(fn)
+
+    def __len__(self) -> int:
+        return len(self._tools)
+
+    async def call(self, call: ToolCall) -> tuple[str, bool]:
+        """Run one call; return (the tool message content, whether it succeeded).
+
+        Failures are returned as text for the model ("Error: ..."), never raised; only cancellation
+        propagates.
+        """
+        name = call["function"]["name"]
+        fn = self._tools.get(name)
+        if fn is None:
+            known = ", ".join(sorted(self._tools)) or "none"
+            return f"Error: unknown tool {name!r}; available tools: {known}", False
+        try:
+            raw = json.loads(call["function"]["arguments"] or "{}")
+            args = msgspec.convert(raw, self._types[name], strict=False)
+        except (json.JSONDecodeError, msgspec.ValidationError) as exc:
+            return f"Error: bad arguments for {name!r}: {exc}", False
+        kwargs = {f: getattr(args, f) for f in args.__struct_fields__}
+        kwargs = {k: v for k, v in kwargs.items() if v is not msgspec.UNSET}
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                if inspect.iscoroutinefunction(fn):
+                    result = await typing.cast(Awaitable[object], fn(**kwargs))
+                else:
+                    result = await asyncio.to_thread(fn, **kwargs)
+        except TimeoutError:
+            return f"Error: tool {name!r} timed out after {self.timeout_s:g} s", False
+        except Exception as exc:  # the tool's own failure is the model's information, not ours
+            return f"Error: tool {name!r} raised {type(exc).__name__}: {exc}", False
+        return _render_result(result), True
+
+
+def _arguments_struct(fn: ToolFunction) -> type[msgspec.Struct]:
+    """A msgspec Struct mirroring `fn`'s parameters, to validate and convert model arguments."""
+    hints = typing.get_type_hints(fn)
+    fields: list[tuple[str, object, object] | tuple[str, object]] = []
+    for pname, param in inspect.signature(fn).parameters.items():
+        hint = hints[pname]
+        if param.default is param.empty:
+            fields.append((pname, hint))
+        else:
+            fields.append((pname, typing.Union[hint, msgspec.UnsetType], msgspec.UNSET))  # noqa: UP007
+    name = f"{getattr(fn, '__name__', 'tool')}_arguments"
+    return msgspec.defstruct(name, fields, kw_only=True, forbid_unknown_fields=True)

@@ -1,0 +1,472 @@
+"""The episode runner, token for token, against a scripted sampler and the tiny model's chat
+template."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import numpy as np
+import pytest
+
+from dora.env import Env, Episode, Message, Task
+from dora.errors import ServerUnavailable
+from dora.protocol import Completion, Sample, SamplingParams
+from dora.serve.episode import (
+    ChatRenderer,
+    EpisodeLimits,
+    GroupFailed,
+    run_episode,
+    run_group,
+)
+from dora.tools import tool_schema
+
+pytestmark = pytest.mark.timeout(30)
+
+END = "<|im_end|>"
+PARAMS = SamplingParams(max_tokens=200)
+TASK = Task("t0", {"question": "What is (2 + 3) * 4?", "answer": "20"})
+
+
+def add(a: int, b: int) -> int:
+    """Add two integers.
+
+    Args:
+        a: the first term.
+        b: the second term.
+    """
+    return a + b
+
+
+async def mul(a: int, b: int) -> int:
+    """Multiply two integers.
+
+    Args:
+        a: the first factor.
+        b: the second factor.
+    """
+    return a * b
+
+
+class CalcEnv(Env):
+    """A tool-using env that remembers the episode it was scored on."""
+
+    def __init__(self) -> None:
+        self.episode: Episode | None = None
+
+    def reset(self, task: Task) -> list[Message]:
+        return [
+            {"role": "system", "content": "Use the tools."},
+            {"role": "user", "content": str(task["question"])},
+        ]
+
+    def tools(self) -> list[object]:
+        return [add, mul]
+
+    async def reward(self, episode: Episode) -> dict[str, float]:
+        self.episode = episode
+        correct = float(str(episode.task["answer"]) in episode.completion)
+        return {"correct": correct, "tool_use": 0.25 * episode.num_tool_calls}
+
+
+def call(name: str, **args: int) -> str:
+    """A tool call in the template's own format (so re-rendering reproduces it)."""
+    inner = ", ".join(f'"{k}": {v}' for k, v in args.items())
+    return f'<tool_call>{{"name": "{name}", "arguments": {{{inner}}}}}</tool_call>'
+
+
+THREE_TURNS = [
+    "Let me add." + call("add", a=2, b=3) + END,
+    call("mul", a=5, b=4) + END,
+    "The answer is 20." + END,
+]
+
+
+async def test_three_turn_tool_episode_equals_template_rendering(tokenizer, scripted) -> None:
+    sampler = scripted(THREE_TURNS)
+    env = CalcEnv()
+    sample = await run_episode(
+        sampler=sampler, tokenizer=tokenizer, env=env, task=TASK, params=PARAMS
+    )
+    assert not sample.masked
+    assert sample.finish_reason == "stop"
+    assert (sample.num_turns, sample.num_tool_calls) == (3, 2)
+    assert env.episode is not None
+    messages = env.episode.messages
+    assert isinstance(messages, list)
+    assert [m["role"] for m in messages] == [
+        "system", "user", "assistant", "tool", "assistant", "tool", "assistant",
+    ]  # fmt: skip
+    assert [m["content"] for m in messages if m["role"] == "tool"] == ["5", "20"]
+
+    # The whole conversation rendered by the chat template, tokenized once. The only difference: the
+    # template closes the last assistant turn with "<|im_end|>\n"; the model stopped at "<|im_end|>"
+    # and nothing follows, so the trajectory ends there.
+    renderer = ChatRenderer(tokenizer)
+    rendered = renderer.render(
+        messages, tools=[tool_schema(add), tool_schema(mul)], add_generation_prompt=False
+    )
+    assert rendered.endswith(END + "\n")
+    expected = tokenizer.encode(rendered[:-1], add_special_tokens=False)
+    tokens = sample.tokens().tolist()
+    assert tokens == expected
+
+    # The loss mask is 1 exactly on the sampled tokens, in three runs, each right after the
+    # "<|im_start|>assistant\n" generation prompt; log-probs and versions ride on those tokens only.
+    mask = sample.mask()
+    sampled = [t for turn in sampler.sampled for t in turn]
+    assert mask.sum() == len(sampled)
+    assert np.asarray(tokens)[mask == 1].tolist() == sampled
+    runs = np.flatnonzero(np.diff(np.concatenate([[0], mask, [0]])))
+    starts, ends = runs[0::2], runs[1::2]
+    assert [e - s for s, e in zip(starts, ends, strict=True)] == [len(t) for t in sampler.sampled]
+    gen_prompt = tokenizer.encode("<|im_start|>assistant\n", add_special_tokens=False)
+    for s in starts:
+        assert tokens[s - len(gen_prompt) : s] == gen_prompt
+    logprobs = sample.behaviour_logprobs()
+    np.testing.assert_allclose(
+        logprobs[mask == 1], [sampler.logprob(i) for i in range(len(sampled))], rtol=1e-6
+    )
+    assert (logprobs[mask == 0] == 0).all()
+    versions = sample.token_versions()
+    assert (versions[mask == 1] == 7).all() and (versions[mask == 0] == -1).all()
+    assert sample.prompt_len == len(sampler.prompts[0])
+
+    # Every request continued the exact tokens so far: nothing was re-tokenized between turns.
+    for prompt in sampler.prompts:
+        assert tokens[: len(prompt)] == prompt
+
+    # Reward components reach the Sample; the reward is their sum.
+    assert sample.reward_components == {"correct": 1.0, "tool_use": 0.5}
+    assert sample.reward == pytest.approx(1.5)
+
+
+async def test_sampled_tokens_are_kept_verbatim_when_rerendering_would_differ(
+    tokenizer, scripted
+) -> None:
+    # Compact JSON: the template would re-render this call with spaces. The trajectory keeps what
+    # the model sampled, so it differs from a re-rendering exactly there (hence: never re-render).
+    compact = '<tool_call>{"name":"add","arguments":{"a":2,"b":3}}</tool_call>' + END
+    sampler = scripted([compact, "5" + END])
+    env = CalcEnv()
+    sample = await run_episode(
+        sampler=sampler, tokenizer=tokenizer, env=env, task=TASK, params=PARAMS
+    )
+    text = tokenizer.decode(sample.tokens().tolist())
+    assert compact in text
+    assert env.episode is not None and env.episode.num_tool_errors == 0
+
+    rerendered = ChatRenderer(tokenizer).render(
+        env.episode.messages,  # type: ignore[arg-type]
+        tools=[tool_schema(add), tool_schema(mul)],
+        add_generation_prompt=False,
+    )
+    assert compact not in rerendered
+
+
+async def test_malformed_and_unknown_tool_calls_become_tool_errors(tokenizer, scripted) -> None:
+    turns = [
+        "<tool_call>{not json}</tool_call>" + END,
+        call("divide", a=1, b=2) + END,
+        '<tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call>' + END,
+        '<tool_call>{"arguments": {}}</tool_call>' + END,
+        "done" + END,
+    ]
+    env = CalcEnv()
+    sample = await run_episode(
+        sampler=scripted(turns), tokenizer=tokenizer, env=env, task=TASK, params=PARAMS
+    )
+    assert not sample.masked and sample.num_turns == 5
+    assert env.episode is not None
+    tool_msgs = [m["content"] for m in env.episode.messages if m["role"] == "tool"]  # type: ignore[index]
+    assert len(tool_msgs) == 4
+    assert tool_msgs[0].startswith("Error: malformed tool call: tool call is not valid JSON")
+    assert "unknown tool 'divide'" in tool_msgs[1] and "add, mul" in tool_msgs[1]
+    assert "bad arguments for 'add'" in tool_msgs[2] and "b" in tool_msgs[2]
+    assert 'missing "name"' in tool_msgs[3]
+    assert env.episode.num_tool_errors == 4
+    assert "Error: malformed tool call" in tokenizer.decode(sample.tokens().tolist())
+
+
+def boom(x: int) -> int:
+    """Always fails."""
+    raise RuntimeError(f"kaboom {x}")
+
+
+async def hang(x: int) -> int:
+    """Never returns in time."""
+    await asyncio.sleep(60)
+    return x
+
+
+def slow(x: int) -> int:
+    """A sync tool that blocks longer than the timeout (it runs in a thread)."""
+    time.sleep(0.3)
+    return x
+
+
+class FlakyToolsEnv(CalcEnv):
+    def tools(self) -> list[object]:
+        return [boom, hang, slow]
+
+
+async def test_tool_that_raises_or_hangs_becomes_an_error_message(tokenizer, scripted) -> None:
+    turns = [call("boom", x=1) + call("hang", x=2) + call("slow", x=3) + END, "ok" + END]
+    env = FlakyToolsEnv()
+    started = time.monotonic()
+    sample = await run_episode(
+        sampler=scripted(turns),
+        tokenizer=tokenizer,
+        env=env,
+        task=TASK,
+        params=PARAMS,
+        limits=EpisodeLimits(tool_timeout_s=0.1),
+    )
+    assert time.monotonic() - started < 5
+    assert not sample.masked
+    assert env.episode is not None
+    tool_msgs = [m["content"] for m in env.episode.messages if m["role"] == "tool"]  # type: ignore[index]
+    assert tool_msgs[0] == "Error: tool 'boom' raised RuntimeError: kaboom 1"
+    assert tool_msgs[1] == "Error: tool 'hang' timed out after 0.1 s"
+    assert tool_msgs[2] == "Error: tool 'slow' timed out after 0.1 s"
+    assert sample.metadata["tool_errors"] == "3"
+
+
+class FailingEnv(CalcEnv):
+    def __init__(self, where: str) -> None:
+        super().__init__()
+        self.where = where
+
+    def reset(self, task: Task) -> list[Message]:
+        if self.where == "reset":
+            raise KeyError("no such task")
+        return super().reset(task)
+
+    def step(self, messages: list[Message] | str) -> tuple[list[Message], bool]:
+        if self.where == "step":
+            raise ValueError("the simulated user crashed")
+        return [], True
+
+    async def reward(self, episode: Episode) -> dict[str, float]:
+        if self.where == "reward":
+            raise ZeroDivisionError("scorer bug")
+        if self.where == "bad-reward":
+            return "high"  # type: ignore[return-value]
+        return await super().reward(episode)
+
+
+@pytest.mark.parametrize("where", ["reset", "step", "reward", "bad-reward"])
+async def test_env_that_raises_gives_a_masked_sample(tokenizer, scripted, where, caplog) -> None:
+    sample = await run_episode(
+        sampler=scripted(["20" + END]),
+        tokenizer=tokenizer,
+        env=FailingEnv(where),
+        task=TASK,
+        params=PARAMS,
+    )
+    assert sample.masked
+    assert sample.finish_reason == "error"
+    assert sample.reward == 0.0
+    assert sample.metadata["prompt_id"] == "t0"
+    assert sample.metadata["error"]
+    assert len(sample.mask()) == len(sample.tokens()) == len(sample.behaviour_logprobs())
+    if where == "reset":
+        assert len(sample) == 0
+    else:
+        assert sample.mask().sum() == 3  # the sampled turn is kept, for inspection
+
+
+async def test_group_policy_mask_and_retry(tokenizer, scripted) -> None:
+    made = []
+
+    def factory() -> Env:
+        made.append(1)
+        return FailingEnv("reward" if len(made) == 2 else "none")
+
+    sampler = scripted(["The answer is 20." + END])
+    kwargs = dict(sampler=sampler, tokenizer=tokenizer, task=TASK, group_size=4, params=PARAMS)
+    samples = await run_group(env_factory=factory, **kwargs)  # type: ignore[arg-type]
+    assert len(samples) == 4 and len(made) == 4
+    assert [s.masked for s in samples].count(True) == 1
+    assert all(s.reward == 1.0 for s in samples if not s.masked)
+
+    made.clear()
+    with pytest.raises(GroupFailed) as info:
+        await run_group(env_factory=factory, on_error="retry", **kwargs)  # type: ignore[arg-type]
+    assert info.value.prompt_id == "t0"
+    assert len(info.value.samples) == 4 and len(info.value.errors) == 1
+    assert "scorer bug" in info.value.errors[0]
+
+    def broken_factory() -> Env:
+        raise TypeError("missing argument")
+
+    samples = await run_group(env_factory=broken_factory, **kwargs)  # type: ignore[arg-type]
+    assert all(s.masked for s in samples)
+
+
+async def test_limits_end_the_episode(tokenizer, scripted) -> None:
+    looping = [call("add", a=1, b=1) + END]
+
+    async def run(sampler: object, **limits: int) -> Sample:
+        return await run_episode(
+            sampler=sampler,  # type: ignore[arg-type]
+            tokenizer=tokenizer,
+            env=CalcEnv(),
+            task=TASK,
+            params=PARAMS,
+            limits=EpisodeLimits(**limits),
+        )
+
+    sample = await run(scripted(looping), max_turns=3)
+    assert (sample.finish_reason, sample.num_turns, sample.num_tool_calls) == ("tool_limit", 3, 3)
+    assert sample.tokens()[-1] == tokenizer.convert_tokens_to_ids(END)
+
+    turn = len(tokenizer.encode(looping[0], add_special_tokens=False))
+    sampler = scripted(looping)
+    sample = await run(sampler, max_total_tokens=2 * turn + 10)
+    assert sample.finish_reason == "length"
+    assert sample.mask().sum() == 2 * turn + 10
+    assert sampler.params[-1].max_tokens == 10
+
+    # The tool result after the first turn would cross the context limit: it is not appended.
+    limit = len(sampler.prompts[0]) + turn + 20
+    sample = await run(scripted(looping), context_limit=limit)
+    assert sample.finish_reason == "context" and sample.num_turns == 1
+    assert len(sample) <= limit
+
+    sample = await run(scripted(looping), context_limit=10)
+    assert sample.masked and sample.finish_reason == "context"
+
+
+class TextEnv(Env):
+    """Completion-style: a plain-text prompt, and a reply appended as raw text."""
+
+    def reset(self, task: Task) -> str:
+        return "Q: 2+2=?\nA:"
+
+    def step(self, messages: list[Message] | str) -> tuple[str, bool]:
+        assert isinstance(messages, str)
+        if messages.count("A:") >= 2:
+            return "", True
+        return "\nQ: and 3+3?\nA:", False
+
+    def reward(self, episode: Episode) -> float:
+        return 1.0 if episode.completion.strip() == "6" else 0.0
+
+
+async def test_plain_text_prompt_has_no_chat_template(tokenizer, scripted) -> None:
+    sampler = scripted([" 4", " 6"])
+    sample = await run_episode(
+        sampler=sampler, tokenizer=tokenizer, env=TextEnv(), task=TASK, params=PARAMS
+    )
+    assert tokenizer.decode(sample.tokens().tolist()) == "Q: 2+2=?\nA: 4\nQ: and 3+3?\nA: 6"
+    assert sample.prompt_len == len("Q: 2+2=?\nA:")
+    assert sample.mask().sum() == 4 and sample.reward == 1.0
+
+
+class UserSimEnv(Env):
+    """A simulated user that asks one follow-up question."""
+
+    def reset(self, task: Task) -> list[Message]:
+        return [{"role": "user", "content": "Hi"}]
+
+    async def step(self, messages: list[Message] | str) -> tuple[list[Message], bool]:
+        turns = sum(m["role"] == "assistant" for m in messages)  # type: ignore[index,union-attr]
+        if turns == 1:
+            return [{"role": "user", "content": "And then?"}], False
+        return [], True
+
+    def reward(self, episode: Episode) -> float:
+        return float(episode.num_turns)
+
+
+async def test_step_reply_is_rendered_like_the_template(tokenizer, scripted) -> None:
+    sample = await run_episode(
+        sampler=scripted(["Hello" + END, "Bye" + END]),
+        tokenizer=tokenizer,
+        env=UserSimEnv(),
+        task=TASK,
+        params=PARAMS,
+    )
+    conversation: list[Message] = [
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello"},
+        {"role": "user", "content": "And then?"},
+        {"role": "assistant", "content": "Bye"},
+    ]
+    rendered = ChatRenderer(tokenizer).render(conversation, add_generation_prompt=False)
+    assert tokenizer.decode(sample.tokens().tolist()) == rendered[:-1]
+    assert sample.reward == 2.0
+
+
+async def test_end_of_turn_the_model_did_not_sample_is_appended_unmasked(
+    tokenizer, scripted
+) -> None:
+    # Sampling stopped on a stop string, without <|im_end|>: the runner closes the turn itself, and
+    # those closing tokens are not trained on.
+    sampler = scripted([call("add", a=1, b=2), "3" + END])
+    sample = await run_episode(
+        sampler=sampler, tokenizer=tokenizer, env=CalcEnv(), task=TASK, params=PARAMS
+    )
+    tokens, mask = sample.tokens().tolist(), sample.mask()
+    first_end = len(sampler.prompts[0]) + len(sampler.sampled[0])
+    assert tokenizer.decode(tokens[first_end : first_end + 2]) == END + "\n"
+    assert mask[first_end : first_end + 2].tolist() == [0, 0]
+
+
+class DeadSampler:
+    async def generate(self, prompt_ids: list[int], params: SamplingParams) -> Completion:
+        raise ServerUnavailable("instance 3 is gone")
+
+
+class AbortingSampler:
+    async def generate(self, prompt_ids: list[int], params: SamplingParams) -> Completion:
+        return Completion(
+            request_id="x", token_ids=[], logprobs=[], versions=[], finish_reason="abort"
+        )
+
+
+async def test_sampler_errors_propagate_and_aborts_mask(tokenizer) -> None:
+    with pytest.raises(ServerUnavailable):
+        await run_episode(
+            sampler=DeadSampler(), tokenizer=tokenizer, env=CalcEnv(), task=TASK, params=PARAMS
+        )
+    sample = await run_episode(
+        sampler=AbortingSampler(), tokenizer=tokenizer, env=CalcEnv(), task=TASK, params=PARAMS
+    )
+    assert sample.masked and sample.finish_reason == "abort"
+
+
+class BlockingSampler:
+    def __init__(self) -> None:
+        self.started = asyncio.Event()
+        self.cancelled = 0
+
+    async def generate(self, prompt_ids: list[int], params: SamplingParams) -> Completion:
+        self.started.set()
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            self.cancelled += 1
+            raise
+        raise AssertionError("unreachable")
+
+
+async def test_cancelling_a_group_cancels_every_episode(tokenizer) -> None:
+    sampler = BlockingSampler()
+    group = asyncio.ensure_future(
+        run_group(
+            sampler=sampler,
+            tokenizer=tokenizer,
+            env_factory=CalcEnv,
+            task=TASK,
+            group_size=3,
+            params=PARAMS,
+        )
+    )
+    await sampler.started.wait()
+    await asyncio.sleep(0)
+    group.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await group
+    assert sampler.cancelled == 3

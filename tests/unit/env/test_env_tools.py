@@ -1,0 +1,156 @@
+"""Tool schemas from signatures and docstrings, tool calls parsed from sampled text, and ToolBox."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Annotated, Literal
+
+import pytest
+
+from dora.tools import ToolBox, parse_tool_calls, tool_schema
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def search(
+    query: Annotated[str, "What to look for."],
+    limit: int = 5,
+    mode: Literal["fast", "exact"] = "fast",
+    tags: list[str] | None = None,
+) -> list[str]:
+    """Search the catalogue.
+
+    Results are ranked.
+
+    Args:
+        limit (int): How many results
+            to return at most.
+        mode: Search strategy.
+
+    Returns:
+        The matching titles.
+    """
+    return [query] * limit
+
+
+def test_schema_from_signature_and_docstring() -> None:
+    schema = tool_schema(search)
+    assert schema["type"] == "function"
+    fn = schema["function"]
+    assert fn["name"] == "search"  # type: ignore[index]
+    assert fn["description"] == "Search the catalogue.\n\nResults are ranked."  # type: ignore[index]
+    assert fn["parameters"] == {  # type: ignore[index]
+        "type": "object",
+        "properties": {
+            "query": {"type": "string", "description": "What to look for."},
+            "limit": {"type": "integer", "description": "How many results to return at most."},
+            "mode": {"enum": ["fast", "exact"], "description": "Search strategy."},
+            "tags": {"type": "array", "items": {"type": "string"}},
+        },
+        "required": ["query"],
+    }
+
+
+def test_schema_rejects_what_a_model_cannot_be_told() -> None:
+    def untyped(x):  # type: ignore[no-untyped-def]
+        return x
+
+    def variadic(*xs: int) -> int:
+        return 0
+
+    with pytest.raises(TypeError, match="needs a type annotation"):
+        tool_schema(untyped)
+    with pytest.raises(TypeError, match=r"\*args"):
+        tool_schema(variadic)
+
+
+def test_parse_hermes_calls_keeps_content_and_order() -> None:
+    text = (
+        'Thinking. <tool_call>{"name": "a", "arguments": {"x": 1}}</tool_call>\n'
+        '<tool_call>{"name": "b", "arguments": "{\\"y\\": 2}"}</tool_call>'
+    )
+    turn = parse_tool_calls(text)
+    assert turn.content == "Thinking."
+    assert [c["function"]["name"] for c in turn.calls] == ["a", "b"]
+    assert [json.loads(c["function"]["arguments"]) for c in turn.calls] == [{"x": 1}, {"y": 2}]
+    assert len({c["id"] for c in turn.calls}) == 2 and not turn.errors
+
+
+def test_parse_hermes_tolerates_a_missing_final_close_tag() -> None:
+    turn = parse_tool_calls('<tool_call>{"name": "a", "arguments": {}}')
+    assert [c["function"]["name"] for c in turn.calls] == ["a"]
+
+
+@pytest.mark.parametrize(
+    ("text", "error"),
+    [
+        ("<tool_call>{oops</tool_call>", "not valid JSON"),
+        ('<tool_call>["a"]</tool_call>', "expected a JSON object"),
+        ('<tool_call>{"arguments": {}}</tool_call>', 'missing "name"'),
+        ('<tool_call>{"name": "a", "arguments": "{bad"}</tool_call>', "is not valid JSON"),
+        ('<tool_call>{"name": "a", "arguments": [1]}</tool_call>', "must be a JSON object"),
+    ],
+)
+def test_parse_malformed_hermes_calls(text: str, error: str) -> None:
+    turn = parse_tool_calls(text)
+    assert not turn.calls
+    assert len(turn.errors) == 1 and error in turn.errors[0]
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        '{"name": "a", "arguments": {"x": 1}}',
+        '[{"name": "a", "arguments": {"x": 1}}]',
+        '{"tool_calls": [{"type": "function", '
+        '"function": {"name": "a", "arguments": "{\\"x\\": 1}"}}]}',
+        ' {"function": {"name": "a", "arguments": {"x": 1}}} ',
+    ],
+)
+def test_parse_openai_json_calls(text: str) -> None:
+    turn = parse_tool_calls(text)
+    assert [
+        (c["function"]["name"], json.loads(c["function"]["arguments"])) for c in turn.calls
+    ] == [("a", {"x": 1})]
+
+
+@pytest.mark.parametrize("text", ['{"answer": 42}', "The answer is 42.", "[1, 2]", "{"])
+def test_plain_answers_are_not_tool_calls(text: str) -> None:
+    turn = parse_tool_calls(text)
+    assert turn.content == text and not turn.calls and not turn.errors
+
+
+async def test_toolbox_converts_arguments_and_reports_errors() -> None:
+    box = ToolBox([search], timeout_s=1.0)
+    assert len(box) == 1 and box.schemas == [tool_schema(search)]
+
+    def make(args: str) -> object:
+        return {"id": "c1", "type": "function", "function": {"name": "search", "arguments": args}}
+
+    assert await box.call(make('{"query": "x", "limit": 2}')) == ('["x", "x"]', True)  # type: ignore[arg-type]
+    content, ok = await box.call(make('{"limit": 2}'))  # type: ignore[arg-type]
+    assert not ok and "missing required field `query`" in content
+    content, ok = await box.call(make('{"query": "x", "mode": "slow"}'))  # type: ignore[arg-type]
+    assert not ok and "bad arguments" in content
+    content, ok = await box.call(make('{"query": "x", "extra": 1}'))  # type: ignore[arg-type]
+    assert not ok and "unknown field `extra`" in content
+
+
+async def test_toolbox_times_out_async_tools_and_stays_usable() -> None:
+    async def wait(seconds: float) -> str:
+        """Sleep."""
+        await asyncio.sleep(seconds)
+        return "woke"
+
+    box = ToolBox([wait], timeout_s=0.05)
+    call = {"id": "c", "type": "function", "function": {"name": "wait", "arguments": ""}}
+    call["function"]["arguments"] = '{"seconds": 5}'  # type: ignore[index]
+    assert await box.call(call) == ("Error: tool 'wait' timed out after 0.05 s", False)  # type: ignore[arg-type]
+    call["function"]["arguments"] = '{"seconds": 0}'  # type: ignore[index]
+    assert await box.call(call) == ("woke", True)  # type: ignore[arg-type]
+
+
+def test_duplicate_tool_names_are_refused() -> None:
+    with pytest.raises(TypeError, match="two tools"):
+        ToolBox([search, search])
