@@ -113,10 +113,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     if fn is None:
         print(f"dora {args.command}: not available in this version yet.", file=sys.stderr)
         return 2
-    from dora.errors import DoraError
+    from dora.errors import DoraError, NotYetAvailable
 
     try:
         return fn(args)
+    except NotYetAvailable as exc:
+        print(f"dora {args.command}: not available in this version yet: {exc}", file=sys.stderr)
+        return 2
     except DoraError as exc:
         print(f"dora {args.command}: {exc}", file=sys.stderr)
         return 1
