@@ -1,0 +1,5 @@
+"""Ready environments for dora. Each subpackage imports only dora's public API (`dora.env`).
+
+- `envs.math`: chain arithmetic (generated, long-tailed solution lengths, exact reward) and
+  GSM8K-format datasets (`####` / `\\boxed{}` answers, optional math-verify scoring).
+"""
