@@ -2,6 +2,17 @@
 (versions -> instances). No I/O, no clock, no asyncio; the server, the trainer and the simulator
 drive these classes unchanged. docs/scheduling.md states the rules in plain words."""
 
+from dora.core.orchestrator import (
+    Action,
+    Drain,
+    InstanceView,
+    Load,
+    Migrate,
+    Mode,
+    Orchestrator,
+    Park,
+    Resume,
+)
 from dora.core.transfer_queue import (
     Accounting,
     Admitted,
@@ -19,13 +30,22 @@ from dora.core.transfer_queue import (
 
 __all__ = [
     "Accounting",
+    "Action",
     "Admitted",
     "Assigned",
+    "Drain",
     "FailureOutcome",
     "GroupState",
+    "InstanceView",
+    "Load",
+    "Migrate",
+    "Mode",
+    "Orchestrator",
+    "Park",
     "Refusal",
     "RefusalReason",
     "Refused",
+    "Resume",
     "RollbackReport",
     "TrainerWait",
     "TransferQueue",
