@@ -1,0 +1,1 @@
+"""`dora learn`: the trainer. Receives assigned groups, trains, publishes versions, checkpoints."""
