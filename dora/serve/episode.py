@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, Protocol, cast
@@ -48,6 +49,8 @@ __all__ = [
     "ChatRenderer",
     "EpisodeLimits",
     "GroupFailed",
+    "InstanceClient",
+    "PinnedSampler",
     "Sampler",
     "run_episode",
     "run_group",
@@ -67,6 +70,39 @@ class Sampler(Protocol):
     """
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams) -> Completion: ...
+
+
+class InstanceClient(Protocol):
+    """The generate call of the instance interface (DESIGN §5), as `EngineClient` offers it."""
+
+    async def generate(
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        *,
+        request_id: str,
+        version: int | None = None,
+        timeout_s: float | None = None,
+    ) -> Completion: ...
+
+
+class PinnedSampler:
+    """A `Sampler` over an instance client, pinned to `version` (C1): every call carries the
+    version, and an instance that does not hold it refuses with `VersionMismatch` rather than
+    sample."""
+
+    def __init__(
+        self, client: InstanceClient, *, version: int, request_prefix: str = "episode"
+    ) -> None:
+        self.client = client
+        self.version = version
+        self.request_prefix = request_prefix
+
+    async def generate(self, prompt_ids: list[int], params: SamplingParams) -> Completion:
+        request_id = f"{self.request_prefix}-{uuid.uuid4().hex[:16]}"
+        return await self.client.generate(
+            prompt_ids, params, request_id=request_id, version=self.version
+        )
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -1,0 +1,95 @@
+"""The tutorial's environment, executed from docs/environments.md exactly as written, so the docs
+cannot drift from the API; and the PinnedSampler adapter."""
+
+from __future__ import annotations
+
+import random
+import re
+from pathlib import Path
+
+import pytest
+
+from dora.env import Env, Task
+from dora.protocol import Completion, SamplingParams
+from dora.serve.episode import PinnedSampler, run_episode
+from dora.tools import tool_schema
+
+pytestmark = pytest.mark.timeout(30)
+
+DOC = Path(__file__).resolve().parents[3] / "docs" / "environments.md"
+
+
+def tutorial_env() -> type[Env]:
+    """The first python block after the `<!-- tutorial` marker, executed in a fresh namespace."""
+    text = DOC.read_text()
+    block = re.search(r"<!-- tutorial.*?-->\n```python\n(.*?)```", text, re.DOTALL)
+    assert block is not None, "the tutorial block is marked in docs/environments.md"
+    assert len(block.group(1).splitlines()) < 60, "the tutorial promises under 60 lines"
+    namespace: dict[str, object] = {"__name__": "tutorial"}
+    exec(compile(block.group(1), str(DOC), "exec"), namespace)
+    env_cls = namespace["GuessEnv"]
+    assert isinstance(env_cls, type) and issubclass(env_cls, Env)
+    return env_cls
+
+
+async def test_tutorial_env_plays_a_game(tokenizer, scripted) -> None:
+    GuessEnv = tutorial_env()
+    secret = random.Random("game-1").randint(1, 100)
+    low = secret - 1 if secret > 1 else secret + 1
+
+    def guess(n: int) -> str:
+        return (
+            f'<tool_call>{{"name": "guess", "arguments": {{"number": {n}}}}}</tool_call><|im_end|>'
+        )
+
+    turns = [guess(low), "Hmm.<|im_end|>", guess(secret), f"It is {secret}.<|im_end|>"]
+    env = GuessEnv()
+    assert tool_schema(env.guess)["function"]["parameters"]["properties"] == {  # type: ignore[index]
+        "number": {"type": "integer", "description": "your guess, an integer."}
+    }
+    sample = await run_episode(
+        sampler=scripted(turns),
+        tokenizer=tokenizer,
+        env=env,
+        task=Task("game-1"),
+        params=SamplingParams(max_tokens=100),
+    )
+    assert not sample.masked and sample.finish_reason == "stop"
+    assert (sample.num_turns, sample.num_tool_calls) == (4, 2)
+    assert sample.reward_components == {"solved": 1.0, "guesses": pytest.approx(-0.04)}
+    text = tokenizer.decode(sample.tokens().tolist())
+    assert "Keep guessing with the guess tool." in text
+    assert ("higher" if low < secret else "lower") in text and "correct" in text
+
+
+class RecordingClient:
+    def __init__(self) -> None:
+        self.calls: list[tuple[list[int], str, int | None]] = []
+
+    async def generate(
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        *,
+        request_id: str,
+        version: int | None = None,
+        timeout_s: float | None = None,
+    ) -> Completion:
+        self.calls.append((prompt_ids, request_id, version))
+        return Completion(
+            request_id=request_id,
+            token_ids=[1],
+            logprobs=[-0.5],
+            versions=[3],
+            finish_reason="stop",
+        )
+
+
+async def test_pinned_sampler_pins_the_version_and_names_requests() -> None:
+    client = RecordingClient()
+    sampler = PinnedSampler(client, version=3, request_prefix="g7")
+    await sampler.generate([5, 6], SamplingParams())
+    await sampler.generate([5, 6, 1], SamplingParams())
+    (p1, r1, v1), (_, r2, v2) = client.calls
+    assert p1 == [5, 6] and v1 == v2 == 3
+    assert r1.startswith("g7-") and r1 != r2
