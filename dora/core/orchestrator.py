@@ -18,6 +18,7 @@ Rules (DESIGN.md §5), in mode `dora` (and `sync`, which is `dora` with K = 0):
   it takes an empty instance, or else the newest version's least-loaded instance is drained (no new
   groups) and loads it once empty. Parked requests resume as soon as their version has room;
 - capacity is never exceeded (`place`, `Migrate` and `Resume` only target free slots).
+The driver starts every group through `place`, so it keeps no state of its own about draining.
 
 Mode `one_step_off`: one version at a time. On a new version every instance is drained; once no
 live request of the old version is left, all instances load the new one together.

@@ -189,13 +189,24 @@ _STATE_INDEX = {s: i for i, s in enumerate(_STATES)}
 
 
 class _Group:
-    __slots__ = ("attempts", "deadline", "gid", "masked", "pinned", "state", "step", "version")
+    __slots__ = (
+        "attempts",
+        "deadline",
+        "gid",
+        "masked",
+        "pinned",
+        "si",
+        "state",
+        "step",
+        "version",
+    )
 
     def __init__(self, gid: str, version: int, deadline: int) -> None:
         self.gid = gid
         self.version = version
         self.deadline = deadline
         self.state = GroupState.ADMITTED
+        self.si = 0  # index of `state` in _STATES: per-version counts without hashing enums
         self.step = -1
         self.attempts = 0
         self.pinned = False
@@ -566,11 +577,12 @@ class TransferQueue:
         c = self._per_version.get(g.version)
         if c is None:
             c = self._per_version[g.version] = [0, 0, 0, 0]
-        c[_STATE_INDEX[g.state]] += delta
+        c[g.si] += delta
 
     def _move(self, g: _Group, state: GroupState) -> None:
         self._count(g, -1)
         g.state = state
+        g.si = _STATE_INDEX[state]
         self._count(g, +1)
 
     def _push_ready(self, g: _Group) -> None:
