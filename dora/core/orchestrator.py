@@ -184,6 +184,9 @@ class Orchestrator:
         """Versions held or being loaded by some instance."""
         return {i.version for i in self._instances.values() if i.version is not None}
 
+    def is_live(self, request: str) -> bool:
+        return request in self._requests
+
     def location(self, request: str) -> str | None:
         """The instance running `request`, or None while it is parked."""
         return self._req(request).instance

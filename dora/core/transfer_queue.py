@@ -56,6 +56,7 @@ from __future__ import annotations
 
 import enum
 import heapq
+from collections.abc import Collection
 from dataclasses import dataclass
 
 from dora.errors import SchedulingError
@@ -495,9 +496,12 @@ class TransferQueue:
         self._durable = max(self._durable, step)
         return released
 
-    def rollback(self, checkpoint_step: int) -> RollbackReport:
+    def rollback(self, checkpoint_step: int, *, tainted: Collection[str] = ()) -> RollbackReport:
         """The trainer restarted from the checkpoint holding step `checkpoint_step` (-1: from
-        scratch). Filling resumes at step `c + 1` with version `c + 1`."""
+        scratch). Filling resumes at step `c + 1` with version `c + 1`. `tainted` names groups
+        whose first version is real but that hold tokens of a ghost version (partial mode only:
+        the queue knows a group's first version, the driver knows its per-token versions); they
+        are rolled back with the ghosts."""
         c = checkpoint_step
         if c < self._durable:
             raise SchedulingError(f"rollback to {c} but step {self._durable} is durable")
@@ -509,7 +513,7 @@ class TransferQueue:
         rolled_back: list[str] = []
         reoffered: list[str] = []
         for g in list(self._groups.values()):
-            if g.version > c + 1:
+            if g.version > c + 1 or g.gid in tainted:
                 if g.state is GroupState.ASSIGNED:
                     self._unassign(g)
                 self._count(g, -1)

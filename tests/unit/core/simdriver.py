@@ -208,7 +208,14 @@ class Sim:
     def restart(self) -> None:
         """The trainer crashes and restarts from its last durable checkpoint."""
         c = self.durable
-        report = self.q.rollback(c)
+        # Partial mode: a group of a real first version may hold tokens of a ghost version.
+        tainted = {
+            self.group_of[rid]
+            for rid, seg in self.segments.items()
+            if seg[-1] > c + 1 and self.q.state(self.group_of[rid]) is not None
+        }
+        report = self.q.rollback(c, tainted=tainted)
+        assert tainted <= set(report.rolled_back)
         self.incarnation = report.incarnation
         self.trainer_step, self.trainer_busy = c + 1, False
         self.inbox = {}
@@ -222,7 +229,11 @@ class Sim:
             del self.left[rid]
         for gid in ghosts:
             self.pending.pop(gid, None)
-        self.apply(self.o.rollback(c + 1))
+        actions = self.o.rollback(c + 1)
+        for rid, gid in self.group_of.items():
+            if gid in ghosts and self.o.is_live(rid):
+                actions += self.o.finish(rid)
+        self.apply(actions)
         self.receive(report.assigned)
 
     def step(self) -> bool:

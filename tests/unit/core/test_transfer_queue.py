@@ -215,3 +215,17 @@ def test_bad_calls_raise() -> None:
         q.on_step_done(3)
     with pytest.raises(SchedulingError):
         TransferQueue(groups_per_step=0, max_staleness=1)
+
+
+def test_rollback_removes_tainted_partial_groups() -> None:
+    """Partial mode: a group that began at a real version but resumed on a ghost goes too."""
+    q = TransferQueue(groups_per_step=1, max_staleness=2)
+    q.on_version_loaded(0)
+    admit(q, "a")
+    admit(q, "b")  # version 0; in partial mode it resumes on version 1 and 2
+    q.complete("a")
+    publish(q, 0)
+    report = q.rollback(-1, tainted={"b"})
+    assert report.rolled_back == ("b",) and report.reoffered == ("a",)
+    assert report.assigned == (Assigned("a", 0, 0),)
+    assert q.accounting().rolled_back == 1
