@@ -256,7 +256,7 @@ class Sim:
             inst, w, t = ev[1], int(ev[2]), int(ev[3])
             if self.tok.get(inst) == t:
                 self.apply(self.o.on_loaded(inst, w))
-                if any(v.id == inst and v.ready for v in self.o.instances()):
+                if any(v.id == inst and v.ready and v.version == w for v in self.o.instances()):
                     self.q.on_version_loaded(w, incarnation=self.incarnation)
         elif kind == "trained":
             if int(ev[2]) == self.incarnation:
