@@ -1,0 +1,72 @@
+"""`python -m dora.engine --model DIR --port 0 --version 0 --threads 1`: run one engine instance.
+
+When it serves, it prints exactly one line to stdout, the base URL (e.g. `http://127.0.0.1:41234`),
+so a parent that started it with port 0 can read where it listens. SIGTERM and SIGINT stop it
+cleanly (running requests end with finish_reason "abort").
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import signal
+import sys
+
+from dora.engine.batcher import BatcherConfig
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="python -m dora.engine", description="Run one dora engine instance."
+    )
+    p.add_argument("--model", required=True, help="Hugging Face causal-LM folder")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=0, help="0 picks a free port")
+    p.add_argument("--version", type=int, default=0, help="weight version of the model in --model")
+    p.add_argument(
+        "--threads", type=int, default=None, help="torch threads (default: torch's choice)"
+    )
+    p.add_argument("--max-running", type=int, default=256)
+    p.add_argument("--max-kv-tokens", type=int, default=1 << 20)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument(
+        "--control-token-env",
+        default="DORA_ENGINE_TOKEN",
+        help="environment variable with the bearer token for /control (unset: loopback only)",
+    )
+    return p.parse_args(argv)
+
+
+async def serve(args: argparse.Namespace) -> None:
+    from dora.engine.server import EngineServer
+
+    config = BatcherConfig(
+        max_running=args.max_running,
+        max_kv_tokens=args.max_kv_tokens,
+        max_model_len=args.max_model_len,
+    )
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    async with EngineServer.start(
+        args.model,
+        host=args.host,
+        port=args.port,
+        version=args.version,
+        threads=args.threads,
+        config=config,
+        control_token=os.environ.get(args.control_token_env) or None,
+    ) as server:
+        print(server.url, flush=True)
+        await stop.wait()
+
+
+def main(argv: list[str] | None = None) -> int:
+    asyncio.run(serve(parse_args(argv)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

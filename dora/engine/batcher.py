@@ -1,0 +1,443 @@
+"""Continuous batching over a Hugging Face causal LM, in plain synchronous torch.
+
+`Batcher.step()` is one scheduling iteration: admit waiting sequences (FIFO, within the caps on
+running sequences, reserved KV tokens and prefill tokens per step), prefill them together, sample
+their first token, then run one decode step over every running sequence. A sequence leaves the batch
+the step it finishes. Nothing here is thread-safe: `EngineWorker` (worker.py) owns a Batcher on one
+thread.
+
+Speed at tiny-model scale is Python overhead, so a decode step is a fixed number of tensor
+operations whatever the batch holds: per-row state lives in a few tensors indexed by row (rows
+`[0, n)` are live, kept dense by moving the last row into a freed one), the KV cache is slotted
+(kvcache.py), sampling is one vectorised call (sampling.py), and finish checks are tensor
+expressions. The only per-row Python is appending the sampled ids to each sequence's lists, and
+stop-string checks for rows that have them.
+
+KV memory is bounded by reservation: a sequence is admitted only if the sum over running sequences
+of `prompt + max_tokens` stays within `max_kv_tokens`, so a running sequence never needs preemption.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from dora.engine.kvcache import SlotCache
+from dora.engine.sampling import SamplingBatch, sample, sequence_key
+from dora.protocol import Completion, FinishReason, SamplingParams
+
+# columns of Batcher._ints
+_LEN, _LAST, _GEN, _MAX, _MIN, _TOPK, _KEY = range(7)
+# columns of Batcher._floats
+_TEMP, _TOPP = range(2)
+
+
+@dataclass(kw_only=True)
+class BatcherConfig:
+    """Caps of one engine instance."""
+
+    max_running: int = 256
+    """Most sequences decoded together."""
+    max_kv_tokens: int = 1 << 20
+    """Most KV tokens reserved (prompt + max_tokens over running sequences)."""
+    max_prefill_tokens: int = 8192
+    """Most prompt tokens (padded) prefilled in one step; one longer prompt still goes alone."""
+    max_model_len: int | None = None
+    """Longest sequence (prompt + output); defaults to the model's max_position_embeddings."""
+
+
+@dataclass(eq=False, kw_only=True)
+class Sequence:
+    """One output sequence: what was asked, what has been sampled, who to tell."""
+
+    id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    key: int
+    version: int | None = None
+    """Pinned weight version: admission fails if the engine holds another one."""
+    listener: Callable[[Sequence], None] | None = None
+    """Called on the batcher thread when the sequence finishes (and after each step if `stream`)."""
+    stream: bool = False
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    finish_reason: FinishReason | None = None
+    error: str | None = None
+    error_status: int = 500
+    row: int = -1
+    kv_import: torch.Tensor | None = None
+    """KV of an imported sequence (prompt + tokens so far but the last), used at admission."""
+
+    def completion(self) -> Completion:
+        return Completion(
+            request_id=self.id,
+            token_ids=list(self.token_ids),
+            logprobs=list(self.logprobs),
+            versions=list(self.versions),
+            finish_reason=self.finish_reason or "abort",
+            prompt_tokens=len(self.prompt_ids),
+        )
+
+
+class Batcher:
+    """Continuous batching state and the step that advances it."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        *,
+        eos_token_ids: list[int],
+        decode: Callable[[list[int]], str],
+        version: int = 0,
+        config: BatcherConfig | None = None,
+    ) -> None:
+        self.model = model
+        self.config = config or BatcherConfig()
+        hf: Any = model  # a PreTrainedModel; torch's stubs do not know its attributes
+        hf_config = hf.config
+        self.max_model_len = self.config.max_model_len or int(hf_config.max_position_embeddings)
+        self.vocab_size = int(hf.get_output_embeddings().weight.shape[0])
+        self.eos_token_ids = list(eos_token_ids)
+        self.decode = decode
+        self.version = version
+        self.admission_paused = False
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.reserved_tokens = 0
+        self.generated_tokens = 0
+        self._base: Any = hf.base_model
+        self._lm_head: Any = hf.get_output_embeddings()
+        self._cache = SlotCache(int(hf_config.num_hidden_layers))
+        forward_params = _signature_params(self._base.forward)
+        self._cache_kw = "cache" if "cache" in forward_params else "past_key_values"
+        self._float_mask = getattr(hf_config, "_attn_implementation", "sdpa") == "eager"
+        self._rng = random.Random()
+        self._ints = torch.zeros(0, 7, dtype=torch.int64)
+        self._floats = torch.zeros(0, 2, dtype=torch.float32)
+        self._stop_mask = torch.zeros(0, self.vocab_size, dtype=torch.bool)
+        self._stop_rows = 0  # running sequences with stop strings
+
+    # -- requests ----------------------------------------------------------------------------------
+
+    def new_sequence(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        *,
+        index: int = 0,
+        **kwargs: object,
+    ) -> Sequence:
+        """A Sequence whose noise key comes from `params.seed` (or a random seed) and `index`."""
+        seed = params.seed if params.seed is not None else self._rng.getrandbits(64)
+        return Sequence(
+            id=request_id,
+            prompt_ids=list(prompt_ids),
+            params=params,
+            key=sequence_key(seed, index),
+            **kwargs,  # type: ignore[arg-type]
+        )
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def add_all(self, seqs: list[Sequence]) -> None:
+        self.waiting.extend(seqs)
+
+    def has_work(self) -> bool:
+        return bool(self.running) or (bool(self.waiting) and not self.admission_paused)
+
+    def find(self, request_id: str) -> Sequence | None:
+        for seq in self.running:
+            if seq.id == request_id:
+                return seq
+        for seq in self.waiting:
+            if seq.id == request_id:
+                return seq
+        return None
+
+    def abort(self, seq: Sequence) -> Completion:
+        """Stop a waiting or running sequence; its listener hears finish_reason "abort"."""
+        if seq.row >= 0:
+            self._remove(seq.row)
+        else:
+            self.waiting.remove(seq)
+        seq.finish_reason = "abort"
+        self._notify(seq)
+        return seq.completion()
+
+    def abort_all(self) -> list[Completion]:
+        return [self.abort(seq) for seq in [*reversed(self.running), *self.waiting]]
+
+    def detach(self, seq: Sequence) -> torch.Tensor | None:
+        """Remove a sequence for export; return its KV `[layers, 2, heads, len, dim]` if running."""
+        kv = None
+        if seq.row >= 0:
+            kv = self._cache.export_row(seq.row, int(self._ints[seq.row, _LEN])).clone()
+            self._remove(seq.row)
+        else:
+            self.waiting.remove(seq)
+        seq.finish_reason = "abort"
+        self._notify(seq)
+        return kv
+
+    # -- the step ----------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def step(self) -> None:
+        """Admit and prefill what fits, then decode one token for every running sequence."""
+        if not self.admission_paused:
+            self._admit()
+        if self.running:
+            self._decode()
+
+    def _admit(self) -> None:
+        new: list[Sequence] = []
+        imported: list[Sequence] = []
+        width = 0
+        while (
+            self.waiting and len(self.running) + len(new) + len(imported) < self.config.max_running
+        ):
+            seq = self.waiting[0]
+            if seq.version is not None and seq.version != self.version:
+                self.waiting.popleft()
+                self._fail(
+                    seq,
+                    f"request pinned to version {seq.version}, engine holds {self.version}",
+                    409,
+                )
+                continue
+            total = len(seq.prompt_ids) + len(seq.token_ids)
+            if total >= self.max_model_len or not seq.prompt_ids:
+                self.waiting.popleft()
+                self._fail(
+                    seq,
+                    f"prompt of {total} tokens does not fit max_model_len {self.max_model_len}",
+                    400,
+                )
+                continue
+            need = len(seq.prompt_ids) + seq.params.max_tokens
+            if self.reserved_tokens + need > self.config.max_kv_tokens and (
+                self.running or new or imported
+            ):
+                break
+            if seq.kv_import is None:
+                wider = max(width, len(seq.prompt_ids))
+                if new and wider * (len(new) + 1) > self.config.max_prefill_tokens:
+                    break
+                width = wider
+                new.append(seq)
+            else:
+                imported.append(seq)
+            self.waiting.popleft()
+            self.reserved_tokens += need
+        if imported:
+            self._admit_imported(imported)
+        if new:
+            self._prefill(new, width)
+
+    def _prefill(self, new: list[Sequence], width: int) -> None:
+        b, start = len(new), len(self.running)
+        lengths = [len(s.prompt_ids) for s in new]
+        ids = torch.zeros(b, width, dtype=torch.int64)
+        for j, s in enumerate(new):
+            ids[j, : lengths[j]] = torch.tensor(s.prompt_ids)
+        plen = torch.tensor(lengths)
+        cols = torch.arange(width)
+        mask = (cols[None, :, None] >= cols[None, None, :]) & (
+            cols[None, None, :] < plen[:, None, None]
+        )
+        self._cache.begin_prefill()
+        hidden = self._forward(ids, mask[:, None], cols.expand(b, width))
+        last = hidden[torch.arange(b), plen - 1]
+        logits = self._lm_head(last)
+        self._cache.commit_prefill(start, lengths)
+        self._grow_state(start + b)
+        for j, s in enumerate(new):
+            self._place(s, start + j, lengths[j])
+        self._sample_rows(start, start + b, logits)
+
+    def _admit_imported(self, imported: list[Sequence]) -> None:
+        for s in imported:
+            row = len(self.running)
+            assert s.kv_import is not None
+            self._cache.import_row(row, s.kv_import)
+            self._grow_state(row + 1)
+            self._place(s, row, s.kv_import.shape[3])
+            self._ints[row, _LAST] = s.token_ids[-1]
+            self._ints[row, _GEN] = len(s.token_ids)
+            s.kv_import = None
+
+    def _decode(self) -> None:
+        n = len(self.running)
+        lens = self._ints[:n, _LEN]
+        kv_len = int(lens.max()) + 1
+        self._cache.ensure(n, kv_len)
+        mask = (torch.arange(kv_len)[None, :] <= lens[:, None])[:, None, None, :]
+        self._cache.begin_decode(n, lens.clone(), kv_len)
+        hidden = self._forward(self._ints[:n, _LAST, None], mask, lens[:, None])
+        logits = self._lm_head(hidden[:, 0])
+        self._ints[:n, _LEN] += 1
+        self._sample_rows(0, n, logits)
+
+    def _forward(
+        self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor
+    ) -> torch.Tensor:
+        attn: torch.Tensor = mask
+        if self._float_mask:
+            attn = torch.zeros(mask.shape).masked_fill(~mask, torch.finfo(torch.float32).min)
+        kwargs = {self._cache_kw: self._cache}
+        out = self._base(
+            input_ids=ids, attention_mask=attn, position_ids=positions, use_cache=True, **kwargs
+        )
+        hidden: torch.Tensor = out.last_hidden_state
+        return hidden
+
+    def _sample_rows(self, start: int, end: int, logits: torch.Tensor) -> None:
+        ints, floats = self._ints[start:end], self._floats[start:end]
+        gen = ints[:, _GEN]
+        banned = None
+        under_min = gen < ints[:, _MIN]
+        if bool(under_min.any()):
+            banned = self._stop_mask[start:end] & under_min[:, None]
+        batch = SamplingBatch(
+            temperature=floats[:, _TEMP],
+            top_p=floats[:, _TOPP],
+            top_k=ints[:, _TOPK],
+            keys=ints[:, _KEY],
+            steps=gen,
+            banned=banned,
+        )
+        tokens, logprobs = sample(logits, batch)
+        ints[:, _LAST] = tokens
+        ints[:, _GEN] += 1
+        stopped = self._stop_mask[start:end].gather(1, tokens[:, None])[:, 0]
+        full = (ints[:, _GEN] >= ints[:, _MAX]) | (ints[:, _LEN] + 1 >= self.max_model_len)
+        done = (stopped | full).nonzero()[:, 0].tolist()
+        version = self.version
+        seqs = self.running[start:end]
+        for seq, tok, lp in zip(seqs, tokens.tolist(), logprobs.tolist(), strict=True):
+            seq.token_ids.append(tok)
+            seq.logprobs.append(lp)
+            seq.versions.append(version)
+        self.generated_tokens += end - start
+        finished: dict[int, FinishReason] = {}
+        for i in done:
+            finished[start + i] = "stop" if bool(stopped[i]) else "length"
+        if self._stop_rows:
+            for seq in seqs:
+                if seq.params.stop and seq.row not in finished and self._hit_stop_string(seq):
+                    finished[seq.row] = "stop"
+        for seq in seqs:
+            if seq.stream and seq.row not in finished:
+                self._notify(seq)
+        for row in sorted(finished, reverse=True):
+            seq = self.running[row]
+            seq.finish_reason = finished[row]
+            self._remove(row)
+            self._notify(seq)
+
+    def _hit_stop_string(self, seq: Sequence) -> bool:
+        longest = max(len(s) for s in seq.params.stop)
+        tail = self.decode(seq.token_ids[-(longest + 8) :])
+        return any(s in tail for s in seq.params.stop)
+
+    # -- rows --------------------------------------------------------------------------------------
+
+    def _grow_state(self, rows: int) -> None:
+        if rows <= self._ints.shape[0]:
+            return
+        cap = max(2 * self._ints.shape[0], rows, 16)
+        ints = torch.zeros(cap, 7, dtype=torch.int64)
+        floats = torch.zeros(cap, 2, dtype=torch.float32)
+        stop_mask = torch.zeros(cap, self.vocab_size, dtype=torch.bool)
+        n = self._ints.shape[0]
+        ints[:n], floats[:n], stop_mask[:n] = self._ints, self._floats, self._stop_mask
+        self._ints, self._floats, self._stop_mask = ints, floats, stop_mask
+
+    def _place(self, seq: Sequence, row: int, cached: int) -> None:
+        p = seq.params
+        self._ints[row] = torch.tensor(
+            [
+                cached,
+                0,
+                0,
+                min(p.max_tokens, self.max_model_len - len(seq.prompt_ids)),
+                p.min_tokens,
+                p.top_k,
+                seq.key,
+            ]
+        )
+        self._floats[row] = torch.tensor([p.temperature, p.top_p])
+        stop_ids = [*p.stop_token_ids, *([] if p.ignore_eos else self.eos_token_ids)]
+        self._stop_mask[row] = False
+        self._stop_mask[row, [t for t in stop_ids if 0 <= t < self.vocab_size]] = True
+        seq.row = row
+        self.running.append(seq)
+        if p.stop:
+            self._stop_rows += 1
+
+    def _remove(self, row: int) -> None:
+        """Free a row: the last running row moves into it (rows stay dense)."""
+        seq = self.running[row]
+        last = len(self.running) - 1
+        if row != last:
+            moved = self.running[last]
+            self._cache.move_row(last, row, int(self._ints[last, _LEN]))
+            self._ints[row] = self._ints[last]
+            self._floats[row] = self._floats[last]
+            self._stop_mask[row] = self._stop_mask[last]
+            self.running[row] = moved
+            moved.row = row
+        self.running.pop()
+        seq.row = -1
+        self.reserved_tokens -= len(seq.prompt_ids) + seq.params.max_tokens
+        if seq.params.stop:
+            self._stop_rows -= 1
+        if not self.running:
+            self.reserved_tokens = 0
+
+    def _fail(self, seq: Sequence, message: str, status: int) -> None:
+        seq.error, seq.error_status, seq.finish_reason = message, status, "error"
+        self._notify(seq)
+
+    def _notify(self, seq: Sequence) -> None:
+        if seq.listener is not None:
+            seq.listener(seq)
+
+    # -- introspection -----------------------------------------------------------------------------
+
+    def kv_state(self, seq: Sequence) -> dict[str, int]:
+        return {"cached_tokens": int(self._ints[seq.row, _LEN]) if seq.row >= 0 else 0}
+
+    def stats(self) -> dict[str, float]:
+        n = len(self.running)
+        used = int(self._ints[:n, _LEN].sum()) if n else 0
+        per_token = self._cache.bytes_per_token
+        return {
+            "running": n,
+            "waiting": len(self.waiting),
+            "kv_used_tokens": used,
+            "kv_reserved_tokens": self.reserved_tokens,
+            "kv_max_tokens": self.config.max_kv_tokens,
+            "kv_capacity_tokens": self._cache.capacity_tokens,
+            "kv_bytes": self._cache.capacity_tokens * per_token,
+            "kv_use": self.reserved_tokens / self.config.max_kv_tokens,
+            "generated_tokens_total": self.generated_tokens,
+        }
+
+    @property
+    def cache(self) -> SlotCache:
+        return self._cache
+
+
+def _signature_params(fn: Callable[..., object]) -> set[str]:
+    import inspect
+
+    return set(inspect.signature(fn).parameters)

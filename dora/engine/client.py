@@ -1,0 +1,245 @@
+"""`EngineClient`: the instance interface of DESIGN §5 over one engine's HTTP API.
+
+generate (token ids in; token ids, behaviour logprobs and per-token versions out), load_weights,
+abort (returns the tokens so far), health, metrics, and the optional capability export/import
+(migration with the KV cache). Every call has a deadline (`asyncio.timeout`). Failures map onto
+dora.errors: unreachable -> ServerUnavailable, deadline -> ServerTimeout, 409 -> VersionMismatch,
+other 4xx -> RequestError, 5xx -> ServerError. The client does not retry: the caller owns the retry
+policy.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+from collections.abc import Mapping
+from types import TracebackType
+from typing import Literal
+
+import aiohttp
+import msgspec
+
+from dora.engine.api import ExportedRequest
+from dora.errors import RequestError, ServerError, ServerTimeout, ServerUnavailable, VersionMismatch
+from dora.protocol import Completion, SamplingParams
+
+Json = dict[str, object]
+_completion = msgspec.json.Decoder(Completion)
+
+
+class EngineClient:
+    """Talks to one engine instance at `base_url` (e.g. `http://127.0.0.1:8000`)."""
+
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        timeout_s: float = 600.0,
+        control_timeout_s: float = 120.0,
+        token: str | None = None,
+        session: aiohttp.ClientSession | None = None,
+    ) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.timeout_s = timeout_s
+        self.control_timeout_s = control_timeout_s
+        self._headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self._session = session
+        self._own_session = session is None
+
+    async def __aenter__(self) -> EngineClient:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        if self._own_session and self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    # -- the instance interface --------------------------------------------------------------------
+
+    async def generate(
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        *,
+        request_id: str,
+        version: int | None = None,
+        timeout_s: float | None = None,
+    ) -> Completion:
+        """Sample one completion of `prompt_ids`; `version` pins it (else VersionMismatch)."""
+        body: Json = {
+            "prompt": prompt_ids,
+            "request_id": request_id,
+            "max_tokens": params.max_tokens,
+            "min_tokens": params.min_tokens,
+            "temperature": params.temperature,
+            "top_p": params.top_p,
+            "top_k": params.top_k,
+            "stop": params.stop,
+            "stop_token_ids": params.stop_token_ids,
+            "ignore_eos": params.ignore_eos,
+            "seed": params.seed,
+            "logprobs": 0,
+            "return_token_ids": True,
+        }
+        if version is not None:
+            body["version"] = version
+        out = await self._post("/v1/completions", body, timeout_s or self.timeout_s, "generate")
+        choice = out["choices"][0]  # type: ignore[index]
+        return Completion(
+            request_id=request_id,
+            token_ids=choice["token_ids"],
+            logprobs=choice["logprobs"]["token_logprobs"],
+            versions=choice["versions"],
+            finish_reason=choice["finish_reason"],
+            prompt_tokens=len(prompt_ids),
+        )
+
+    async def load_weights(
+        self,
+        version: int,
+        *,
+        path: str | None = None,
+        tensors: Mapping[str, tuple[str, list[int], bytes]] | None = None,
+        mode: Literal["drain", "abort", "keep"] = "drain",
+        timeout_s: float | None = None,
+    ) -> Json:
+        """Load `version` from a safetensors folder `path`, or from raw `tensors` (name -> dtype,
+        shape, bytes). Returns {"version", "previous_version", "aborted", "load_s"}."""
+        body: Json = {"version": version, "mode": mode}
+        if path is not None:
+            body["path"] = path
+        if tensors is not None:
+            body.update(
+                names=list(tensors),
+                dtypes=[t[0] for t in tensors.values()],
+                shapes=[t[1] for t in tensors.values()],
+                data=[t[2] for t in tensors.values()],
+            )
+        return await self._post(
+            "/control/load_weights", body, timeout_s or self.control_timeout_s, "load", msgpack=True
+        )
+
+    async def abort(self, request_id: str, *, timeout_s: float | None = None) -> Completion:
+        """Stop a request; return what it sampled so far (the whole completion if it finished)."""
+        out = await self._post(
+            "/control/abort",
+            {"request_id": request_id},
+            timeout_s or self.control_timeout_s,
+            "abort",
+        )
+        return msgspec.convert(out["completions"][0], Completion, strict=False)  # type: ignore[index]
+
+    async def pause(self, *, timeout_s: float | None = None) -> None:
+        await self._post("/control/pause", {}, timeout_s or self.control_timeout_s, "pause")
+
+    async def resume(self, *, timeout_s: float | None = None) -> None:
+        await self._post("/control/resume", {}, timeout_s or self.control_timeout_s, "resume")
+
+    async def export_request(
+        self, request_id: str, *, timeout_s: float | None = None
+    ) -> ExportedRequest:
+        """Take a running request off this instance, with its sampling state and KV cache."""
+        raw = await self._call(
+            "POST",
+            "/control/export",
+            msgspec.json.encode({"request_id": request_id}),
+            "application/json",
+            timeout_s or self.control_timeout_s,
+            "export",
+        )
+        return msgspec.msgpack.decode(raw, type=ExportedRequest)
+
+    async def import_request(
+        self, exported: ExportedRequest, *, timeout_s: float | None = None
+    ) -> Completion:
+        """Continue an exported request here; returns its whole completion once it finishes."""
+        raw = await self._call(
+            "POST",
+            "/control/import",
+            msgspec.msgpack.encode(exported),
+            "application/msgpack",
+            timeout_s or self.timeout_s,
+            "import",
+        )
+        return _completion.decode(raw)
+
+    async def health(self, *, timeout_s: float = 5.0) -> Json:
+        return msgspec.json.decode(
+            await self._call("GET", "/health", None, None, timeout_s, "health")
+        )
+
+    async def metrics(self, *, timeout_s: float = 5.0) -> Json:
+        return msgspec.json.decode(
+            await self._call("GET", "/metrics", None, None, timeout_s, "metrics")
+        )
+
+    # -- transport ---------------------------------------------------------------------------------
+
+    async def _post(
+        self, path: str, body: Json, timeout_s: float, what: str, *, msgpack: bool = False
+    ) -> Json:
+        if msgpack:
+            raw = await self._call(
+                "POST", path, msgspec.msgpack.encode(body), "application/msgpack", timeout_s, what
+            )
+        else:
+            raw = await self._call(
+                "POST", path, msgspec.json.encode(body), "application/json", timeout_s, what
+            )
+        return msgspec.json.decode(raw)
+
+    async def _call(
+        self,
+        method: str,
+        path: str,
+        data: bytes | None,
+        content_type: str | None,
+        timeout_s: float,
+        what: str,
+    ) -> bytes:
+        if self._session is None:
+            self._session = aiohttp.ClientSession()
+        headers = dict(self._headers)
+        if content_type:
+            headers["Content-Type"] = content_type
+        url = self.base_url + path
+        payload = (
+            io.BytesIO(data) if data is not None and len(data) > 1 << 20 else data
+        )  # big bodies stream
+        try:
+            async with asyncio.timeout(timeout_s):
+                async with self._session.request(
+                    method, url, data=payload, headers=headers
+                ) as resp:
+                    raw = await resp.read()
+                    status = resp.status
+        except TimeoutError as exc:
+            raise ServerTimeout(f"{what}: no answer from {url} within {timeout_s:g} s") from exc
+        except aiohttp.ClientError as exc:
+            raise ServerUnavailable(f"{what}: {url} unreachable: {exc}") from exc
+        if status < 400:
+            return raw
+        message = _error_message(raw)
+        if status == 409:
+            raise VersionMismatch(f"{what}: {message}")
+        if status in (502, 503, 504):
+            raise ServerUnavailable(f"{what}: HTTP {status}: {message}")
+        if 400 <= status < 500:
+            raise RequestError(f"{what}: HTTP {status}: {message}")
+        raise ServerError(f"{what}: HTTP {status}: {message}")
+
+
+def _error_message(raw: bytes) -> str:
+    try:
+        body = msgspec.json.decode(raw)
+        return str(body["error"]["message"])
+    except (msgspec.DecodeError, KeyError, TypeError):
+        return raw[:200].decode(errors="replace")

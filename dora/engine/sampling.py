@@ -1,0 +1,109 @@
+"""Vectorised sampling for a batch of sequences: one call per decode step, no per-row Python.
+
+Randomness is counter-based, not a stateful `torch.Generator`: the noise for sequence `s` at output
+position `t` over vocabulary entry `v` is a hash of (key(s), t, v). So
+- a batch samples with one tensor expression, whatever mix of seeds it holds;
+- a seeded request draws the same tokens whether it runs alone or beside 63 others;
+- the whole "RNG state" of a request is its 64-bit key and the number of tokens it has sampled,
+  which is what request export carries, so a migrated request continues exactly where it left off.
+
+Sampling is Gumbel-max: `argmax(logits / T + g)` with `g = -log(-log(u))` picks token v with
+probability `softmax(logits / T)[v]`; top-k and top-p mask logits to -inf before it. Temperature 0
+is greedy.
+
+Behaviour logprobs are `log_softmax(logits / T)` over the whole vocabulary (T = 1 when greedy),
+taken *before* top-k/top-p truncation and before `min_tokens` bans, in float32 (DESIGN §5): this is
+what the trainer recomputes.
+
+The hash is `lowbias32` (Chris Wellons) on int64 tensors holding 32-bit values: products may wrap
+past 2**63, but only the low 32 bits are kept, which wrapping preserves.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+_M32 = 0xFFFFFFFF
+_GOLDEN = 0x9E3779B9
+
+
+def mix32(x: int) -> int:
+    """The lowbias32 hash of a Python int (its low 32 bits)."""
+    x &= _M32
+    x ^= x >> 16
+    x = (x * 0x7FEB352D) & _M32
+    x ^= x >> 15
+    x = (x * 0x846CA68B) & _M32
+    x ^= x >> 16
+    return x
+
+
+def mix32_tensor(x: torch.Tensor) -> torch.Tensor:
+    """The lowbias32 hash of every element of an int64 tensor (its low 32 bits)."""
+    x = x & _M32
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & _M32
+    x = x ^ (x >> 15)
+    x = (x * 0x846CA68B) & _M32
+    return x ^ (x >> 16)
+
+
+def sequence_key(seed: int, index: int = 0) -> int:
+    """The 32-bit noise key of output sequence `index` of a request seeded with `seed`."""
+    seed &= (1 << 64) - 1
+    return mix32(mix32(mix32(seed >> 32) ^ (seed & _M32)) ^ mix32(index + _GOLDEN))
+
+
+def uniform_noise(keys: torch.Tensor, steps: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """u in (0, 1), shape [rows, vocab], a pure function of (keys[i], steps[i], v)."""
+    row = mix32_tensor(keys ^ mix32_tensor(steps + _GOLDEN))
+    col = mix32_tensor(torch.arange(vocab_size, dtype=torch.int64) * 0x632BE5AB + 0x85EBCA6B)
+    bits = mix32_tensor(row[:, None] ^ col[None, :]) >> 8  # 24 bits: exact in float32
+    return (bits.to(torch.float32) + 0.5) * (1.0 / (1 << 24))
+
+
+@dataclass
+class SamplingBatch:
+    """Per-row sampling settings of the rows being sampled, as tensors (rows first)."""
+
+    temperature: torch.Tensor  # float32 [m]; 0 means greedy
+    top_p: torch.Tensor  # float32 [m]; 1 means off
+    top_k: torch.Tensor  # int64 [m]; <= 0 means off
+    keys: torch.Tensor  # int64 [m], 32-bit noise keys
+    steps: torch.Tensor  # int64 [m], tokens sampled so far
+    banned: torch.Tensor | None = None  # bool [m, vocab]: tokens that may not be sampled now
+
+
+def sample(logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sample one token per row; return (token ids int64 [m], behaviour logprobs float32 [m])."""
+    logits = logits.float()
+    greedy = batch.temperature <= 0
+    temp = torch.where(greedy, torch.ones_like(batch.temperature), batch.temperature)
+    scaled = logits / temp[:, None]
+    logprobs = torch.log_softmax(scaled, dim=-1)
+    scores = scaled
+    if batch.banned is not None:
+        scores = scores.masked_fill(batch.banned, float("-inf"))
+    if bool(((batch.top_k > 0) | (batch.top_p < 1)).any()):
+        scores = _truncate(scores, batch.top_k, batch.top_p)
+    u = uniform_noise(batch.keys, batch.steps, logits.shape[-1])
+    gumbel = -torch.log(-torch.log(u))
+    noisy = torch.where(greedy[:, None], scores, scores + gumbel)
+    tokens = noisy.argmax(dim=-1)
+    return tokens, logprobs.gather(1, tokens[:, None])[:, 0]
+
+
+def _truncate(scores: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Mask everything outside each row's top-k and top-p nucleus to -inf (the best token stays)."""
+    vocab = scores.shape[-1]
+    sorted_scores, order = scores.sort(dim=-1, descending=True)
+    rank = torch.arange(vocab)[None, :]
+    k = torch.where(top_k > 0, top_k.clamp(max=vocab), torch.full_like(top_k, vocab))
+    drop = rank >= k[:, None]
+    probs = torch.softmax(sorted_scores.masked_fill(drop, float("-inf")), dim=-1)
+    before = probs.cumsum(dim=-1) - probs  # mass strictly above this token
+    drop |= (before >= top_p[:, None]) & (rank > 0)
+    drop_unsorted = torch.zeros_like(drop).scatter(1, order, drop)
+    return scores.masked_fill(drop_unsorted, float("-inf"))

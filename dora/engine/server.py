@@ -1,0 +1,552 @@
+"""The engine's aiohttp app: OpenAI-compatible endpoints plus dora's control endpoints.
+
+The event loop only parses, validates and formats; the model runs on the engine thread (worker.py).
+A sequence's progress reaches the loop through `loop.call_soon_threadsafe`, so nothing here blocks
+on torch. Every response carries the weight version that produced it: a `"version"` body field and
+an `X-Dora-Version` header (the version of the first sampled token for completions; the current one
+for everything else).
+
+Control endpoints (`/control/...`) answer loopback peers only, unless a bearer token is configured,
+in which case every caller must present it. So binding to a public address without a token leaves
+control closed to the world, and binding with one opens it to whoever holds the token.
+
+A request whose HTTP caller goes away is aborted; finished results are remembered for a while, so an
+abort that races with the end of a request still returns the whole completion.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import ipaddress
+import time
+import uuid
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import torch
+from aiohttp import web
+
+from dora.engine import api, render
+from dora.engine.batcher import Batcher, BatcherConfig, Sequence
+from dora.engine.worker import EngineWorker, read_safetensors
+from dora.protocol import Completion, SamplingParams
+
+_DTYPES = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+}
+
+
+class _Watch:
+    """The loop's view of one sequence: how many tokens are out, and whether it is finished."""
+
+    def __init__(
+        self, loop: asyncio.AbstractEventLoop, seq: Sequence, changed: asyncio.Event
+    ) -> None:
+        self.seq = seq
+        self.count = 0
+        self.done = False
+        self._loop = loop
+        self._changed = changed
+        self.finished = asyncio.Event()
+        seq.listener = self._on_engine_thread
+
+    def _on_engine_thread(self, seq: Sequence) -> None:
+        count, done = len(seq.token_ids), seq.finish_reason is not None
+        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody is waiting any more
+            self._loop.call_soon_threadsafe(self._update, count, done)
+
+    def _update(self, count: int, done: bool) -> None:
+        self.count = max(self.count, count)
+        if done and not self.done:
+            self.done = True
+            self.finished.set()
+        self._changed.set()
+
+
+class EngineServer:
+    """One engine instance: model, engine thread and HTTP app. Use `EngineServer.start(...)`."""
+
+    def __init__(
+        self,
+        worker: EngineWorker,
+        tokenizer: object,
+        *,
+        model_name: str,
+        control_token: str | None = None,
+        max_request_bytes: int = 16 << 20,
+        max_control_bytes: int = 4 << 30,
+    ) -> None:
+        self.worker = worker
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+        self.control_token = control_token
+        self.max_request_bytes = max_request_bytes
+        self.url = ""
+        self._renderer = render.Renderer(tokenizer, worker.batcher.eos_token_ids)
+        self._inflight: dict[str, list[Sequence]] = {}
+        self._recent: OrderedDict[str, list[Completion]] = OrderedDict()
+        self.app = web.Application(
+            client_max_size=max_control_bytes, middlewares=[self._version_header]
+        )
+        self.app.add_routes(
+            [
+                web.post("/v1/completions", self._completions),
+                web.post("/v1/chat/completions", self._chat),
+                web.get("/v1/models", self._models),
+                web.get("/health", self._health),
+                web.get("/metrics", self._metrics),
+                web.post("/control/load_weights", self._load_weights),
+                web.post("/control/pause", self._pause),
+                web.post("/control/resume", self._resume),
+                web.post("/control/abort", self._abort),
+                web.post("/control/export", self._export),
+                web.post("/control/import", self._import),
+            ]
+        )
+
+    @classmethod
+    @contextlib.asynccontextmanager
+    async def start(
+        cls,
+        model_dir: str | Path,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        version: int = 0,
+        threads: int | None = None,
+        config: BatcherConfig | None = None,
+        control_token: str | None = None,
+        max_request_bytes: int = 16 << 20,
+    ) -> AsyncIterator[EngineServer]:
+        """Load the model, start the engine thread and serve; stop all of it on exit."""
+        if threads is not None:
+            torch.set_num_threads(threads)
+        model, loaded = await asyncio.to_thread(load_model, model_dir)
+        tok: Any = loaded
+        eos = [tok.eos_token_id] if tok.eos_token_id is not None else []
+        batcher = Batcher(
+            model, eos_token_ids=eos, decode=tok.decode, version=version, config=config
+        )
+        worker = EngineWorker(batcher, threads=threads)
+        server = cls(
+            worker,
+            tok,
+            model_name=Path(model_dir).name,
+            control_token=control_token,
+            max_request_bytes=max_request_bytes,
+        )
+        runner = web.AppRunner(server.app, access_log=None, handle_signals=False)
+        worker.start()
+        try:
+            await runner.setup()
+            site = web.TCPSite(runner, host, port)
+            await site.start()
+            bound = runner.addresses[0]
+            shown = f"[{bound[0]}]" if ":" in bound[0] else bound[0]
+            server.url = f"http://{shown}:{bound[1]}"
+            yield server
+        finally:
+            await runner.cleanup()
+            await asyncio.to_thread(worker.stop)
+
+    @property
+    def version(self) -> int:
+        return self.worker.batcher.version
+
+    # -- plumbing ----------------------------------------------------------------------------------
+
+    @web.middleware
+    async def _version_header(
+        self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+    ) -> web.StreamResponse:
+        response = await handler(request)
+        if not response.prepared:
+            response.headers.setdefault("X-Dora-Version", str(self.version))
+        return response
+
+    def _error(self, status: int, message: str) -> web.Response:
+        kind = {400: "invalid_request_error", 404: "not_found", 409: "version_mismatch"}.get(
+            status, "error"
+        )
+        body = {
+            "error": {"message": message, "type": kind, "code": status},
+            "version": self.version,
+        }
+        return web.json_response(body, status=status)
+
+    async def _read(self, request: web.Request, limit: int) -> bytes | web.Response:
+        if request.content_length is not None and request.content_length > limit:
+            return self._error(
+                413, f"request body of {request.content_length} bytes exceeds {limit}"
+            )
+        try:
+            body = await request.read()
+        except web.HTTPRequestEntityTooLarge as exc:
+            return self._error(413, str(exc))
+        if len(body) > limit:
+            return self._error(413, f"request body of {len(body)} bytes exceeds {limit}")
+        return body
+
+    async def _submit(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        *,
+        n: int,
+        version: int | None,
+        stream: bool = False,
+    ) -> list[_Watch]:
+        if request_id in self._inflight:
+            raise ValueError(f"request_id {request_id!r} is already in flight")
+        loop, changed = asyncio.get_running_loop(), asyncio.Event()
+        batcher = self.worker.batcher
+        seqs = [
+            batcher.new_sequence(
+                request_id if n == 1 else f"{request_id}#{i}",
+                prompt_ids,
+                params,
+                index=i,
+                version=version,
+                stream=stream,
+            )
+            for i in range(n)
+        ]
+        watches = [_Watch(loop, seq, changed) for seq in seqs]
+        self._inflight[request_id] = seqs
+        self.worker.call(lambda b: b.add_all(seqs))
+        return watches
+
+    async def _wait(self, request_id: str, watches: list[_Watch]) -> None:
+        """Wait until every sequence finished; abort them all if the caller goes away."""
+        try:
+            for w in watches:
+                await w.finished.wait()
+        finally:
+            self._forget(request_id, watches)
+
+    def _forget(self, request_id: str, watches: list[_Watch]) -> None:
+        seqs = self._inflight.pop(request_id, [])
+        if any(not w.done for w in watches):
+            self.worker.call(lambda b: [b.abort(s) for s in seqs if s.finish_reason is None])
+        self._recent[request_id] = [s.completion() for s in seqs]
+        while len(self._recent) > 4096:
+            self._recent.popitem(last=False)
+
+    def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            return list(self.tokenizer(prompt).input_ids)  # type: ignore[operator]
+        vocab = self.worker.batcher.vocab_size
+        bad = [t for t in prompt if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token ids out of range [0, {vocab}): {bad[:5]}")
+        return list(prompt)
+
+    # -- OpenAI endpoints --------------------------------------------------------------------------
+
+    async def _completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, chat=False)
+
+    async def _chat(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, chat=True)
+
+    async def _generate(self, request: web.Request, *, chat: bool) -> web.StreamResponse:
+        body = await self._read(request, self.max_request_bytes)
+        if isinstance(body, web.Response):
+            return body
+        req: api.CompletionRequest | api.ChatRequest
+        try:
+            if chat:
+                req = api.decode_strict(body, api.ChatRequest)
+                prompt_ids = self._renderer.chat_prompt(
+                    req.messages, req.tools, req.add_generation_prompt
+                )
+            else:
+                req = api.decode_strict(body, api.CompletionRequest)
+                prompt_ids = self._prompt_ids(req.prompt)
+            default_max = self.worker.batcher.max_model_len - len(prompt_ids) if chat else 16
+            max_tokens = req.max_completion_tokens if isinstance(req, api.ChatRequest) else None
+            params = req.sampling_params(max_tokens or max(default_max, 1))
+            request_id = req.request_id or f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+            watches = await self._submit(
+                request_id, prompt_ids, params, n=req.n, version=req.version, stream=req.stream
+            )
+        except ValueError as exc:
+            return self._error(400, str(exc))
+        meta = render.Meta(
+            id=request_id,
+            model=req.model or self.model_name,
+            created=int(time.time()),
+            prompt_tokens=len(prompt_ids),
+        )
+        if req.stream:
+            return await self._stream(request, req, meta, watches)
+        await self._wait(request_id, watches)
+        failed = next((w.seq for w in watches if w.seq.error), None)
+        if failed is not None:
+            return self._error(failed.error_status, failed.error or "")
+        seqs = [w.seq for w in watches]
+        out = (
+            self._renderer.chat_response(meta, req, seqs)
+            if isinstance(req, api.ChatRequest)
+            else (self._renderer.completion_response(meta, req, seqs))
+        )
+        response = web.json_response(out)
+        response.headers["X-Dora-Version"] = str(out["version"])
+        return response
+
+    async def _stream(
+        self,
+        request: web.Request,
+        req: api.CompletionRequest | api.ChatRequest,
+        meta: render.Meta,
+        watches: list[_Watch],
+    ) -> web.StreamResponse:
+        response = web.StreamResponse(
+            headers={
+                "Content-Type": "text/event-stream",
+                "Cache-Control": "no-cache",
+                "X-Dora-Version": str(self.version),
+            }
+        )
+        await response.prepare(request)
+        streamer = render.Streamer(self._renderer, meta, req, [w.seq for w in watches])
+        changed = watches[0]._changed
+        try:
+            while True:
+                await changed.wait()
+                changed.clear()
+                for i, w in enumerate(watches):
+                    for chunk in streamer.chunks(i, w.count, w.done):
+                        await response.write(b"data: " + msgspec.json.encode(chunk) + b"\n\n")
+                if all(w.done for w in watches):
+                    break
+            for chunk in streamer.final():
+                await response.write(b"data: " + msgspec.json.encode(chunk) + b"\n\n")
+            await response.write(b"data: [DONE]\n\n")
+        finally:
+            self._forget(meta.id, watches)
+        return response
+
+    async def _models(self, request: web.Request) -> web.Response:
+        card = {
+            "id": self.model_name,
+            "object": "model",
+            "created": 0,
+            "owned_by": "dora",
+            "max_model_len": self.worker.batcher.max_model_len,
+            "version": self.version,
+        }
+        return web.json_response({"object": "list", "data": [card], "version": self.version})
+
+    async def _health(self, request: web.Request) -> web.Response:
+        return web.json_response(
+            {"status": "ok", "version": self.version, "paused": self.worker.paused}
+        )
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        stats = await asyncio.wrap_future(self.worker.call(lambda b: b.stats()))
+        out: dict[str, object] = {"version": self.version, "paused": self.worker.paused, **stats}
+        out["tokens_per_s"] = self.worker.rate()
+        return web.json_response(out)
+
+    # -- control -----------------------------------------------------------------------------------
+
+    def _allowed(self, request: web.Request) -> web.Response | None:
+        if self.control_token:
+            given = request.headers.get("Authorization", "")
+            if hmac.compare_digest(given.encode(), f"Bearer {self.control_token}".encode()):
+                return None
+            return self._error(401, "control endpoints need a valid bearer token")
+        try:
+            loopback = ipaddress.ip_address(request.remote or "").is_loopback
+        except ValueError:
+            loopback = False
+        return (
+            None if loopback else self._error(403, "control endpoints answer loopback callers only")
+        )
+
+    async def _control_body(self, request: web.Request, cls: type[api.S]) -> api.S | web.Response:
+        denied = self._allowed(request)
+        if denied is not None:
+            return denied
+        body = await self._read(request, self.app._client_max_size)
+        if isinstance(body, web.Response):
+            return body
+        try:
+            if request.content_type == "application/msgpack":
+                return msgspec.msgpack.decode(body, type=cls)
+            return api.decode_strict(body or b"{}", cls)
+        except (ValueError, msgspec.DecodeError) as exc:
+            return self._error(400, str(exc))
+
+    async def _load_weights(self, request: web.Request) -> web.Response:
+        req = await self._control_body(request, api.LoadWeightsRequest)
+        if isinstance(req, web.Response):
+            return req
+        try:
+            tensors = _tensor_source(req)
+        except ValueError as exc:
+            return self._error(400, str(exc))
+        try:
+            result = await asyncio.wrap_future(
+                self.worker.load_weights(tensors, version=req.version, mode=req.mode)
+            )
+        except (ValueError, FileNotFoundError) as exc:
+            return self._error(400, f"weights not loaded: {exc}")
+        return web.json_response(result)
+
+    async def _pause(self, request: web.Request) -> web.Response:
+        return await self._set_paused(request, True)
+
+    async def _resume(self, request: web.Request) -> web.Response:
+        return await self._set_paused(request, False)
+
+    async def _set_paused(self, request: web.Request, paused: bool) -> web.Response:
+        denied = self._allowed(request)
+        if denied is not None:
+            return denied
+        await asyncio.wrap_future(self.worker.set_paused(paused))
+        return web.json_response({"paused": paused, "version": self.version})
+
+    async def _abort(self, request: web.Request) -> web.Response:
+        req = await self._control_body(request, api.RequestIdBody)
+        if isinstance(req, web.Response):
+            return req
+        seqs = self._inflight.get(req.request_id)
+        if seqs is not None:
+            done = await asyncio.wrap_future(
+                self.worker.call(
+                    lambda b: [
+                        b.abort(s) if s.finish_reason is None else s.completion() for s in seqs
+                    ]
+                )
+            )
+        elif req.request_id in self._recent:
+            done = self._recent[req.request_id]
+        else:
+            return self._error(404, f"unknown request_id {req.request_id!r}")
+        return web.json_response(
+            {"request_id": req.request_id, "completions": [render.completion_dict(c) for c in done]}
+        )
+
+    async def _export(self, request: web.Request) -> web.Response:
+        req = await self._control_body(request, api.RequestIdBody)
+        if isinstance(req, web.Response):
+            return req
+        seqs = self._inflight.get(req.request_id)
+        if seqs is None:
+            return self._error(404, f"request_id {req.request_id!r} is not in flight")
+        if len(seqs) != 1:
+            return self._error(400, "only requests with n = 1 can be exported")
+        seq = seqs[0]
+
+        def detach(b: Batcher) -> api.ExportedRequest | None:
+            if seq.finish_reason is not None:
+                return None
+            version = b.version
+            kv = b.detach(seq)
+            return _exported(seq, version, kv)
+
+        exported = await asyncio.wrap_future(self.worker.call(detach))
+        if exported is None:
+            return self._error(409, f"request {req.request_id!r} already finished")
+        return web.Response(
+            body=msgspec.msgpack.encode(exported), content_type="application/msgpack"
+        )
+
+    async def _import(self, request: web.Request) -> web.Response:
+        req = await self._control_body(request, api.ExportedRequest)
+        if isinstance(req, web.Response):
+            return req
+        if req.version != self.version:
+            return self._error(
+                409, f"request holds version {req.version}, engine holds {self.version}"
+            )
+        if req.request_id in self._inflight:
+            return self._error(400, f"request_id {req.request_id!r} is already in flight")
+        seq = Sequence(
+            id=req.request_id,
+            prompt_ids=req.prompt_ids,
+            params=req.params,
+            key=req.key,
+            version=req.version,
+            token_ids=list(req.token_ids),
+            logprobs=list(req.logprobs),
+            versions=list(req.versions),
+        )
+        if req.kv:
+            kv = torch.frombuffer(bytearray(req.kv), dtype=torch.uint8).view(_DTYPES[req.kv_dtype])
+            seq.kv_import = kv.reshape(req.kv_shape)
+        elif req.token_ids:
+            return self._error(400, "a request with sampled tokens needs its KV cache")
+        watch = _Watch(asyncio.get_running_loop(), seq, asyncio.Event())
+        self._inflight[req.request_id] = [seq]
+        self.worker.call(lambda b: b.add(seq))
+        await self._wait(req.request_id, [watch])
+        if seq.error:
+            return self._error(seq.error_status, seq.error)
+        return web.json_response(render.completion_dict(seq.completion()))
+
+
+def _exported(seq: Sequence, version: int, kv: torch.Tensor | None) -> api.ExportedRequest:
+    raw, dtype, shape = b"", "", []
+    if kv is not None:
+        raw = kv.contiguous().view(torch.uint8).numpy().tobytes()
+        dtype, shape = str(kv.dtype).removeprefix("torch."), list(kv.shape)
+    return api.ExportedRequest(
+        request_id=seq.id,
+        version=version,
+        prompt_ids=seq.prompt_ids,
+        token_ids=list(seq.token_ids),
+        logprobs=list(seq.logprobs),
+        versions=list(seq.versions),
+        params=seq.params,
+        key=seq.key,
+        kv=raw,
+        kv_dtype=dtype,
+        kv_shape=shape,
+    )
+
+
+def _tensor_source(req: api.LoadWeightsRequest) -> render.TensorSource:
+    if req.path:
+        path = req.path
+        return lambda: read_safetensors(path)
+    if not (len(req.names) == len(req.dtypes) == len(req.shapes) == len(req.data)) or not req.names:
+        raise ValueError(
+            "give either path or names, dtypes, shapes and data of equal, non-zero length"
+        )
+    unknown = sorted({d for d in req.dtypes if d not in _DTYPES})
+    if unknown:
+        raise ValueError(f"unsupported dtypes {unknown}; use one of {sorted(_DTYPES)}")
+
+    def build() -> dict[str, torch.Tensor]:
+        return {
+            name: torch.frombuffer(bytearray(data), dtype=_DTYPES[dtype]).reshape(shape)
+            for name, dtype, shape, data in zip(
+                req.names, req.dtypes, req.shapes, req.data, strict=True
+            )
+        }
+
+    return build
+
+
+def load_model(model_dir: str | Path) -> tuple[torch.nn.Module, object]:
+    """The model (float32 unless it is stored otherwise, eval mode) and its tokenizer."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    return model, tok

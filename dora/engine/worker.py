@@ -1,0 +1,193 @@
+"""The engine thread: owns one Batcher, steps it, and runs every command against it in between
+steps.
+
+Nothing else touches the Batcher. Other threads (the aiohttp event loop) hand it closures with
+`call`, which returns a `concurrent.futures.Future`; the loop awaits it with `asyncio.wrap_future`.
+So engine compute never blocks the event loop, and batcher state needs no locks.
+
+Weight loads have three modes:
+- "drain": admission stops, running sequences finish under the old weights, then the load happens;
+- "abort": running and waiting sequences end now with finish_reason "abort" (tokens so far), then
+  load;
+- "keep": load between two steps; running sequences go on under the new weights (partial rollout),
+  and each token's version says which weights sampled it.
+
+Pausing stops stepping (commands still run), so a paused engine can still export or abort requests.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Literal, TypeVar
+
+import torch
+
+from dora.engine.batcher import Batcher
+
+T = TypeVar("T")
+LoadMode = Literal["drain", "abort", "keep"]
+log = logging.getLogger(__name__)
+
+
+class EngineWorker:
+    """Runs a Batcher on a dedicated thread."""
+
+    def __init__(self, batcher: Batcher, *, threads: int | None = None) -> None:
+        self.batcher = batcher
+        self.paused = False
+        self._threads = threads
+        self._commands: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="dora-engine", daemon=True)
+        self._pending_loads: list[tuple[Callable[[], None], Future[dict[str, object]]]] = []
+        self._rate: deque[tuple[float, int]] = deque()
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """Abort what is in flight and stop the thread."""
+        if self._thread.is_alive():
+            self.call(lambda b: b.abort_all())
+            self._commands.put(None)
+            self._thread.join(timeout_s)
+
+    def call(self, fn: Callable[[Batcher], T]) -> Future[T]:
+        """Run `fn(batcher)` on the engine thread between two steps."""
+        future: Future[T] = Future()
+
+        def run() -> None:
+            if not future.set_running_or_notify_cancel():
+                return
+            try:
+                future.set_result(fn(self.batcher))
+            except BaseException as exc:  # handed to the caller, who decides
+                future.set_exception(exc)
+
+        self._commands.put(run)
+        return future
+
+    def set_paused(self, paused: bool) -> Future[bool]:
+        def apply(_: Batcher) -> bool:
+            self.paused = paused
+            return paused
+
+        return self.call(apply)
+
+    def load_weights(
+        self, tensors: Callable[[], dict[str, torch.Tensor]], *, version: int, mode: LoadMode
+    ) -> Future[dict[str, object]]:
+        """Load the weights `tensors()` returns as `version`, with the given in-flight semantics."""
+        result: Future[dict[str, object]] = Future()
+        aborted: list[str] = []
+
+        def do_load() -> None:
+            started = time.perf_counter()
+            previous = self.batcher.version
+            try:
+                _copy_weights(self.batcher.model, tensors())
+            except BaseException as exc:
+                self.batcher.admission_paused = bool(self._pending_loads)
+                result.set_exception(exc)
+                return
+            self.batcher.version = version
+            self.batcher.admission_paused = bool(self._pending_loads)
+            result.set_result(
+                {
+                    "version": version,
+                    "previous_version": previous,
+                    "aborted": aborted,
+                    "load_s": time.perf_counter() - started,
+                }
+            )
+
+        def begin() -> None:
+            if mode == "abort":
+                aborted.extend(c.request_id for c in self.batcher.abort_all())
+            if mode == "drain" and self.batcher.running:
+                self.batcher.admission_paused = True
+                self._pending_loads.append((do_load, result))
+            else:
+                do_load()
+
+        self._commands.put(begin)
+        return result
+
+    def rate(self) -> float:
+        """Generated tokens per second over the last ~10 s."""
+        if len(self._rate) < 2:
+            return 0.0
+        (t0, n0), (t1, n1) = self._rate[0], self._rate[-1]
+        return (n1 - n0) / (t1 - t0) if t1 > t0 else 0.0
+
+    def _run(self) -> None:
+        if self._threads is not None:
+            torch.set_num_threads(self._threads)
+        while True:
+            busy = self.batcher.has_work() and not self.paused
+            try:
+                command = self._commands.get(block=not busy)
+                while True:
+                    if command is None:
+                        return
+                    command()
+                    command = self._commands.get_nowait()
+            except queue.Empty:
+                pass
+            if self._pending_loads and not self.batcher.running:
+                self._pending_loads.pop(0)[0]()
+            if self.batcher.has_work() and not self.paused:
+                try:
+                    self.batcher.step()
+                except Exception:
+                    log.exception("engine step failed; ending every request in flight")
+                    for seq in [*self.batcher.running, *self.batcher.waiting]:
+                        seq.error = "engine step failed (see the engine log)"
+                    self.batcher.abort_all()
+                self._record_rate()
+
+    def _record_rate(self) -> None:
+        now = time.monotonic()
+        self._rate.append((now, self.batcher.generated_tokens))
+        while len(self._rate) > 2 and now - self._rate[0][0] > 10.0:
+            self._rate.popleft()
+
+
+def _copy_weights(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> None:
+    """Copy every parameter in place; names must cover all parameters (tied copies optional)."""
+    state = model.state_dict()
+    unknown = sorted(set(tensors) - set(state))
+    required = {name for name, _ in model.named_parameters()}
+    missing = sorted(required - set(tensors))
+    if unknown or missing:
+        raise ValueError(
+            f"weights do not match the model: unknown {unknown[:5]}, missing {missing[:5]}"
+        )
+    with torch.no_grad():
+        for name, tensor in tensors.items():
+            target = state[name]
+            if tuple(target.shape) != tuple(tensor.shape):
+                raise ValueError(
+                    f"{name}: shape {tuple(tensor.shape)}, model has {tuple(target.shape)}"
+                )
+        for name, tensor in tensors.items():
+            state[name].copy_(tensor)
+
+
+def read_safetensors(folder: str | Path) -> dict[str, torch.Tensor]:
+    """Every tensor of every *.safetensors file in `folder`."""
+    from safetensors.torch import load_file
+
+    files = sorted(Path(folder).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors in {folder}")
+    tensors: dict[str, torch.Tensor] = {}
+    for f in files:
+        tensors.update(load_file(str(f)))
+    return tensors

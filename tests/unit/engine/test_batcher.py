@@ -1,0 +1,145 @@
+"""The batcher without HTTP: logprobs vs a forward pass, continuous admission, caps, KV moves."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from dora.engine.batcher import Batcher, BatcherConfig, Sequence
+from dora.models.tiny import build_tiny_model
+from dora.protocol import SamplingParams
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture(scope="module")
+def model_and_tok(tmp_path_factory: pytest.TempPathFactory) -> tuple[torch.nn.Module, object]:
+    path: Path = build_tiny_model(tmp_path_factory.mktemp("batcher") / "tiny")
+    torch.set_num_threads(1)
+    return AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.float32
+    ).eval(), AutoTokenizer.from_pretrained(path)
+
+
+def make(model_and_tok: tuple[torch.nn.Module, object], **config: int) -> Batcher:
+    model, tok = model_and_tok
+    return Batcher(
+        model, eos_token_ids=[tok.eos_token_id], decode=tok.decode, config=BatcherConfig(**config)
+    )  # type: ignore[attr-defined]
+
+
+def run(b: Batcher, seqs: list[Sequence]) -> None:
+    for s in seqs:
+        b.add(s)
+    while b.has_work():
+        b.step()
+
+
+def test_varied_lengths_match_a_forward_pass(model_and_tok: tuple[torch.nn.Module, object]) -> None:
+    b = make(model_and_tok, max_running=5)
+    seqs = [
+        b.new_sequence(
+            f"r{i}",
+            list(range(3, 3 + 2 + 5 * i)),
+            SamplingParams(max_tokens=10 + 13 * i, seed=i, ignore_eos=True),
+        )
+        for i in range(12)
+    ]
+    run(b, seqs)
+    model = model_and_tok[0]
+    for s in seqs:
+        assert s.finish_reason == "length" and len(s.token_ids) == s.params.max_tokens
+        with torch.no_grad():
+            logits = model(torch.tensor([s.prompt_ids + s.token_ids])).logits[0]
+        ref = torch.log_softmax(logits, -1)[len(s.prompt_ids) - 1 : -1].gather(
+            1, torch.tensor(s.token_ids)[:, None]
+        )
+        assert (ref[:, 0] - torch.tensor(s.logprobs)).abs().max() < 1e-4
+    assert b.running == [] and b.reserved_tokens == 0
+
+
+def test_seeded_sequence_is_the_same_alone_and_in_a_crowd(
+    model_and_tok: tuple[torch.nn.Module, object],
+) -> None:
+    b = make(model_and_tok)
+    params = SamplingParams(max_tokens=30, seed=123, temperature=0.8, top_p=0.9, top_k=20)
+    crowd = [
+        b.new_sequence(f"c{i}", [4, 5, 6 + i], SamplingParams(max_tokens=5 + i, seed=i))
+        for i in range(20)
+    ]
+    target = b.new_sequence("t", [7, 8, 9], params)
+    run(b, [*crowd[:10], target, *crowd[10:]])
+    alone = b.new_sequence("a", [7, 8, 9], params)
+    run(b, [alone])
+    assert alone.token_ids == target.token_ids
+
+
+def test_caps_bound_running_sequences_and_kv(model_and_tok: tuple[torch.nn.Module, object]) -> None:
+    b = make(model_and_tok, max_running=3, max_kv_tokens=100)
+    seqs = [
+        b.new_sequence(f"r{i}", [5] * 10, SamplingParams(max_tokens=20, ignore_eos=True))
+        for i in range(8)
+    ]
+    for s in seqs:
+        b.add(s)
+    peak_running = peak_reserved = 0
+    while b.has_work():
+        b.step()
+        peak_running = max(peak_running, len(b.running))
+        peak_reserved = max(peak_reserved, b.reserved_tokens)
+    assert peak_running == 3 and peak_reserved <= 100
+    assert all(len(s.token_ids) == 20 for s in seqs)
+
+
+def test_min_tokens_and_stop_token_ids(model_and_tok: tuple[torch.nn.Module, object]) -> None:
+    b = make(model_and_tok)
+    probe = b.new_sequence("p", [9, 9], SamplingParams(max_tokens=40, seed=5, ignore_eos=True))
+    run(b, [probe])
+    stop_at = probe.token_ids[3]
+    stopped = b.new_sequence(
+        "s",
+        [9, 9],
+        SamplingParams(max_tokens=40, seed=5, ignore_eos=True, stop_token_ids=[stop_at]),
+    )
+    run(b, [stopped])
+    assert (
+        stopped.finish_reason == "stop"
+        and stopped.token_ids == probe.token_ids[: probe.token_ids.index(stop_at) + 1]
+    )
+    late = b.new_sequence(
+        "m",
+        [9, 9],
+        SamplingParams(
+            max_tokens=40, seed=5, ignore_eos=True, stop_token_ids=[stop_at], min_tokens=30
+        ),
+    )
+    run(b, [late])
+    assert len(late.token_ids) >= 30 and stop_at not in late.token_ids[:30]
+
+
+def test_detached_kv_resumes_on_another_batcher(
+    model_and_tok: tuple[torch.nn.Module, object],
+) -> None:
+    a, c = make(model_and_tok), make(model_and_tok)
+    params = SamplingParams(max_tokens=50, seed=77, ignore_eos=True)
+    ref = a.new_sequence("ref", [3, 4, 5, 6], params)
+    run(a, [ref])
+    moving = a.new_sequence("m", [3, 4, 5, 6], params)
+    others = [
+        a.new_sequence(f"o{i}", [8] * (i + 1), SamplingParams(max_tokens=60, seed=i))
+        for i in range(4)
+    ]
+    for s in [*others, moving]:
+        a.add(s)
+    for _ in range(20):
+        a.step()
+    kv = a.detach(moving)
+    assert kv is not None and kv.shape[3] == 4 + len(moving.token_ids) - 1
+    moving.finish_reason, moving.kv_import = None, kv
+    c.add(moving)
+    while c.has_work():
+        c.step()
+    assert moving.token_ids == ref.token_ids
