@@ -23,6 +23,7 @@ class Run:
     steps: int
     admitted: set[str] = field(default_factory=set)
     running: list[str] = field(default_factory=list)
+    unstarted: list[str] = field(default_factory=list)
     filtered: set[str] = field(default_factory=set)
     rolled_back: set[str] = field(default_factory=set)
     inbox: dict[int, list[Assigned]] = field(default_factory=dict)
@@ -66,8 +67,13 @@ def drive(params: tuple[int, int, int, int, int, float, float, float, int]) -> R
         if run.trainer_step >= steps:
             break
         actions: list[str] = []
-        if len(run.running) < slots and q.admission_blocker() is None:
+        if len(run.running) + len(run.unstarted) < slots and q.admission_blocker() is None:
             actions.append("admit")
+        if run.unstarted:
+            actions.append("start")
+            newest = q.newest_version
+            if newest is not None and any(q.group_version(g) < newest for g in run.unstarted):
+                actions.append("rebind")
         if run.running:
             actions += ["complete"] * 3
         if len(run.inbox.get(run.trainer_step, [])) == b:
@@ -86,9 +92,23 @@ def drive(params: tuple[int, int, int, int, int, float, float, float, int]) -> R
             out = q.try_admit(gid)
             assert isinstance(out, Admitted)
             assert out.version + k >= q.step
-            q.start(gid)
             run.admitted.add(gid)
+            if rng.random() < 0.3:  # bound late but not started yet: may be re-bound
+                run.unstarted.append(gid)
+            else:
+                q.start(gid)
+                run.running.append(gid)
+        elif action == "start":
+            gid = run.unstarted.pop(rng.randrange(len(run.unstarted)))
+            q.start(gid)
             run.running.append(gid)
+        elif action == "rebind":
+            newest = q.newest_version
+            assert newest is not None
+            gid = next(g for g in run.unstarted if q.group_version(g) < newest)
+            before = q.deadline(gid)
+            run.receive(q.rebind(gid, version=newest))
+            assert q.deadline(gid) >= before
         elif action == "complete":
             gid = run.running.pop(rng.randrange(len(run.running)))
             if rng.random() < p_fail:
@@ -132,6 +152,7 @@ def restart(run: Run) -> None:
     run.restarts += 1
     run.rolled_back |= set(report.rolled_back)
     run.running = [g for g in run.running if g not in run.rolled_back]
+    run.unstarted = [g for g in run.unstarted if g not in run.rolled_back]
     run.trainer_step = c + 1
     run.inbox = {}
     run.trained = {s: v for s, v in run.trained.items() if s <= c}
@@ -154,7 +175,7 @@ def test_every_group_consumed_once_within_staleness(
     assert set(consumed) | run.filtered | run.rolled_back == run.admitted
     assert not (set(consumed) & run.filtered) and not (set(consumed) & run.rolled_back)
     acc = q.accounting()
-    assert acc.unassigned == 0 and not run.running
+    assert acc.unassigned == 0 and not run.running and not run.unstarted
     assert acc.filtered == len(run.filtered) and acc.rolled_back == len(run.rolled_back)
     assert acc.consumed == len(consumed) and acc.admitted == len(run.admitted)
     for s in range(run.steps):
