@@ -32,8 +32,12 @@ Non-obvious choices:
   multi-turn episode that still needs it.
 - `Load` is only emitted for an instance with no requests; the instance is not ready (gets no
   requests) until the driver reports `on_loaded`.
-- Planning is one pass over instances and versions, O(instances + versions + parked) per event; a
-  finishing request of the newest version with nothing parked or draining skips it (O(1)).
+- The one exception to "old to newest only": a version whose requests wait with no room (its
+  instance died, or there are fewer instances than live versions) gets an instance back, in
+  deadline order, by draining (never preempting) one of the newest version's instances.
+- Planning costs O(live versions x instances + parked) per event; a finishing request of the
+  newest version with nothing parked or draining skips it (O(1)). Orchestration events are per
+  request and per version, not per token, so this is far below the engine's own costs.
 
 Usage::
 
