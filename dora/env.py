@@ -133,7 +133,11 @@ class Env:
         return []
 
     def step(self, messages: list[Message] | str) -> Reply | Awaitable[Reply]:
-        """Answer a model turn that called no tool; the default ends the episode."""
+        """Answer a model turn that called no tool; the default ends the episode.
+
+        Reply messages returned with `done=True` are recorded in `Episode.messages` (for the reward)
+        but not tokenized: the model never answers them.
+        """
         return [], True
 
     def reward(self, episode: Episode) -> Reward | Awaitable[Reward]:

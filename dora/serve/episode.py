@@ -23,7 +23,11 @@ Invariants (DESIGN §5, "Dispatcher and env runner"):
   propagate: the serve side owns that policy. Cancellation always propagates.
 - Limits: `max_turns` model turns, `max_total_tokens` sampled tokens over all turns, `context_limit`
   tokens in the whole sequence; environment tokens that would cross the context limit are not
-  appended and the episode stops with finish reason "context".
+  appended and the episode stops with finish reason "context". A turn cut off by a token limit
+  ends the episode ("length"): continuing after half a turn would train on a broken conversation.
+- Tool calls are parsed only when the env offers tools (a single-turn env stays single-turn whatever
+  the model writes). Tool calls of one turn run one after another, in the order written (tools may
+  share state on the env object); malformed calls are answered after them.
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ import logging
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal, Protocol, cast
+from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeVar, cast
 
 import msgspec
 
@@ -188,8 +192,8 @@ class ChatRenderer:
 
 class GroupFailed(EnvError):
     """An episode of a group failed and the group policy is `retry`: regenerate the whole group at
-    the same version (if still admissible). `samples` are the G samples, `errors` the failures'
-    messages."""
+    the same version (if still admissible). `samples` are the G samples (the failed ones masked:
+    once the retries are spent, deliver them as the group), `errors` the failures' messages."""
 
     def __init__(self, prompt_id: str, samples: list[Sample], errors: list[str]) -> None:
         super().__init__(f"{len(errors)} episode(s) of prompt {prompt_id!r} failed: {errors[0]}")
@@ -214,6 +218,26 @@ async def _env_call(what: str, fn: Callable[..., object], *args: object) -> obje
     except Exception as exc:
         log.warning("environment %s raised", what, exc_info=True)
         raise _EnvFailure(f"{what} raised {type(exc).__name__}: {exc}") from exc
+
+
+R = TypeVar("R", list[Message], str)
+
+
+def _check_reply(raw: object, kind: type[R]) -> tuple[R, bool]:
+    """`step`'s return value, checked: a (reply, done) pair whose reply has the episode's kind."""
+    if (
+        not isinstance(raw, tuple)
+        or len(raw) != 2
+        or not isinstance(raw[0], kind)
+        or not isinstance(raw[1], bool)
+    ):
+        what = "a list of messages" if kind is list else "text"
+        raise _EnvFailure(f"step() must return ({what}, done: bool), got {raw!r:.200}")
+    if kind is list and not all(isinstance(m, dict) and "role" in m for m in raw[0]):
+        raise _EnvFailure(
+            f"step() returned a reply that is not a list of messages: {raw[0]!r:.200}"
+        )
+    return raw[0], raw[1]
 
 
 def _total(reward: Reward) -> tuple[float, dict[str, float]]:
@@ -296,7 +320,10 @@ async def run_episode(
                 raise _EnvFailure("tools need a chat prompt: reset() returned plain text")
             traj.add_context(renderer.encode(prompt))
         elif isinstance(prompt, list):
-            traj.add_context(renderer.prompt_ids(prompt, toolbox.schemas))
+            ids = await _env_call(
+                "rendering reset()'s messages", renderer.prompt_ids, prompt, toolbox.schemas
+            )
+            traj.add_context(cast("list[int]", ids))
         else:
             raise _EnvFailure(
                 f"reset() must return messages or a string, not {type(prompt).__name__}"
@@ -376,7 +403,7 @@ async def _loop(
         text = renderer.decode(completion.token_ids)
         if completion.finish_reason == "length":
             completion_text = renderer.split_turn_end(text)[0] if chat else text
-            _record_turn(messages, parse_tool_calls(completion_text) if chat else None)
+            _record_turn(messages, _parse(completion_text, toolbox) if chat else None)
             finish = (
                 "context" if context_budget < min(params.max_tokens, token_budget) else "length"
             )
@@ -385,25 +412,23 @@ async def _loop(
         if chat:
             assert isinstance(messages, list)
             completion_text, turn_end = renderer.split_turn_end(text)
-            parsed = parse_tool_calls(completion_text)
+            parsed = _parse(completion_text, toolbox)
             _record_turn(messages, parsed)
             if parsed.calls or parsed.errors:
                 replies = await _run_tools(toolbox, parsed.calls, parsed.errors, limits, state)
                 done = False
             else:
-                reply, done = cast(
-                    "tuple[list[Message], bool]", await _env_call("step", env.step, list(messages))
-                )
-                replies = list(reply)
+                raw = await _env_call("step", env.step, list(messages))
+                replies, done = _check_reply(raw, list)
             messages.extend(replies)
             if not done and state["turns"] < limits.max_turns:
-                new_ids = renderer.encode(turn_end) + renderer.new_message_ids(replies)
+                rendered = await _env_call("rendering", renderer.new_message_ids, replies)
+                new_ids = renderer.encode(turn_end) + cast("list[int]", rendered)
         else:
             completion_text = text
             messages = cast(str, messages) + text
-            reply_text, done = cast("tuple[str, bool]", await _env_call("step", env.step, messages))
-            if not isinstance(reply_text, str):
-                raise _EnvFailure("step() of a plain-text episode must return text")
+            raw = await _env_call("step", env.step, messages)
+            reply_text, done = _check_reply(raw, str)
             messages += reply_text
             new_ids = renderer.encode(reply_text)
         if done:
@@ -425,6 +450,11 @@ async def _loop(
         num_tool_calls=state["tool_calls"],
         num_tool_errors=state["tool_errors"],
     )
+
+
+def _parse(text: str, toolbox: ToolBox) -> ParsedTurn:
+    """Tool calls only exist in episodes that offer tools; otherwise the text is just text."""
+    return parse_tool_calls(text) if len(toolbox) else ParsedTurn(content=text)
 
 
 def _record_turn(messages: list[Message] | str, parsed: ParsedTurn | None) -> None:

@@ -108,6 +108,16 @@ async def test_single_turn_env(tokenizer, scripted) -> None:
     )
     assert sample.reward == 1.0 and sample.num_turns == 1 and sample.finish_reason == "stop"
 
+    # Without tools, a tool call is just text: the episode stays single-turn.
+    sample = await run_episode(
+        sampler=scripted(['<tool_call>{"name": "x", "arguments": {}}</tool_call><|im_end|>']),
+        tokenizer=tokenizer,
+        env=Echo(),
+        task=task,
+        params=SamplingParams(max_tokens=60),
+    )
+    assert (sample.num_turns, sample.num_tool_calls, sample.reward) == (1, 0, 0.0)
+
     class Raw(Echo):
         chat = False
 

@@ -245,6 +245,10 @@ class FailingEnv(CalcEnv):
     def step(self, messages: list[Message] | str) -> tuple[list[Message], bool]:
         if self.where == "step":
             raise ValueError("the simulated user crashed")
+        if self.where == "bad-step":
+            return None  # type: ignore[return-value]
+        if self.where == "bad-reply":
+            return ["not a message"], False  # type: ignore[list-item]
         return [], True
 
     async def reward(self, episode: Episode) -> dict[str, float]:
@@ -255,7 +259,9 @@ class FailingEnv(CalcEnv):
         return await super().reward(episode)
 
 
-@pytest.mark.parametrize("where", ["reset", "step", "reward", "bad-reward"])
+@pytest.mark.parametrize(
+    "where", ["reset", "step", "bad-step", "bad-reply", "reward", "bad-reward"]
+)
 async def test_env_that_raises_gives_a_masked_sample(tokenizer, scripted, where, caplog) -> None:
     sample = await run_episode(
         sampler=scripted(["20" + END]),
