@@ -56,6 +56,7 @@ __all__ = [
     "InstanceClient",
     "PinnedSampler",
     "Sampler",
+    "masked_sample",
     "run_episode",
     "run_group",
 ]
@@ -286,6 +287,18 @@ class _Trajectory:
             reward=reward,
             **fields,
         )
+
+
+def masked_sample(task: Task, error: str) -> Sample:
+    """The empty, masked sample of an episode that could not start (e.g. the env factory raised)."""
+    return _Trajectory().to_sample(
+        prompt_len=0,
+        reward=0.0,
+        finish_reason="error",
+        masked=True,
+        num_turns=0,
+        metadata={"prompt_id": task.prompt_id, "error": error},
+    )
 
 
 async def run_episode(
@@ -520,14 +533,7 @@ async def run_group(
             env = env_factory()
         except Exception as exc:
             log.warning("env factory raised", exc_info=True)
-            return _Trajectory().to_sample(
-                prompt_len=0,
-                reward=0.0,
-                finish_reason="error",
-                masked=True,
-                num_turns=0,
-                metadata={"prompt_id": task.prompt_id, "error": f"env factory raised {exc!r}"},
-            )
+            return masked_sample(task, f"env factory raised {exc!r}")
         return await run_episode(
             sampler=sampler, tokenizer=renderer, env=env, task=task, params=params, limits=limits
         )
