@@ -26,6 +26,9 @@ deterministic user (the task's instructions, then "Please go on." and a stop aft
 NL assertions are judged only when `judge_url` is set; otherwise they are left out of the reward
 and a warning says so once per domain.
 
+Tasks: `tau2_tasks(domain, split)`, or `train_tasks()` / `eval_tasks()` for the env's `split` and
+`eval_split` (airline and retail: train / test; mock has only base; telecom also small / full).
+
 Reward: `{"task": tau2 reward}`, plus `{"partial": partial_credit * fraction of checks passed}`
 when `partial_credit > 0` (components sum to the reward).
 """
@@ -79,7 +82,8 @@ MAX_USER_TOOL_ROUNDS = 8
 
 
 def tau2_tasks(domain: str = "mock", split: str | None = None) -> list[Task]:
-    """The tasks of a tau2 domain as dora tasks (`prompt_id` "domain/task_id")."""
+    """The tasks of a tau2 domain as dora tasks (`prompt_id` "domain/task_id"); `split` is one of
+    the domain's splits (train, test, base; telecom also small, full), None for all."""
     if domain not in DOMAINS:
         raise ConfigError(f"tau2 domain {domain!r} is not one of {', '.join(DOMAINS)}")
     return [
@@ -103,6 +107,8 @@ class Tau2Env(Env):
         self,
         *,
         domain: str = "mock",
+        split: str = "train",
+        eval_split: str = "test",
         user: Literal["llm", "scripted"] = "llm",
         user_url: str = "",
         user_model: str = "",
@@ -128,6 +134,8 @@ class Tau2Env(Env):
         if not 0.0 <= partial_credit <= 1.0:
             raise ConfigError(f"env.kwargs.partial_credit={partial_credit}: use 0.0 ... 1.0")
         self.domain = domain
+        self.split = split
+        self.eval_split = eval_split
         self.user_mode = user
         self.scripted_user_turns = scripted_user_turns
         self.partial_credit = partial_credit
@@ -157,6 +165,14 @@ class Tau2Env(Env):
         self._seen = 0
         self._user_view: list[JSON] = []
         self._user_turns = 0
+
+    def train_tasks(self) -> list[Task]:
+        """The tasks of `split` ('' for all; the mock domain has only 'base')."""
+        return tau2_tasks(self.domain, self.split or None)
+
+    def eval_tasks(self) -> list[Task]:
+        """The held-out tasks of `eval_split` ('' for all)."""
+        return tau2_tasks(self.domain, self.eval_split or None)
 
     # --- the episode ------------------------------------------------------------------------
 

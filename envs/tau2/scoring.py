@@ -27,6 +27,8 @@ from dataclasses import dataclass, field
 from types import ModuleType
 from typing import TYPE_CHECKING
 
+from dora.errors import ConfigError
+
 if TYPE_CHECKING:
     from tau2.data_model.message import Message as Tau2Message
     from tau2.data_model.tasks import Task as Tau2Task
@@ -66,7 +68,10 @@ def domain_tasks(domain: str, split: str | None = None) -> tuple[Tau2Task, ...]:
     module = _domain_module(domain)
     if domain == "telecom" and split in ("small", "full"):
         return tuple(getattr(module, f"get_tasks_{split}")())
-    return tuple(module.get_tasks(split))
+    try:
+        return tuple(module.get_tasks(split))
+    except ValueError as exc:  # tau2's message lists the valid splits
+        raise ConfigError(f"tau2 {domain}: {exc}") from exc
 
 
 @functools.cache

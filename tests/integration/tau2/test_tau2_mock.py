@@ -286,7 +286,11 @@ def test_config_errors() -> None:
         Tau2Env(domain="mock")
     with pytest.raises(ConfigError, match="domain"):
         Tau2Env(domain="banking", user="scripted")
-    assert len(tau2_tasks("airline", "train")) == 30
+    with pytest.raises(ConfigError, match="split"):
+        tau2_tasks("mock", "train")
+    airline = Tau2Env(domain="airline", user="scripted")
+    assert (len(airline.train_tasks()), len(airline.eval_tasks())) == (30, 20)
+    assert len(Tau2Env(domain="mock", user="scripted", split="base").train_tasks()) == 9
 
 
 async def test_nl_assertions_only_with_a_judge(chat_server: FakeChatServer) -> None:
@@ -304,3 +308,37 @@ async def test_nl_assertions_only_with_a_judge(chat_server: FakeChatServer) -> N
     chat_server.replies = [f"```json\n{json.dumps(verdict)}\n```"]
     met = await judge_nl_assertions(ChatEndpoint(url=chat_server.url), [], [outcome])
     assert met == [True]
+
+
+async def test_telecom_user_simulator_runs_its_own_tools(chat_server: FakeChatServer) -> None:
+    task = tau2_tasks("telecom", "small")[0]
+    tool_call = {
+        "id": "u1",
+        "type": "function",
+        "function": {"name": "toggle_roaming", "arguments": "{}"},
+    }
+    chat_server.replies = [
+        "My mobile data does not work abroad.",
+        {"role": "assistant", "content": None, "tool_calls": [tool_call]},
+        "I turned roaming on, it works now. ###STOP###",
+    ]
+    env = Tau2Env(domain="telecom", user_url=chat_server.url)
+    agent = ScriptedAgent([say("Please turn on data roaming in your phone settings.")])
+    sample = await run_episode(
+        sampler=agent,
+        tokenizer=ChatRenderer(agent.tokenizer),  # type: ignore[arg-type]
+        env=env,
+        task=task,
+        params=PARAMS,
+        limits=EpisodeLimits(max_turns=3, context_limit=60_000, max_total_tokens=4000),
+    )
+    assert not sample.masked, sample.metadata
+    # The first request offered the user its phone tools; the third saw the tool's result.
+    offered = cast("list[dict[str, dict[str, str]]]", chat_server.requests[0]["tools"])
+    assert any(t["function"]["name"] == "toggle_roaming" for t in offered)
+    third = cast("list[dict[str, str]]", chat_server.requests[2]["messages"])
+    assert third[-1]["role"] == "tool" and third[-1]["tool_call_id"] == "u1"
+    assert env.environment is not None and env.environment.user_tools.db.device.roaming_enabled
+    assert env.termination == "user_stop" and env.score is not None
+    # Roaming on is one of the task's env assertions, so partial progress shows in the checks.
+    assert 0.0 < env.score.partial <= 1.0
