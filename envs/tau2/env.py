@@ -26,8 +26,8 @@ deterministic user (the task's instructions, then "Please go on." and a stop aft
 NL assertions are judged only when `judge_url` is set; otherwise they are left out of the reward
 and a warning says so once per domain.
 
-Tasks: `tau2_tasks(domain, split)`, or `train_tasks()` / `eval_tasks()` for the env's `split` and
-`eval_split` (airline and retail: train / test; mock has only base; telecom also small / full).
+Tasks: `tau2_tasks(domain, split)`; for a config's `data.source` / `data.eval_source`, which name a
+function without arguments, `envs.tau2:<domain>_<split>_tasks` (e.g. `airline_train_tasks`).
 
 Reward: `{"task": tau2 reward}`, plus `{"partial": partial_credit * fraction of checks passed}`
 when `partial_credit > 0` (components sum to the reward).
@@ -92,6 +92,17 @@ def tau2_tasks(domain: str = "mock", split: str | None = None) -> list[Task]:
     ]
 
 
+# Task lists a config can name as `data.source = "envs.tau2:airline_train_tasks"`.
+mock_tasks = functools.partial(tau2_tasks, "mock", None)
+airline_train_tasks = functools.partial(tau2_tasks, "airline", "train")
+airline_test_tasks = functools.partial(tau2_tasks, "airline", "test")
+retail_train_tasks = functools.partial(tau2_tasks, "retail", "train")
+retail_test_tasks = functools.partial(tau2_tasks, "retail", "test")
+telecom_train_tasks = functools.partial(tau2_tasks, "telecom", "train")
+telecom_test_tasks = functools.partial(tau2_tasks, "telecom", "test")
+telecom_small_tasks = functools.partial(tau2_tasks, "telecom", "small")
+
+
 @functools.cache
 def _warn_nl_skipped(domain: str) -> None:
     # Cached so the run says it once per domain, not once per episode.
@@ -107,8 +118,6 @@ class Tau2Env(Env):
         self,
         *,
         domain: str = "mock",
-        split: str = "train",
-        eval_split: str = "test",
         user: Literal["llm", "scripted"] = "llm",
         user_url: str = "",
         user_model: str = "",
@@ -134,8 +143,6 @@ class Tau2Env(Env):
         if not 0.0 <= partial_credit <= 1.0:
             raise ConfigError(f"env.kwargs.partial_credit={partial_credit}: use 0.0 ... 1.0")
         self.domain = domain
-        self.split = split
-        self.eval_split = eval_split
         self.user_mode = user
         self.scripted_user_turns = scripted_user_turns
         self.partial_credit = partial_credit
@@ -165,14 +172,6 @@ class Tau2Env(Env):
         self._seen = 0
         self._user_view: list[JSON] = []
         self._user_turns = 0
-
-    def train_tasks(self) -> list[Task]:
-        """The tasks of `split` ('' for all; the mock domain has only 'base')."""
-        return tau2_tasks(self.domain, self.split or None)
-
-    def eval_tasks(self) -> list[Task]:
-        """The held-out tasks of `eval_split` ('' for all)."""
-        return tau2_tasks(self.domain, self.eval_split or None)
 
     # --- the episode ------------------------------------------------------------------------
 
