@@ -309,3 +309,42 @@ async def test_request_size_limit(tiny_model: Path) -> None:
     async with EngineServer.start(tiny_model, max_request_bytes=1000) as srv:
         status, _, _ = await post(srv.url + "/v1/completions", {"prompt": "a" * 5000})
         assert status == 413
+
+
+async def test_keep_mode_load_continues_in_flight_under_new_weights(
+    server: EngineServer, client: EngineClient, other_weights: Path
+) -> None:
+    got = asyncio.Event()
+    body = {"prompt": "x", "max_tokens": 300, "ignore_eos": True, "return_token_ids": True}
+    streaming = asyncio.ensure_future(
+        stream_tokens(server.url + "/v1/completions", {**body, "request_id": "kept"}, 3, got)
+    )
+    await asyncio.wait_for(got.wait(), 20)
+    result = await client.load_weights(1, path=str(other_weights), mode="keep")
+    assert result["aborted"] == []
+    chunks = await asyncio.wait_for(streaming, 30)
+    versions = [v for c in chunks for v in c["choices"][0]["versions"]]
+    assert len(versions) == 300 and versions[0] == 0 and versions[-1] == 1
+    assert versions == sorted(versions)
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+
+
+async def test_chat_streaming(server: EngineServer) -> None:
+    url = server.url + "/v1/chat/completions"
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 20, "seed": 4}
+    _, whole, _ = await post(url, body)
+    chunks = await stream_tokens(url, body, 10**9, asyncio.Event())
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks)
+    assert text == whole["choices"][0]["message"]["content"]  # type: ignore[index]
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    held = await stream_tokens(url, {**body, "tools": tools}, 10**9, asyncio.Event())
+    assert len(held) == 1 and held[0]["choices"][0]["finish_reason"] in ("stop", "length")
+
+
+async def test_bad_prompts_are_400(server: EngineServer) -> None:
+    url = server.url + "/v1/completions"
+    assert (await post(url, {"prompt": [10**6]}))[0] == 400
+    assert (await post(url, {"prompt": [1] * 3000, "max_tokens": 1}))[0] == 400
+    status, body, _ = await post(url, {"prompt": [1, 2], "request_id": "dup", "max_tokens": 1})
+    assert status == 200, body
