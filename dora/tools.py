@@ -17,14 +17,16 @@ formats:
 
 Everything that goes wrong on the model's side becomes a tool message the model reads, never an
 exception: malformed JSON, an unknown tool, bad arguments, a tool that raises, a tool that hangs (it
-is timed out). Sync tools run in a worker thread so they cannot block the event loop; a timed-out
-sync tool keeps its thread until it returns (Python cannot kill a thread), so tools that can hang
-for good should be async or bound their own work.
+is timed out). Sync tools run in the ToolBox's own worker threads, so they cannot block the event
+loop, and a hung one cannot starve the loop's default executor; a timed-out sync tool keeps its
+thread until it returns (Python cannot kill a thread), so tools that can hang for good should be
+async or bound their own work. `close()` lets the threads go.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import inspect
 import json
 import re
@@ -32,6 +34,7 @@ import types
 import typing
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Literal, TypedDict
 
@@ -263,6 +266,7 @@ class ToolBox:
         self._tools: dict[str, ToolFunction] = {}
         self._types: dict[str, type[msgspec.Struct]] = {}
         self.schemas: list[JSON] = []
+        self._executor: ThreadPoolExecutor | None = None
         for fn in tools:
             schema = tool_schema(fn)
             name = getattr(fn, "__name__", "")
@@ -271,6 +275,12 @@ class ToolBox:
             self._tools[name] = fn
             self.schemas.append(schema)
             self._types[name] = _arguments_struct(fn)
+
+    def close(self) -> None:
+        """Let go of the tool threads; a sync tool still hanging keeps only its own thread."""
+        if self._executor is not None:
+            self._executor.shutdown(wait=False, cancel_futures=True)
+            self._executor = None
 
     def __len__(self) -> int:
         return len(self._tools)
@@ -298,7 +308,11 @@ class ToolBox:
                 if inspect.iscoroutinefunction(fn):
                     result = await typing.cast(Awaitable[object], fn(**kwargs))
                 else:
-                    result = await asyncio.to_thread(fn, **kwargs)
+                    if self._executor is None:
+                        self._executor = ThreadPoolExecutor(4, thread_name_prefix="dora-tool")
+                    call_fn = functools.partial(fn, **kwargs)
+                    loop = asyncio.get_running_loop()
+                    result = await loop.run_in_executor(self._executor, call_fn)
         except TimeoutError:
             return f"Error: tool {name!r} timed out after {self.timeout_s:g} s", False
         except Exception as exc:  # the tool's own failure is the model's information, not ours

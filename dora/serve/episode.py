@@ -348,9 +348,12 @@ async def run_episode(
                 f"context_limit {limits.context_limit}",
                 "context",
             )
-        episode = await _loop(
-            sampler, renderer, env, task, params, limits, prompt, toolbox, traj, state
-        )
+        try:
+            episode = await _loop(
+                sampler, renderer, env, task, params, limits, prompt, toolbox, traj, state
+            )
+        finally:
+            toolbox.close()
         raw = await _env_call("reward", env.reward, episode)
         try:
             reward, components = _total(cast(Reward, raw))

@@ -4,6 +4,7 @@ template."""
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 
 import numpy as np
@@ -199,8 +200,12 @@ async def hang(x: int) -> int:
     return x
 
 
+SLOW_THREADS: list[str] = []
+
+
 def slow(x: int) -> int:
     """A sync tool that blocks longer than the timeout (it runs in a thread)."""
+    SLOW_THREADS.append(threading.current_thread().name)
     time.sleep(0.3)
     return x
 
@@ -229,6 +234,7 @@ async def test_tool_that_raises_or_hangs_becomes_an_error_message(tokenizer, scr
     assert tool_msgs[0] == "Error: tool 'boom' raised RuntimeError: kaboom 1"
     assert tool_msgs[1] == "Error: tool 'hang' timed out after 0.1 s"
     assert tool_msgs[2] == "Error: tool 'slow' timed out after 0.1 s"
+    assert SLOW_THREADS[-1].startswith("dora-tool"), "not the loop's default executor"
     assert sample.metadata["tool_errors"] == "3"
 
 
