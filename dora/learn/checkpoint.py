@@ -1,0 +1,130 @@
+"""Checkpoints of `dora learn`: what `Durable(t)` promises is on disk.
+
+Layout, under `{run_dir}/checkpoints/`:
+
+    step-000009/
+        model/          Hugging Face folder: config.json, model.safetensors, tokenizer files
+                        (loadable by transformers and vLLM as it is)
+        optimizer.pt    the optimizer's state dict (torch.save; read back with weights_only=True)
+        trainer.json    {"step": 9, "version": 10, "incarnation": 0}
+    latest              the name of the newest complete checkpoint ("step-000009")
+    incarnation         the incarnation of the trainer that last started in this run directory
+
+A checkpoint is written under a temporary name and renamed; only then does `latest` move (also by
+an atomic rename). So `latest` always names a complete checkpoint, and `Durable(t)` is sent after
+it moved. The newest `KEEP_CHECKPOINTS` are kept.
+
+Incarnation: 0 for a fresh run; every `--resume` takes the last started incarnation + 1, even when
+the previous trainer died before its first checkpoint, so a ghost version of a lost trainer can
+never be mistaken for a real one (DESIGN §4).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from dora.errors import ConfigError
+
+KEEP_CHECKPOINTS = 2
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckpointInfo:
+    step: int
+    version: int
+    incarnation: int
+    path: Path
+
+    @property
+    def model_dir(self) -> Path:
+        return self.path / "model"
+
+
+def checkpoints_dir(run_dir: Path) -> Path:
+    return run_dir / "checkpoints"
+
+
+def start_incarnation(run_dir: Path, *, resume: bool) -> int:
+    """Record and return this trainer's incarnation (0 fresh, last + 1 on resume)."""
+    root = checkpoints_dir(run_dir)
+    marker = root / "incarnation"
+    if not resume:
+        if (root / "latest").exists():
+            raise ConfigError(
+                f"{run_dir} already holds checkpoints: pass --resume to continue that run, or "
+                "set log.run_dir to a new directory"
+            )
+        incarnation = 0
+    else:
+        incarnation = int(marker.read_text()) + 1 if marker.exists() else 0
+    root.mkdir(parents=True, exist_ok=True)
+    _write_atomic(marker, str(incarnation))
+    return incarnation
+
+
+def save_checkpoint(
+    run_dir: Path,
+    *,
+    step: int,
+    version: int,
+    incarnation: int,
+    model: torch.nn.Module,
+    state_dict: Mapping[str, torch.Tensor],
+    tokenizer: object,
+    optimizer_state: Mapping[str, object],
+) -> CheckpointInfo:
+    """Write a complete checkpoint, then move `latest` to it; prune old ones."""
+    root = checkpoints_dir(run_dir)
+    name = f"step-{step:06d}"
+    final = root / name
+    tmp = root / f".{name}.tmp"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    model.save_pretrained(tmp / "model", state_dict=dict(state_dict))  # type: ignore[operator]
+    tokenizer.save_pretrained(tmp / "model")  # type: ignore[attr-defined]
+    torch.save(dict(optimizer_state), tmp / "optimizer.pt")
+    meta = {"step": step, "version": version, "incarnation": incarnation}
+    (tmp / "trainer.json").write_text(json.dumps(meta) + "\n")
+    if final.exists():  # a resumed run passing a step again: the new checkpoint wins
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    _write_atomic(root / "latest", name)
+    done = sorted(p for p in root.glob("step-*") if p.is_dir())
+    for old in done[:-KEEP_CHECKPOINTS]:
+        if old.name != name:
+            shutil.rmtree(old, ignore_errors=True)
+    return CheckpointInfo(step=step, version=version, incarnation=incarnation, path=final)
+
+
+def latest_checkpoint(run_dir: Path) -> CheckpointInfo | None:
+    """The newest complete checkpoint, or None."""
+    root = checkpoints_dir(run_dir)
+    latest = root / "latest"
+    if not latest.exists():
+        return None
+    path = root / latest.read_text().strip()
+    meta = json.loads((path / "trainer.json").read_text())
+    return CheckpointInfo(
+        step=int(meta["step"]),
+        version=int(meta["version"]),
+        incarnation=int(meta["incarnation"]),
+        path=path,
+    )
+
+
+def load_optimizer_state(info: CheckpointInfo) -> dict[str, object]:
+    state: dict[str, object] = torch.load(info.path / "optimizer.pt", weights_only=True)
+    return state
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text + "\n")
+    os.replace(tmp, path)

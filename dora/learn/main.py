@@ -1,0 +1,110 @@
+"""`dora learn CONFIG [key=value ...] [--resume]`: the trainer's entry point.
+
+With `learn.processes > 1` and no distributed environment yet, it re-launches itself under
+`torchrun --standalone --nproc_per_node N` (real gloo ranks on a CPU machine; `accelerate launch
+--cpu` would silently run one process) and returns torchrun's exit status. Every rank then runs
+this module with the same arguments, plus the resolved run directory.
+
+Rank 0 connects to dora serve at `$DORA_SERVE_ADDRESS` when set (what `dora run` does, since serve
+may bind port 0), else `tcp://{serve.host}:{serve.port}`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from dora.config import DoraConfig, load_config
+from dora.errors import ConfigError
+
+ADDRESS_ENV = "DORA_SERVE_ADDRESS"
+
+
+def serve_address(config: DoraConfig) -> str:
+    """Where rank 0 finds dora serve."""
+    address = os.environ.get(ADDRESS_ENV, "")
+    if address:
+        return address
+    if config.serve.port == 0:
+        raise ConfigError(
+            f"serve.port = 0 leaves the trainer no address: set serve.port to the port dora serve "
+            f"binds, or {ADDRESS_ENV}=tcp://host:port (dora run sets it)"
+        )
+    return f"tcp://{config.serve.host}:{config.serve.port}"
+
+
+def resolve_run_dir(config: DoraConfig, *, resume: bool) -> Path:
+    if config.log.run_dir:
+        return Path(config.log.run_dir).resolve()
+    if resume:
+        raise ConfigError("--resume needs log.run_dir: the run directory to continue")
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    return Path("runs", f"{config.log.name}-{stamp}").resolve()
+
+
+def initial_model_path(config: DoraConfig, run_dir: Path, *, build: bool = True) -> Path:
+    """The weights of version 0: `model.path`, or the tiny model built (deterministically, seed 0)
+    into `{run_dir}/initial-model` when `model.path = "tiny"`."""
+    if config.model.path != "tiny":
+        return Path(config.model.path)
+    out = run_dir / "initial-model"
+    if build and not (out / "config.json").exists():
+        from dora.models import TinyModelSpec, build_tiny_model
+
+        spec = TinyModelSpec(
+            hidden_size=config.model.tiny_hidden_size, num_layers=config.model.tiny_layers
+        )
+        build_tiny_model(out, spec)
+    return out
+
+
+def _in_distributed_env() -> bool:
+    return "LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def _launch(config: DoraConfig, args: argparse.Namespace, run_dir: Path) -> int:
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        str(config.learn.processes),
+        "-m",
+        "dora.learn.main",
+        str(args.config),
+        *args.overrides,
+        f"log.run_dir={run_dir}",
+    ]
+    if args.resume:
+        command.append("--resume")
+    env = dict(os.environ, OMP_NUM_THREADS=str(config.learn.threads))
+    return subprocess.run(command, env=env, check=False).returncode
+
+
+def main(args: argparse.Namespace) -> int:
+    """Run the trainer (or launch its ranks); 0 when it trained its steps or serve shut it down."""
+    config = load_config(args.config, args.overrides)
+    run_dir = resolve_run_dir(config, resume=args.resume)
+    if config.learn.processes > 1 and not _in_distributed_env():
+        return _launch(config, args, run_dir)
+    address = serve_address(config)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    from transformers.utils import logging as hf_logging
+
+    from dora.learn.trainer import Trainer
+
+    hf_logging.disable_progress_bar()  # one bar per save/load would drown the run's own output
+
+    trainer = Trainer(config, run_dir=run_dir, address=address, resume=args.resume)
+    return trainer.run()
+
+
+if __name__ == "__main__":
+    from dora.cli import main as cli_main
+
+    sys.exit(cli_main(["learn", *sys.argv[1:]]))

@@ -1,0 +1,75 @@
+"""Rank 0 talks to `dora serve`; every rank sees the same stream of messages, in the same order.
+
+Rank 0 owns the `LearnLink`. Each message it receives is re-encoded as its msgpack frame and
+broadcast as raw bytes (a length, then a uint8 tensor) over a gloo group, and every other rank
+decodes it with the same msgspec decoder: nothing is pickled, and every rank runs the same
+deterministic planning on the same groups, so they stay in lockstep without any other coordination.
+
+If rank 0 fails while the other ranks wait in a broadcast, it broadcasts a `Shutdown` first, so a
+failure ends every rank instead of leaving them hanging until the collective times out.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+
+from dora.link import LearnLink
+from dora.protocol import LearnMessage, ServeMessage, Shutdown, decode_from_serve, encode
+
+# How long the trainer waits for dora serve's next message. Groups take as long as generation
+# does, so this is generous. A config field (learn.recv_timeout_s) has been requested from the lead;
+# until then DORA_LEARN_RECV_TIMEOUT_S overrides it.
+RECV_TIMEOUT_S = float(os.environ.get("DORA_LEARN_RECV_TIMEOUT_S", "600"))
+
+
+class Receiver:
+    """The trainer's side of the link, as every rank sees it."""
+
+    def __init__(
+        self, *, address: str, rank: int, world: int, group: dist.ProcessGroup | None
+    ) -> None:
+        self.address = address
+        self.rank = rank
+        self.world = world
+        self._group = group
+        self._link = LearnLink(address) if rank == 0 else None
+
+    def send(self, message: LearnMessage) -> None:
+        """Send to serve (rank 0 only; a no-op on the other ranks)."""
+        if self._link is not None:
+            self._link.send(message)
+
+    def next(self, *, waiting_for: str) -> ServeMessage:
+        """The next message from serve, on every rank."""
+        if self._link is None:
+            return decode_from_serve(self._broadcast(None))
+        try:
+            message = self._link.recv(timeout_s=RECV_TIMEOUT_S, waiting_for=waiting_for)
+        except BaseException as exc:
+            self.abort(f"rank 0 failed: {exc}")
+            raise
+        if self.world > 1:
+            self._broadcast(encode(message))
+        return message
+
+    def abort(self, reason: str) -> None:
+        """Rank 0: tell the other ranks to stop (they are waiting for the next message)."""
+        if self._link is not None and self.world > 1:
+            self._broadcast(encode(Shutdown(reason=reason)))
+
+    def _broadcast(self, frame: bytes | None) -> bytes:
+        size = torch.tensor([len(frame) if frame is not None else 0], dtype=torch.int64)
+        dist.broadcast(size, src=0, group=self._group)
+        if frame is not None:
+            buf = torch.frombuffer(bytearray(frame), dtype=torch.uint8)
+        else:
+            buf = torch.empty(int(size.item()), dtype=torch.uint8)
+        dist.broadcast(buf, src=0, group=self._group)
+        return frame if frame is not None else buf.numpy().tobytes()
+
+    def close(self) -> None:
+        if self._link is not None:
+            self._link.close()

@@ -1,0 +1,418 @@
+"""The synchronous step loop of `dora learn`: plain torch under Accelerate (DDP over gloo on CPU).
+
+Step `t`, on every rank (they see the same messages in the same order, `dora.learn.receiver`):
+
+1. `Assigned(step=t, group)`: a duplicate group id is dropped (counted); a zero-variance group is
+   dropped when `learn.filter_zero_variance` (counted); advantages are computed over the whole group
+   (`batching.prepare_group`); its sequences are split over the ranks and packed to
+   `learn.micro_batch_tokens` with equal micro-batch counts per rank. The i-th group of the step
+   belongs to mini-batch `i * U // B` (`U = learn.updates_per_step`). Groups of mini-batch 0 run
+   forward and backward at once (streaming: gradients accumulate unnormalised, under DDP's
+   `no_sync`, while later groups are still being generated). Groups of later mini-batches are kept,
+   with their proximal logprobs computed at once (no grad) while the weights are still the step's
+   starting weights, which is what decoupled PPO and TIS need.
+2. `StepClosed(step=t)`: for each mini-batch `u` (after running the kept groups for `u > 0`), one
+   zero-weight micro-batch outside `no_sync` makes DDP all-reduce the accumulated gradients; they
+   are scaled by `world / Z_u` (DDP averages over ranks; `Z_u` is the update's normaliser, the same
+   on every rank because every rank prepares every group), clipped and applied. The loss is exactly
+   the one of `dora.learn.loss` over the whole mini-batch, whatever the arrival order or the split.
+3. Version `t + 1` is published (`dora.learn.publish`), then `WeightsReady(t + 1)`, then
+   `StepDone(t, metrics)`; every `learn.checkpoint_every` steps a checkpoint, then `Durable(t)`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from dora.config import DoraConfig
+from dora.errors import ProtocolError
+from dora.learn.batching import (
+    MicroBatch,
+    PreparedGroup,
+    SequenceItem,
+    collate,
+    plan_micro_batches,
+    prepare_group,
+)
+from dora.learn.checkpoint import (
+    CheckpointInfo,
+    latest_checkpoint,
+    load_optimizer_state,
+    save_checkpoint,
+    start_incarnation,
+)
+from dora.learn.loss import LossSettings, policy_loss, token_entropy, token_logprobs
+from dora.learn.publish import inline_chunks, publish_filesystem
+from dora.learn.receiver import RECV_TIMEOUT_S, Receiver
+from dora.protocol import (
+    Assigned,
+    Durable,
+    Group,
+    Hello,
+    Shutdown,
+    StepClosed,
+    StepDone,
+    WeightsReady,
+)
+
+_SUMS = (
+    "loss",
+    "tokens",
+    "clipped",
+    "ratio_sum",
+    "is_weight_sum",
+    "is_capped",
+    "kl_sum",
+    "mismatch_sum",
+    "entropy_sum",
+)
+
+
+@dataclass
+class _Update:
+    """One optimizer update's share of the step on this rank."""
+
+    norm: float = 0.0
+    kept: list[list[list[SequenceItem]]] = field(default_factory=list)  # later mini-batches
+    sums: dict[str, float] = field(default_factory=lambda: defaultdict(float))
+    ratio_max: float = 0.0
+    ratio_min: float = float("inf")
+
+
+@dataclass
+class _Step:
+    groups: list[Group] = field(default_factory=list)
+    prepared: list[PreparedGroup] = field(default_factory=list)
+    duplicates: int = 0
+    wait_s: float = 0.0
+
+
+class Trainer:
+    """The model, its optimizer and the step loop; one per rank."""
+
+    def __init__(self, config: DoraConfig, *, run_dir: Path, address: str, resume: bool) -> None:
+        from accelerate import Accelerator, InitProcessGroupKwargs
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        from dora.learn.main import initial_model_path
+
+        self.config = config
+        self.cfg = config.learn
+        self.run_dir = run_dir
+        torch.set_num_threads(self.cfg.threads)
+        torch.manual_seed(self.cfg.seed)
+        timeout = InitProcessGroupKwargs(timeout=timedelta(seconds=RECV_TIMEOUT_S + 300))
+        self.accelerator = Accelerator(cpu=not torch.cuda.is_available(), kwargs_handlers=[timeout])
+        self.rank = self.accelerator.process_index
+        self.world = self.accelerator.num_processes
+        group = dist.new_group(backend="gloo") if self.world > 1 else None
+        self.receiver = Receiver(address=address, rank=self.rank, world=self.world, group=group)
+        self._group = group
+
+        incarnation = start_incarnation(run_dir, resume=resume) if self.rank == 0 else 0
+        self.incarnation = self._broadcast_int(incarnation)
+        checkpoint: CheckpointInfo | None = latest_checkpoint(run_dir) if resume else None
+        init_path = initial_model_path(config, run_dir) if self.rank == 0 else None
+        self.accelerator.wait_for_everyone()
+        init_path = init_path or initial_model_path(config, run_dir, build=False)
+        model_path = checkpoint.model_dir if checkpoint else init_path
+        dtype = getattr(torch, config.model.dtype)
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
+        self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+        self.pad_id = int(self.tokenizer.pad_token_id or 0)
+        self.ref: torch.nn.Module | None = None
+        if self.cfg.kl_coef > 0:  # KL to the initial policy, also after a resume
+            self.ref = AutoModelForCausalLM.from_pretrained(init_path, dtype=dtype).eval()
+            self.ref.requires_grad_(False)
+        optimizer = torch.optim.AdamW(
+            model.parameters(), lr=self.cfg.lr, weight_decay=self.cfg.weight_decay
+        )
+        if checkpoint is not None:
+            optimizer.load_state_dict(load_optimizer_state(checkpoint))
+        self.model, self.optimizer = self.accelerator.prepare(model, optimizer)
+        self.raw = self.accelerator.unwrap_model(self.model)
+        self.start_step = checkpoint.step + 1 if checkpoint else 0
+        self.settings = LossSettings(
+            loss=self.cfg.loss,
+            clip_low=self.cfg.clip_low,
+            clip_high=self.cfg.clip_high,
+            off_policy=self.cfg.off_policy,
+            tis_cap=self.cfg.tis_cap,
+            kl_coef=self.cfg.kl_coef,
+        )
+        self._seen: set[str] = set()
+
+    # --- the loop ---------------------------------------------------------------------------
+
+    def run(self) -> int:
+        """Train until `learn.steps` steps are done or serve says `Shutdown`; 0 on success."""
+        step = self.start_step
+        self.receiver.send(
+            Hello(
+                role="learn", incarnation=self.incarnation, step=step, token=self.config.serve.token
+            )
+        )
+        durable = step - 1
+        finished = step >= self.cfg.steps
+        try:
+            while not finished:
+                metrics = self._train_step(step)
+                if metrics is None:
+                    break
+                if (step + 1) % self.cfg.checkpoint_every == 0 or step + 1 == self.cfg.steps:
+                    self._checkpoint(step)
+                    durable = step
+                step += 1
+                finished = step >= self.cfg.steps
+            if step - 1 > durable:
+                self._checkpoint(step - 1)
+            if finished:
+                self.receiver.send(Shutdown(reason=f"trained {self.cfg.steps} steps"))
+        except BaseException as exc:
+            self.receiver.abort(f"trainer failed: {exc}")
+            raise
+        finally:
+            self.receiver.close()
+        return 0
+
+    def _train_step(self, step: int) -> dict[str, float] | None:
+        started = time.perf_counter()
+        state = _Step()
+        updates = [_Update() for _ in range(self.cfg.updates_per_step)]
+        while True:
+            t0 = time.perf_counter()
+            message = self.receiver.next(waiting_for=f"the groups of step {step}")
+            state.wait_s += time.perf_counter() - t0
+            if isinstance(message, Shutdown):
+                return None
+            if isinstance(message, Hello):
+                continue
+            if message.step < step:
+                continue  # a late message for a step already trained (e.g. after a resume)
+            if message.step > step:
+                raise ProtocolError(
+                    f"got {type(message).__name__} for step {message.step} "
+                    f"while step {step} is still open"
+                )
+            if isinstance(message, StepClosed):
+                break
+            assert isinstance(message, Assigned)
+            if message.group.id in self._seen:
+                state.duplicates += 1
+                continue
+            self._seen.add(message.group.id)
+            self._add_group(message.group, state, updates)
+        train_started = time.perf_counter()
+        grad_norms = [self._apply_update(u, updates[u]) for u in range(len(updates))]
+        train_s = time.perf_counter() - train_started
+        publish_s = self._publish(step + 1)
+        metrics = self._metrics(step, state, updates, grad_norms)
+        metrics.update(
+            step_time_s=time.perf_counter() - started,
+            wait_s=state.wait_s,
+            update_s=train_s,
+            publish_s=publish_s,
+        )
+        self.receiver.send(StepDone(step=step, incarnation=self.incarnation, metrics=metrics))
+        return metrics
+
+    # --- groups, micro-batches and updates ----------------------------------------------------
+
+    def _add_group(self, group: Group, state: _Step, updates: list[_Update]) -> None:
+        prepared = prepare_group(
+            group,
+            loss=self.cfg.loss,
+            aggregation=self.cfg.aggregation,
+            max_tokens=self.config.rollout.max_tokens,
+            filter_zero_variance=self.cfg.filter_zero_variance,
+        )
+        index = len(state.groups)
+        state.groups.append(group)
+        state.prepared.append(prepared)
+        if not prepared.items:
+            return
+        u = min(index * len(updates) // self.config.rollout.batch_size, len(updates) - 1)
+        update = updates[u]
+        update.norm += prepared.norm
+        plan = plan_micro_batches(
+            [item.length for item in prepared.items],
+            world=self.world,
+            budget=self.cfg.micro_batch_tokens,
+        )
+        mine = [[prepared.items[i] for i in mb] for mb in plan[self.rank]]
+        if u == 0:
+            for items in mine:
+                self._backward(items, update, sync=False)
+        else:
+            update.kept.append([self._with_proximal(items) for items in mine])
+
+    @torch.no_grad()
+    def _with_proximal(self, items: list[SequenceItem]) -> list[SequenceItem]:
+        from dataclasses import replace
+
+        if not items or self.settings.off_policy == "none":
+            return items
+        mb = collate(items, pad_id=self.pad_id)
+        logprobs = self._logprobs(self.raw, mb)[0]
+        return [
+            replace(item, proximal=logprobs[row, : item.length - 1].numpy().copy())
+            for row, item in enumerate(items)
+        ]
+
+    def _logprobs(
+        self, model: torch.nn.Module, mb: MicroBatch
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Logprobs of the targets and the logits, at the sampling temperature (DESIGN §5)."""
+        logits = model(input_ids=mb.input_ids, use_cache=False).logits[:, :-1]
+        logits = logits / self.config.rollout.temperature
+        return token_logprobs(logits, mb.targets), logits
+
+    def _backward(self, items: list[SequenceItem], update: _Update, *, sync: bool) -> None:
+        mb = collate(items, pad_id=self.pad_id)
+        context: AbstractContextManager[object] = nullcontext()
+        if not sync and self.world > 1:
+            context = self.accelerator.no_sync(self.model)
+        with context:
+            logprobs, logits = self._logprobs(self.model, mb)
+            proximal = mb.proximal if items and items[0].proximal is not None else None
+            if proximal is None and self.settings.off_policy != "none":
+                proximal = logprobs.detach()  # the weights have not moved yet in this step
+            ref = None
+            if self.ref is not None:
+                with torch.no_grad():
+                    ref = self._logprobs(self.ref, mb)[0]
+            terms = policy_loss(
+                logprobs=logprobs,
+                behaviour_logprobs=mb.behaviour,
+                proximal_logprobs=proximal,
+                ref_logprobs=ref,
+                advantages=mb.advantages,
+                weights=mb.weights,
+                settings=self.settings,
+            )
+            self.accelerator.backward(terms.loss_sum)
+        active = (mb.weights > 0).float()
+        update.sums["loss"] += float(terms.loss_sum.detach())
+        update.sums["entropy_sum"] += float((token_entropy(logits) * active).sum())
+        for key in _SUMS[1:-1]:
+            update.sums[key] += terms.stats[key]
+        if terms.stats["tokens"]:
+            update.ratio_max = max(update.ratio_max, terms.stats["ratio_max"])
+            update.ratio_min = min(update.ratio_min, terms.stats["ratio_min"])
+
+    def _apply_update(self, u: int, update: _Update) -> float:
+        for group_batches in update.kept:
+            for items in group_batches:
+                self._backward(items, update, sync=False)
+        if self.world > 1:  # all-reduce what no_sync accumulated: same count on every rank
+            self._backward([], update, sync=True)
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        if update.norm == 0:  # every group filtered or masked: nothing to learn from
+            self.optimizer.zero_grad(set_to_none=True)
+            return 0.0
+        scale = (self.world if self.world > 1 else 1) / update.norm
+        for p in params:
+            assert p.grad is not None
+            p.grad.mul_(scale)
+        norm = self.accelerator.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return float(norm)
+
+    # --- publishing, checkpoints, metrics ------------------------------------------------------
+
+    def _publish(self, version: int) -> float:
+        started = time.perf_counter()
+        state = self.accelerator.get_state_dict(self.model)
+        if self.rank == 0:
+            if self.cfg.weight_transport == "filesystem":
+                path = publish_filesystem(
+                    self.raw,
+                    state,
+                    run_dir=self.run_dir,
+                    version=version,
+                    keep_from=version - self.config.rollout.staleness - 2,
+                )
+                ready = WeightsReady(version=version, incarnation=self.incarnation, path=str(path))
+            else:
+                chunks = inline_chunks(state, version=version)
+                for chunk in chunks:
+                    self.receiver.send(chunk)
+                ready = WeightsReady(
+                    version=version, incarnation=self.incarnation, num_chunks=len(chunks)
+                )
+            self.receiver.send(ready)
+        return time.perf_counter() - started
+
+    def _checkpoint(self, step: int) -> None:
+        state = self.accelerator.get_state_dict(self.model)
+        if self.rank == 0:
+            save_checkpoint(
+                self.run_dir,
+                step=step,
+                version=step + 1,
+                incarnation=self.incarnation,
+                model=self.raw,
+                state_dict=state,
+                tokenizer=self.tokenizer,
+                optimizer_state=self.optimizer.state_dict(),
+            )
+            self.receiver.send(Durable(step=step, incarnation=self.incarnation))
+        self.accelerator.wait_for_everyone()
+
+    def _metrics(
+        self, step: int, state: _Step, updates: list[_Update], grad_norms: list[float]
+    ) -> dict[str, float]:
+        sums = torch.tensor([[u.sums[k] for k in _SUMS] for u in updates], dtype=torch.float64)
+        extremes = torch.tensor(
+            [max(u.ratio_max for u in updates), -min(u.ratio_min for u in updates)],
+            dtype=torch.float64,
+        )
+        if self.world > 1:
+            dist.all_reduce(sums, group=self._group)
+            dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=self._group)
+        per_update = {k: sums[:, i] for i, k in enumerate(_SUMS)}
+        norms = torch.tensor([u.norm for u in updates], dtype=torch.float64).clamp_min(1e-12)
+        tokens = max(float(per_update["tokens"].sum()), 1.0)
+        total = {k: float(v.sum()) for k, v in per_update.items()}
+        rewards = [s.reward for g in state.groups for s in g.samples if not s.masked]
+        staleness = [step - g.version for g in state.groups] or [0]
+        ratio_min = -float(extremes[1])
+        return {
+            "loss": float((per_update["loss"] / norms).mean()),
+            "reward_mean": sum(rewards) / len(rewards) if rewards else 0.0,
+            "entropy": total["entropy_sum"] / tokens,
+            "clip_fraction": total["clipped"] / tokens,
+            "ratio_mean": total["ratio_sum"] / tokens,
+            "ratio_max": float(extremes[0]),
+            "ratio_min": ratio_min if ratio_min != float("inf") else 0.0,
+            "is_weight_mean": total["is_weight_sum"] / tokens,
+            "is_capped_fraction": total["is_capped"] / tokens,
+            "kl": total["kl_sum"] / tokens,
+            "mismatch_k1": total["mismatch_sum"] / tokens,
+            "tokens": total["tokens"],
+            "groups": float(len(state.groups)),
+            "filtered_groups": float(sum(p.filtered for p in state.prepared)),
+            "duplicate_groups": float(state.duplicates),
+            "masked_samples": float(sum(p.masked_samples for p in state.prepared)),
+            "staleness_mean": sum(staleness) / len(staleness),
+            "staleness_max": float(max(staleness)),
+            "grad_norm": sum(grad_norms) / len(grad_norms),
+            "version": float(step + 1),
+            "ranks": float(self.world),
+        }
+
+    def _broadcast_int(self, value: int) -> int:
+        if self.world == 1:
+            return value
+        t = torch.tensor([value], dtype=torch.int64)
+        dist.broadcast(t, src=0, group=self._group)
+        return int(t.item())
