@@ -1,0 +1,248 @@
+"""The dispatcher: dataset -> groups -> G episodes each, admitted through the transfer queue.
+
+Admission binds late (DESIGN §3): a group is admitted only when the transfer queue allows one more
+group at the newest loaded version *and* an instance holding that version has room for all `G`
+samples; it is then placed on that instance (the least loaded one, by the orchestrator), started
+at once, and its `G` episodes run concurrently, each with a `LeaseSampler` pinned to the group's
+version. When admission is refused the dispatcher waits on the rollout's `changed` event (set by
+every completion, lease end, version load and trainer ack), and the time spent waiting is added
+up per reason (`weights_not_loaded`, `invariant`, `no_capacity`, ...).
+
+Why episodes run here and not through `episode.run_group`: each episode's lease must end when
+*that* episode ends (DESIGN §5: a lease from first token to end), so the slot it held goes back to
+the orchestrator while its group's long tail is still running. `run_group` returns only when all
+`G` are done, which would hold `G - 1` idle slots per long-tailed group. The group policy is the
+same: `mask` keeps masked samples in the group (C2); `retry` regenerates the whole group at its
+version through `TransferQueue.fail`, at most `max_retries` times, while an instance of that
+version has room, and masks it otherwise.
+
+The prompt stream is `PromptStream` (cycles, reshuffled each epoch). Tasks come from
+`data.source`: a JSONL file, a `module:function` returning tasks, or (empty) the env's own
+generator.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import json
+import logging
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from dora.config import DoraConfig
+from dora.core.transfer_queue import Admitted, RefusalReason
+from dora.env import Env, PromptStream, Task, load_object
+from dora.errors import ConfigError, DataError, ServerTimeout
+from dora.protocol import Group, Sample, SamplingParams
+from dora.serve.episode import ChatRenderer, EpisodeLimits, run_episode
+
+if TYPE_CHECKING:
+    from dora.serve.rollout import Rollout
+
+__all__ = ["Dispatcher", "load_tasks"]
+
+log = logging.getLogger("dora.serve")
+
+# Environments whose own task generator serves `data.source = ""`. Workaround: the env API has no
+# hook for "the env's default tasks" yet (reported to the lead); this table lives here until then.
+_DEFAULT_TASKS = {
+    "envs.math:ChainArithmeticEnv": ("envs.math:chain_arithmetic_tasks", 4096),
+}
+
+
+def load_tasks(config: DoraConfig) -> list[Task]:
+    """The task list `data.source` names (see the module docstring)."""
+    source, seed = config.data.source, config.data.seed
+    if not source:
+        default = _DEFAULT_TASKS.get(config.env.cls)
+        if default is None:
+            raise ConfigError(
+                f"data.source is empty and {config.env.cls!r} has no built-in task generator; "
+                "set data.source to a JSONL file or to 'module:function' returning tasks"
+            )
+        source, count = default
+        fn = load_object(source)
+        assert callable(fn)
+        return list(fn(count, seed=seed))
+    if ":" in source and not Path(source).exists():
+        fn = load_object(source)
+        if not callable(fn):
+            raise ConfigError(f"data.source {source!r} is not callable")
+        takes_seed = "seed" in inspect.signature(fn).parameters
+        tasks = fn(seed=seed) if takes_seed else fn()
+        return list(tasks)
+    return _read_jsonl(Path(source))
+
+
+def _read_jsonl(path: Path) -> list[Task]:
+    if not path.is_file():
+        raise ConfigError(f"data.source: no such file {path}")
+    tasks = []
+    with path.open() as f:
+        for i, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise DataError(f"{path}, row {i}: not valid JSON: {exc}") from None
+            if not isinstance(row, dict):
+                raise DataError(f"{path}, row {i}: expected a JSON object")
+            tasks.append(Task(str(row.get("id", f"{path.stem}-{i}")), row))
+    return tasks
+
+
+class Dispatcher:
+    """Admits groups and runs their episodes (see the module docstring)."""
+
+    def __init__(
+        self,
+        rollout: Rollout,
+        *,
+        tasks: PromptStream,
+        env_factory: Callable[[], Env],
+        renderer: ChatRenderer,
+    ) -> None:
+        cfg = rollout.config
+        self._r = rollout
+        self._tasks = tasks
+        self._env_factory = env_factory
+        self._renderer = renderer
+        self._params = SamplingParams(
+            max_tokens=cfg.rollout.max_tokens,
+            temperature=cfg.rollout.temperature,
+            top_p=cfg.rollout.top_p,
+        )
+        self._limits = EpisodeLimits(
+            max_turns=cfg.rollout.max_turns,
+            max_total_tokens=cfg.rollout.max_tokens,
+            context_limit=cfg.model.max_model_len,
+            tool_timeout_s=cfg.rollout.tool_timeout_s,
+        )
+        self._on_error = cfg.rollout.on_env_error
+        self._trainer_timeout_s = cfg.serve.request_timeout_s
+        self._next = 0
+
+    async def run(self) -> None:
+        r, q, g = self._r, self._r.queue, self._r.group_size
+        while not q.finished:
+            r.changed.clear()
+            reason = q.admission_blocker()
+            version = q.newest_version
+            where = None
+            if reason is None:
+                assert version is not None
+                where = r.orchestrator.can_place(g, version=version)
+                if where is None:
+                    reason = RefusalReason.NO_CAPACITY
+            if reason is not None:
+                await self._wait(reason)
+                continue
+            assert version is not None
+            gid = f"g{self._next}"
+            self._next += 1
+            admitted = q.try_admit(gid)
+            assert isinstance(admitted, Admitted) and admitted.version == version
+            task = self._tasks.next()
+            self._place(gid, version)
+            r.spawn(self._run_group(gid, task, version), name=f"group-{gid}")
+
+    async def _wait(self, reason: RefusalReason) -> None:
+        """Wait for a state change; only a wait for the trainer's weights has a deadline (it is
+        the one that needs another process to make progress)."""
+        r = self._r
+        r.queue.record_admission_wait(reason)
+        started = time.monotonic()
+        nothing_running = not r.orchestrator.live()
+        try:
+            if reason is RefusalReason.WEIGHTS_NOT_LOADED and nothing_running:
+                async with asyncio.timeout(self._trainer_timeout_s):
+                    await r.changed.wait()
+            else:
+                await r.changed.wait()
+        except TimeoutError:
+            raise ServerTimeout(
+                f"waited {self._trainer_timeout_s:g} s for version "
+                f"{r.queue.step - r.queue.max_staleness} from the trainer (step {r.queue.step}, "
+                f"newest loaded {r.queue.newest_version}); is dora learn running?"
+            ) from None
+        finally:
+            r.admission_wait_s[reason.value] += time.monotonic() - started
+
+    def _place(self, gid: str, version: int) -> list[str]:
+        r = self._r
+        leases = [f"{gid}/{i}" for i in range(r.group_size)]
+        where = r.orchestrator.place(leases, version=version)
+        assert where is not None, "can_place said there was room"
+        r.queue.start(gid)
+        for lid in leases:
+            r.router.open(lid, version=version, instance=where)
+        return leases
+
+    async def _run_group(self, gid: str, task: Task, version: int) -> None:
+        r = self._r
+        leases = [f"{gid}/{i}" for i in range(r.group_size)]
+        while True:
+            async with asyncio.TaskGroup() as tg:
+                running = [tg.create_task(self._episode(lid, task)) for lid in leases]
+            samples = [t.result() for t in running]
+            if self._on_error == "retry" and any(s.masked for s in samples):
+                room = r.orchestrator.can_place(r.group_size, version=version) is not None
+                outcome = r.queue.fail(gid, retry_allowed=room)
+                if outcome.retried:
+                    log.info("group %s failed; retrying at version %d", gid, version)
+                    self._place(gid, version)
+                    continue
+                group = self._group(gid, task, version, samples)
+                r.group_done(group, list(outcome.assigned))
+                return
+            group = self._group(gid, task, version, samples)
+            r.group_done(group, r.queue.complete(gid))
+            return
+
+    def _group(self, gid: str, task: Task, version: int, samples: list[Sample]) -> Group:
+        return Group(
+            id=gid,
+            prompt_id=task.prompt_id,
+            version=version,
+            samples=samples,
+            incarnation=self._r.queue.incarnation,
+        )
+
+    async def _episode(self, lease_id: str, task: Task) -> Sample:
+        r = self._r
+        try:
+            try:
+                env = self._env_factory()
+            except Exception as exc:
+                log.warning("env factory raised", exc_info=True)
+                return Sample.build(
+                    token_ids=[],
+                    loss_mask=[],
+                    logprobs=[],
+                    versions=[],
+                    prompt_len=0,
+                    reward=0.0,
+                    finish_reason="error",
+                    masked=True,
+                    num_turns=0,
+                    metadata={"prompt_id": task.prompt_id, "error": f"env factory: {exc!r}"},
+                )
+            return await run_episode(
+                sampler=r.router.sampler(lease_id),
+                tokenizer=self._renderer,
+                env=env,
+                task=task,
+                params=self._params,
+                limits=self._limits,
+            )
+        finally:
+            # The lease ends with the episode (also on error or cancellation): its slot is free.
+            r.router.close(lease_id)
+            actions = r.orchestrator.finish(lease_id)
+            task_now = asyncio.current_task()
+            if task_now is None or not task_now.cancelling():  # no new tasks while stopping
+                r.apply(actions)

@@ -1,0 +1,197 @@
+"""The instance pool: start N inference instances, hand out their clients, stop them by handle.
+
+`dora serve` starts each embedded instance as its own process (`python -m dora.engine`), so the
+instances decode in parallel and a crashing model cannot take the rollout loop down. Tests may start
+them in this process (`EngineServer`) to save the seconds a process costs; both give the same
+`InstanceHandle`s, and nothing above this module knows which kind it got.
+
+Every instance starts with version 0 (the model folder) loaded. Stopping goes through the handle
+that started the instance (the process object, or the in-process server's context): SIGTERM, a
+bounded wait, then SIGKILL; never a search by name.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import sys
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+from dora.engine.api import ExportedRequest
+from dora.errors import ServerTimeout, ServerUnavailable
+from dora.protocol import Completion, SamplingParams
+
+__all__ = [
+    "InstanceClient",
+    "InstanceHandle",
+    "InstanceSpec",
+    "start_in_process",
+    "start_processes",
+]
+
+log = logging.getLogger("dora.serve")
+
+
+class InstanceClient(Protocol):
+    """The instance interface of DESIGN §5 (what `dora.engine.EngineClient` implements).
+
+    export/import is the optional KV-migration capability; `kv_migration = false` never calls it.
+    """
+
+    async def generate(
+        self, prompt_ids: list[int], params: SamplingParams, *, request_id: str, version: int | None
+    ) -> Completion: ...
+
+    async def load_weights(
+        self,
+        version: int,
+        *,
+        path: str | None = None,
+        tensors: dict[str, tuple[str, list[int], bytes]] | None = None,
+        timeout_s: float | None = None,
+    ) -> dict[str, object]: ...
+
+    async def abort(self, request_id: str) -> Completion: ...
+
+    async def export_request(self, request_id: str) -> ExportedRequest: ...
+
+    async def import_request(self, exported: ExportedRequest) -> Completion: ...
+
+    async def health(self) -> dict[str, object]: ...
+
+    async def close(self) -> None: ...
+
+
+@dataclass(frozen=True, kw_only=True)
+class InstanceSpec:
+    """How to start embedded instances."""
+
+    model_dir: str
+    host: str = "127.0.0.1"
+    threads: int = 1
+    max_running: int = 64
+    max_model_len: int | None = None
+    request_timeout_s: float = 600.0
+    control_timeout_s: float = 120.0
+    start_timeout_s: float = 120.0
+
+
+@dataclass(eq=False, kw_only=True)
+class InstanceHandle:
+    """One started instance: its id, URL, client, and how to stop it."""
+
+    id: str
+    url: str
+    client: InstanceClient
+    stop: Callable[[], Awaitable[None]]
+
+
+def _client(url: str, spec: InstanceSpec) -> InstanceClient:
+    from dora.engine.client import EngineClient
+
+    return EngineClient(
+        url, timeout_s=spec.request_timeout_s, control_timeout_s=spec.control_timeout_s
+    )
+
+
+@contextlib.asynccontextmanager
+async def start_processes(spec: InstanceSpec, count: int) -> AsyncIterator[list[InstanceHandle]]:
+    """Start `count` engine processes concurrently; stop every one of them on exit."""
+    procs: list[asyncio.subprocess.Process] = []
+    handles: list[InstanceHandle] = []
+    try:
+        async with asyncio.TaskGroup() as tg:
+            starts = [tg.create_task(_start_process(spec, f"i{i}", procs)) for i in range(count)]
+        handles = [s.result() for s in starts]
+        yield handles
+    finally:
+        for h in handles:
+            await h.client.close()
+        await asyncio.gather(*(_stop_process(p) for p in procs))
+
+
+async def _start_process(
+    spec: InstanceSpec, instance_id: str, procs: list[asyncio.subprocess.Process]
+) -> InstanceHandle:
+    args = [
+        *("-m", "dora.engine", "--model", spec.model_dir, "--host", spec.host, "--port", "0"),
+        *("--version", "0", "--threads", str(spec.threads)),
+        *("--max-running", str(spec.max_running)),
+    ]
+    if spec.max_model_len is not None:
+        args += ["--max-model-len", str(spec.max_model_len)]
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, *args, stdout=asyncio.subprocess.PIPE, stdin=asyncio.subprocess.DEVNULL
+    )
+    procs.append(proc)
+    assert proc.stdout is not None
+    try:
+        async with asyncio.timeout(spec.start_timeout_s):
+            line = await proc.stdout.readline()
+    except TimeoutError:
+        raise ServerTimeout(
+            f"instance {instance_id} (pid {proc.pid}) did not print its URL within "
+            f"{spec.start_timeout_s:g} s while loading {spec.model_dir}"
+        ) from None
+    url = line.decode().strip()
+    if not url.startswith("http"):
+        code = proc.returncode
+        raise ServerUnavailable(
+            f"instance {instance_id} (pid {proc.pid}) exited ({code}) before serving; see its log"
+        )
+    log.info("instance %s (pid %d) serves at %s", instance_id, proc.pid, url)
+    return InstanceHandle(
+        id=instance_id, url=url, client=_client(url, spec), stop=lambda: _stop_process(proc)
+    )
+
+
+async def _stop_process(proc: asyncio.subprocess.Process, grace_s: float = 10.0) -> None:
+    if proc.returncode is not None:
+        return
+    with contextlib.suppress(ProcessLookupError):
+        proc.terminate()
+    try:
+        async with asyncio.timeout(grace_s):
+            await proc.wait()
+    except TimeoutError:
+        log.warning("instance pid %d ignored SIGTERM for %g s; killing it", proc.pid, grace_s)
+        with contextlib.suppress(ProcessLookupError):
+            proc.kill()
+        await proc.wait()
+
+
+@contextlib.asynccontextmanager
+async def start_in_process(spec: InstanceSpec, count: int) -> AsyncIterator[list[InstanceHandle]]:
+    """Start `count` `EngineServer`s in this process (tests); stop them all on exit."""
+    from dora.engine.batcher import BatcherConfig
+    from dora.engine.server import EngineServer
+
+    config = BatcherConfig(max_running=spec.max_running, max_model_len=spec.max_model_len)
+    async with contextlib.AsyncExitStack() as stack:
+        handles: list[InstanceHandle] = []
+        for i in range(count):
+            # Each server's context is the handle that stops it: the stack exits them in reverse.
+            server = await stack.enter_async_context(
+                EngineServer.start(
+                    Path(spec.model_dir),
+                    host=spec.host,
+                    port=0,
+                    version=0,
+                    threads=spec.threads,
+                    config=config,
+                )
+            )
+            client = _client(server.url, spec)
+            stack.push_async_callback(client.close)
+            handles.append(
+                InstanceHandle(id=f"i{i}", url=server.url, client=client, stop=_noop_stop)
+            )
+        yield handles
+
+
+async def _noop_stop() -> None:
+    """In-process servers are stopped by the exit of `start_in_process`'s context."""

@@ -1,0 +1,175 @@
+"""`dora serve CONFIG [key=value ...]`: the rollout side of a run.
+
+Starts `serve.instances` embedded engine processes (version 0 = `model.path`, or the tiny model
+built into `{run_dir}/initial-model`), binds the trainer link on `serve.host:serve.port`, and runs
+the rollout loop (`rollout.py`) until every step of `learn.steps` is filled, sent and acknowledged.
+Metrics go to `{run_dir}/rollout.jsonl` and `{run_dir}/summary.json`; the live display goes to the
+terminal when `log.progress` is on and stderr is a terminal.
+
+The trainer connects to the address printed at start (`dora run` chooses the port and passes it to
+both sides). Stopping (Ctrl-C, SIGTERM, or an error) cancels the task group and stops every
+instance process by its handle.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import sys
+import tempfile
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import msgspec
+
+from dora.config import DoraConfig, load_config
+from dora.errors import ConfigError
+from dora.serve.instances import InstanceHandle, InstanceSpec, start_in_process, start_processes
+
+__all__ = ["main", "prepare_model", "run_serve"]
+
+log = logging.getLogger("dora.serve")
+
+
+def resolve_run_dir(config: DoraConfig) -> Path:
+    from dora.learn.main import resolve_run_dir as learn_run_dir
+
+    return learn_run_dir(config, resume=False)
+
+
+def prepare_model(config: DoraConfig, run_dir: Path) -> Path:
+    """The folder of version 0. The tiny model is built (seed 0, as `dora learn` builds it) into a
+    temporary folder and renamed into place, so a trainer building it at the same moment never
+    reads half of ours."""
+    if config.model.path != "tiny":
+        path = Path(config.model.path)
+        if not (path / "config.json").is_file():
+            raise ConfigError(f"model.path = {str(path)!r} is not a Hugging Face model folder")
+        return path
+    out = run_dir / "initial-model"
+    if (out / "config.json").is_file():
+        return out
+    from dora.models import TinyModelSpec, build_tiny_model
+
+    spec = TinyModelSpec(
+        hidden_size=config.model.tiny_hidden_size, num_layers=config.model.tiny_layers
+    )
+    run_dir.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".initial-model-", dir=run_dir))
+    build_tiny_model(tmp, spec)
+    try:
+        os.rename(tmp, out)
+    except OSError:  # somebody else (the trainer) put it there first: theirs is identical
+        import shutil
+
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+@contextlib.asynccontextmanager
+async def _instances(
+    config: DoraConfig, model_dir: Path, *, in_process: bool
+) -> AsyncIterator[list[InstanceHandle]]:
+
+    if config.serve.backend != "embedded":
+        raise ConfigError(
+            f"serve.backend = {config.serve.backend!r} is not available in dora serve yet; "
+            "use 'embedded'"
+        )
+    if config.serve.urls:
+        raise ConfigError("serve.urls (attaching to running instances) is not supported yet")
+    spec = InstanceSpec(
+        model_dir=str(model_dir),
+        host=config.serve.host,
+        threads=config.serve.threads_per_instance,
+        max_running=config.serve.max_running,
+        max_model_len=config.model.max_model_len,
+        request_timeout_s=config.serve.request_timeout_s,
+        control_timeout_s=config.serve.weight_load_timeout_s,
+        start_timeout_s=config.serve.weight_load_timeout_s,
+    )
+    start = start_in_process if in_process else start_processes
+    async with start(spec, config.serve.instances) as handles:
+        yield list(handles)
+
+
+async def run_serve(
+    config: DoraConfig,
+    *,
+    run_dir: Path,
+    in_process: bool = False,
+    link: object | None = None,
+    progress: bool | None = None,
+) -> object:
+    """The whole rollout side; returns the `RolloutReport`. Tests pass `in_process=True` (engines
+    in this process) and their own `ServeLink` (to know its address before the run starts)."""
+    from transformers import AutoTokenizer
+
+    from dora.env import PromptStream, load_env
+    from dora.link import ServeLink
+    from dora.serve.dispatcher import Dispatcher, load_tasks
+    from dora.serve.episode import ChatRenderer
+    from dora.serve.rollout import Rollout
+
+    model_dir = prepare_model(config, run_dir)
+    env_factory = load_env(config.env.cls, **config.env.kwargs)
+    tasks = PromptStream(load_tasks(config), seed=config.data.seed)
+    tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, str(model_dir))
+    renderer = ChatRenderer(tokenizer)
+    own_link = link is None
+    serve_link = (
+        ServeLink(host=config.serve.host, port=config.serve.port, token=config.serve.token)
+        if link is None
+        else link
+    )
+    assert isinstance(serve_link, ServeLink)
+    if progress is None:
+        progress = config.log.progress and sys.stderr.isatty()
+    try:
+        print(f"dora serve: trainer link on {serve_link.address}", flush=True)
+        async with _instances(config, model_dir, in_process=in_process) as handles:
+            rollout = Rollout(
+                config,
+                instances=handles,
+                link=serve_link,
+                model_dir=str(model_dir),
+                run_dir=run_dir,
+                dispatcher_factory=lambda r: Dispatcher(
+                    r, tasks=tasks, env_factory=env_factory, renderer=renderer
+                ),
+                progress=progress,
+            )
+            report = await rollout.run()
+    finally:
+        if own_link:
+            serve_link.close()
+    (run_dir / "summary.json").write_bytes(msgspec.json.format(msgspec.json.encode(report)))
+    return report
+
+
+def main(args: argparse.Namespace) -> int:
+    """`dora serve`: 0 when the run finished."""
+    config = load_config(args.config, args.overrides)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    run_dir = resolve_run_dir(config)
+    print(f"dora serve: run directory {run_dir}", flush=True)
+
+    async def serve() -> object:
+        task = asyncio.current_task()
+        assert task is not None
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, task.cancel)
+        return await run_serve(config, run_dir=run_dir)
+
+    try:
+        report = asyncio.run(serve())
+    except asyncio.CancelledError:
+        print("dora serve: stopped", file=sys.stderr)
+        return 130
+    print(f"dora serve: finished: {msgspec.json.encode(report).decode()}", flush=True)
+    return 0

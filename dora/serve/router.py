@@ -1,0 +1,308 @@
+"""The router: every LLM call of an episode goes to an instance holding the episode's version.
+
+An episode (one sample of a group) holds a *lease* from placement to its end: the orchestrator
+decides which instance the lease sits on (least loaded instance of the version when the group
+starts, sticky across turns), and moves it with `Migrate` (same version, C1), `Park` and `Resume`.
+This module carries those decisions out against real instances and gives each episode a `Sampler`
+(`LeaseSampler`) that hides them: the episode runner just calls `generate`.
+
+How a move is carried out while a call is in flight: the router interrupts the call on its old
+instance (abort, or export with the KV cache when `kv_migration` is on), and the sampler, whose
+`generate` on that instance then returns with finish reason "abort", continues on the lease's new
+instance: it imports the exported request (no re-prefill), or resubmits the prompt plus the tokens
+so far with the remaining token budget. The caller sees one completion whose per-token `versions`
+are whatever the engines reported (all equal except in partial mode, where a resumed request
+continues on the newest version).
+
+Invariants:
+- a call is sent only to an instance the orchestrator marked ready for the lease's version;
+- the router's count of calls in flight per instance lets a `Load` wait until the instance is
+  really empty (an abort that races with a call's start must not let a load change the weights
+  under a running call);
+- a move whose interruption missed (the call had already finished) is harmless: the call's result
+  stands and the next turn goes to the new instance.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+
+import msgspec
+
+from dora.engine.api import ExportedRequest
+from dora.errors import ServerError
+from dora.protocol import Completion, FinishReason, SamplingParams
+from dora.serve.instances import InstanceClient
+
+__all__ = ["InstanceState", "Lease", "LeaseSampler", "Router"]
+
+log = logging.getLogger("dora.serve")
+
+
+@dataclass(eq=False)
+class InstanceState:
+    """The router's view of one instance: its client and what is running on it now."""
+
+    id: str
+    client: InstanceClient
+    version: int = 0
+    """The version the instance holds (as the last load reported)."""
+    inflight: int = 0
+    idle: asyncio.Event = field(default_factory=asyncio.Event)
+    busy_s: float = 0.0
+    """Seconds with at least one call in flight (utilisation)."""
+    busy_since: float | None = None
+    tokens: int = 0
+    """Tokens sampled by calls that returned from this instance."""
+    alive: bool = True
+
+    def __post_init__(self) -> None:
+        self.idle.set()
+
+    def busy_until(self, now: float) -> float:
+        """`busy_s` including the current busy stretch, up to `now`."""
+        return self.busy_s + (now - self.busy_since if self.busy_since is not None else 0.0)
+
+
+@dataclass(eq=False)
+class Lease:
+    """One episode's hold on its version, and where it runs."""
+
+    id: str
+    version: int
+    instance: str | None
+    placed: asyncio.Event = field(default_factory=asyncio.Event)
+    call_id: str | None = None
+    """The engine request id of the call in flight, if any."""
+    call_instance: str | None = None
+    interrupt: asyncio.Future[ExportedRequest | None] | None = None
+    """Set when the router interrupted the call in flight (result: the export, if any)."""
+    interrupt_target: tuple[asyncio.Future[ExportedRequest | None], str, str] | None = None
+    """(its future, call id, instance): what the pending interrupt must stop."""
+    calls: int = 0
+    migrations: int = 0
+    resumes: int = 0
+
+
+class Router:
+    """Leases, instances, and the moves between them."""
+
+    def __init__(self, *, kv_migration: bool, control_timeout_s: float = 60.0) -> None:
+        self.kv_migration = kv_migration
+        self.control_timeout_s = control_timeout_s
+        self.instances: dict[str, InstanceState] = {}
+        self.leases: dict[str, Lease] = {}
+        self.migrations = 0
+        self.kv_migrations = 0
+        self.resubmissions = 0
+        self.parks = 0
+        self.missed_interrupts = 0
+        """Interrupts that found nothing to stop (the call had ended) or failed on the instance:
+        the call then finished where it was, which is safe (same version, or a drained load)."""
+        self.max_versions_serving = 0
+        """Most distinct versions with calls in flight at the same moment."""
+
+    def add_instance(self, instance_id: str, client: InstanceClient, *, version: int) -> None:
+        self.instances[instance_id] = InstanceState(instance_id, client, version)
+
+    # --- leases ------------------------------------------------------------------------------
+
+    def open(self, lease_id: str, *, version: int, instance: str) -> Lease:
+        lease = Lease(lease_id, version, instance)
+        lease.placed.set()
+        self.leases[lease_id] = lease
+        return lease
+
+    def close(self, lease_id: str) -> None:
+        self.leases.pop(lease_id, None)
+
+    def sampler(self, lease_id: str) -> LeaseSampler:
+        return LeaseSampler(self, lease_id)
+
+    # --- orchestrator actions (synchronous state changes; RPCs go to `interrupt`) -------------
+
+    def move(self, lease_id: str, dst: str) -> bool:
+        """`Migrate`: the lease now sits on `dst` (same version). True if a call must be
+        interrupted (then run `interrupt`)."""
+        lease = self.leases[lease_id]
+        lease.instance = dst
+        lease.migrations += 1
+        self.migrations += 1
+        return self._needs_interrupt(lease)
+
+    def park(self, lease_id: str) -> bool:
+        """`Park`: the lease has no instance until `resume`. True if a call must be interrupted."""
+        lease = self.leases[lease_id]
+        lease.instance = None
+        lease.placed.clear()
+        self.parks += 1
+        return self._needs_interrupt(lease)
+
+    def resume(self, lease_id: str, instance: str, version: int) -> None:
+        """`Resume`: continue on `instance`, which holds `version` (a newer one in partial mode)."""
+        lease = self.leases[lease_id]
+        lease.instance, lease.version = instance, version
+        lease.resumes += 1
+        lease.placed.set()
+
+    def _needs_interrupt(self, lease: Lease) -> bool:
+        if lease.call_id is None or lease.interrupt is not None:
+            return False
+        lease.interrupt = asyncio.get_running_loop().create_future()
+        lease.interrupt_target = (lease.interrupt, lease.call_id, lease.call_instance or "")
+        return True
+
+    async def interrupt(self, lease_id: str, *, export: bool) -> None:
+        """Stop the lease's call in flight on its old instance; with `export`, take its KV cache
+        along. The call named when the move was decided is the one stopped, even if it returned
+        meanwhile. The future always gets a result: the sampler waits on it."""
+        lease = self.leases.get(lease_id)
+        if lease is None or lease.interrupt_target is None:
+            return
+        future, call_id, instance_id = lease.interrupt_target
+        lease.interrupt_target = None
+        result: ExportedRequest | None = None
+        try:
+            client = self.instances[instance_id].client
+            async with asyncio.timeout(self.control_timeout_s):
+                if export and self.kv_migration:
+                    result = await client.export_request(call_id)
+                else:
+                    await client.abort(call_id)
+        except (ServerError, TimeoutError) as exc:
+            # The call had finished (404/409) or the instance is gone: resubmission covers both.
+            self.missed_interrupts += 1
+            log.debug("interrupting %s on %s: %s", call_id, instance_id, exc)
+        finally:
+            if not future.done():
+                future.set_result(result)
+
+    # --- calls -------------------------------------------------------------------------------
+
+    async def wait_idle(self, instance_id: str) -> None:
+        """Until no call is in flight on the instance (before loading other weights)."""
+        await self.instances[instance_id].idle.wait()
+
+    def _begin(self, inst: InstanceState) -> None:
+        if inst.inflight == 0:
+            inst.busy_since = time.monotonic()
+            inst.idle.clear()
+        inst.inflight += 1
+        serving = {i.version for i in self.instances.values() if i.inflight}
+        self.max_versions_serving = max(self.max_versions_serving, len(serving))
+
+    def _end(self, inst: InstanceState, tokens: int) -> None:
+        inst.inflight -= 1
+        inst.tokens += tokens
+        if inst.inflight == 0:
+            if inst.busy_since is not None:
+                inst.busy_s += time.monotonic() - inst.busy_since
+            inst.busy_since = None
+            inst.idle.set()
+
+    def versions_serving(self) -> dict[int, int]:
+        """Calls in flight per version, now."""
+        out: dict[int, int] = {}
+        for i in self.instances.values():
+            if i.inflight:
+                out[i.version] = out.get(i.version, 0) + i.inflight
+        return out
+
+    async def call(
+        self,
+        lease: Lease,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        *,
+        imported: ExportedRequest | None = None,
+    ) -> tuple[Completion, ExportedRequest | None, bool]:
+        """One call on the lease's instance: a generate, or the import of an exported request
+        (continues without re-prefill; its completion holds the exported tokens too). Returns
+        (completion, the export if the router interrupted it with KV, interrupted?)."""
+        await lease.placed.wait()
+        assert lease.instance is not None
+        inst = self.instances[lease.instance]
+        lease.calls += 1
+        call_id = f"{lease.id}#{lease.calls}"
+        lease.call_id, lease.call_instance = call_id, inst.id
+        self._begin(inst)
+        completion: Completion | None = None
+        try:
+            if imported is None:
+                completion = await inst.client.generate(
+                    prompt_ids, params, request_id=call_id, version=lease.version
+                )
+            else:
+                self.kv_migrations += 1
+                completion = await inst.client.import_request(
+                    msgspec.structs.replace(imported, request_id=call_id)
+                )
+        finally:
+            self._end(inst, 0 if completion is None else len(completion.token_ids))
+            lease.call_id = lease.call_instance = None
+        future, lease.interrupt = lease.interrupt, None
+        if future is None:
+            return completion, None, False
+        # The router interrupted this call; wait for the RPC that did it (bounded by its own
+        # deadline in `interrupt`) to learn whether the KV cache came along.
+        exported = await future
+        return completion, exported, completion.finish_reason == "abort"
+
+
+class LeaseSampler:
+    """The `Sampler` an episode gets: pinned to its lease's version, and hiding moves."""
+
+    def __init__(self, router: Router, lease_id: str) -> None:
+        self._router = router
+        self._lease_id = lease_id
+
+    @property
+    def lease(self) -> Lease:
+        return self._router.leases[self._lease_id]
+
+    async def generate(self, prompt_ids: list[int], params: SamplingParams) -> Completion:
+        lease = self.lease
+        tokens: list[int] = []
+        logprobs: list[float] = []
+        versions: list[int] = []
+        imported: ExportedRequest | None = None
+        while True:
+            # `tokens` holds what earlier (interrupted) calls sampled; the next call continues it.
+            left = params.max_tokens - len(tokens)
+            if left <= 0:
+                finish: FinishReason = "length"
+                break
+            part, exported, interrupted = await self._router.call(
+                lease,
+                prompt_ids + tokens,
+                msgspec.structs.replace(params, max_tokens=left),
+                imported=imported,
+            )
+            done = len(imported.token_ids) if imported is not None else 0
+            imported = None
+            if exported is not None and exported.kv and exported.version == lease.version:
+                # KV migration (not to another version: partial mode resubmits). The export
+                # holds this call's tokens; the next call imports them and continues.
+                tokens += exported.token_ids[done:]
+                logprobs += exported.logprobs[done:]
+                versions += exported.versions[done:]
+                imported = exported
+                continue
+            tokens += part.token_ids[done:]
+            logprobs += part.logprobs[done:]
+            versions += part.versions[done:]
+            finish = part.finish_reason
+            if not interrupted:
+                break
+            self._router.resubmissions += 1
+        return Completion(
+            request_id=lease.id,
+            token_ids=tokens,
+            logprobs=logprobs,
+            versions=versions,
+            finish_reason=finish,
+            prompt_tokens=len(prompt_ids),
+        )

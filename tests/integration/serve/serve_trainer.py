@@ -1,0 +1,127 @@
+"""A small trainer for the serve tests: it speaks the real protocol over the real ZMQ link.
+
+It receives groups, checks the stream's shape (every group once, `StepClosed` after `B`), "trains"
+by sleeping, and publishes version `t + 1` as inline `WeightChunk`s of perturbed weights (so the
+engines really load new weights and logprobs change), then acknowledges with `StepDone(t)`.
+It runs on a thread: the trainer side of the link is blocking by design.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from dora.link import LearnLink
+from dora.protocol import (
+    Assigned,
+    Group,
+    Hello,
+    Shutdown,
+    StepClosed,
+    StepDone,
+    WeightChunk,
+    WeightsReady,
+)
+
+
+class ToyTrainer:
+    def __init__(
+        self,
+        address: str,
+        *,
+        model_dir: Path,
+        steps: int,
+        batch_size: int,
+        step_time_s: float = 0.05,
+        noise: float = 0.01,
+        timeout_s: float = 60.0,
+    ) -> None:
+        self.address = address
+        self.steps = steps
+        self.batch_size = batch_size
+        self.step_time_s = step_time_s
+        self.noise = noise
+        self.timeout_s = timeout_s
+        self.base = load_file(str(next(model_dir.glob("*.safetensors"))))
+        self.received: list[tuple[int, Group]] = []
+        self.by_step: dict[int, list[Group]] = defaultdict(list)
+        self.closed: list[int] = []
+        self.trained: list[int] = []
+        self.shutdown = False
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._main, name="toy-trainer", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def join(self, timeout_s: float = 30.0) -> None:
+        self._thread.join(timeout_s)
+        if self._thread.is_alive():
+            raise TimeoutError("the toy trainer did not stop")
+        if self.error is not None:
+            raise self.error
+
+    def weights(self, version: int) -> dict[str, torch.Tensor]:
+        gen = torch.Generator().manual_seed(version)
+        return {
+            name: t + self.noise * torch.randn(t.shape, generator=gen, dtype=t.dtype)
+            for name, t in self.base.items()
+        }
+
+    def _main(self) -> None:
+        try:
+            self._run()
+        except BaseException as exc:
+            self.error = exc
+
+    def _run(self) -> None:
+        link = LearnLink(self.address)
+        try:
+            link.send(Hello(role="learn", incarnation=0, step=0))
+            step = 0
+            while not self.shutdown:
+                msg = link.recv(timeout_s=self.timeout_s, waiting_for=f"groups of step {step}")
+                match msg:
+                    case Assigned(step=s, group=g):
+                        assert s >= step, f"group {g.id} assigned to step {s}, already trained"
+                        self.received.append((s, g))
+                        self.by_step[s].append(g)
+                    case StepClosed(step=s, num_groups=n):
+                        assert n == self.batch_size == len(self.by_step[s]), (s, n)
+                        self.closed.append(s)
+                    case Shutdown():
+                        self.shutdown = True
+                    case Hello():
+                        pass
+                while step in self.closed and step < self.steps:
+                    time.sleep(self.step_time_s)
+                    self._publish(link, step + 1)
+                    link.send(StepDone(step=step, incarnation=0, metrics={"groups": 1.0}))
+                    self.trained.append(step)
+                    step += 1
+        finally:
+            link.close()
+
+    def _publish(self, link: LearnLink, version: int) -> None:
+        weights = self.weights(version)
+        names = list(weights)
+        half = len(names) // 2
+        for index, part in enumerate((names[:half], names[half:])):
+            link.send(
+                WeightChunk(
+                    version=version,
+                    index=index,
+                    names=part,
+                    dtypes=[str(weights[n].dtype).removeprefix("torch.") for n in part],
+                    shapes=[list(weights[n].shape) for n in part],
+                    data=[
+                        weights[n].contiguous().view(torch.uint8).numpy().tobytes() for n in part
+                    ],
+                )
+            )
+        link.send(WeightsReady(version=version, incarnation=0, num_chunks=2))
