@@ -92,7 +92,7 @@ def state_dict_from_chunks(chunks: Iterable[WeightChunk]) -> dict[str, torch.Ten
         for name, dtype, shape, data in zip(
             chunk.names, chunk.dtypes, chunk.shapes, chunk.data, strict=True
         ):
-            torch_dtype = getattr(torch, dtype)
+            torch_dtype = getattr(torch, dtype, None)
             if not isinstance(torch_dtype, torch.dtype):
                 raise ValueError(f"weight chunk {chunk.index}: unknown dtype {dtype!r} for {name}")
             buf = torch.from_numpy(np.frombuffer(bytearray(data), dtype=np.uint8))

@@ -5,8 +5,10 @@ broadcast as raw bytes (a length, then a uint8 tensor) over a gloo group, and ev
 decodes it with the same msgspec decoder: nothing is pickled, and every rank runs the same
 deterministic planning on the same groups, so they stay in lockstep without any other coordination.
 
-If rank 0 fails while the other ranks wait in a broadcast, it broadcasts a `Shutdown` first, so a
-failure ends every rank instead of leaving them hanging until the collective times out.
+If rank 0 fails while the other ranks wait in a broadcast, it broadcasts a `Shutdown` whose reason
+starts with `ABORT_PREFIX` first; the other ranks raise on it (no checkpoint, no collective), so a
+failure ends every rank instead of leaving them hanging until the collective times out. A failure
+on another rank is torchrun's to handle: it stops every worker.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import os
 import torch
 import torch.distributed as dist
 
+from dora.errors import DoraError
 from dora.link import LearnLink
 from dora.protocol import LearnMessage, ServeMessage, Shutdown, decode_from_serve, encode
 
@@ -23,6 +26,7 @@ from dora.protocol import LearnMessage, ServeMessage, Shutdown, decode_from_serv
 # does, so this is generous. A config field (learn.recv_timeout_s) has been requested from the lead;
 # until then DORA_LEARN_RECV_TIMEOUT_S overrides it.
 RECV_TIMEOUT_S = float(os.environ.get("DORA_LEARN_RECV_TIMEOUT_S", "600"))
+ABORT_PREFIX = "abort: "
 
 
 class Receiver:
@@ -36,6 +40,7 @@ class Receiver:
         self.world = world
         self._group = group
         self._link = LearnLink(address) if rank == 0 else None
+        self._aborted = False
 
     def send(self, message: LearnMessage) -> None:
         """Send to serve (rank 0 only; a no-op on the other ranks)."""
@@ -45,7 +50,10 @@ class Receiver:
     def next(self, *, waiting_for: str) -> ServeMessage:
         """The next message from serve, on every rank."""
         if self._link is None:
-            return decode_from_serve(self._broadcast(None))
+            message = decode_from_serve(self._broadcast(None))
+            if isinstance(message, Shutdown) and message.reason.startswith(ABORT_PREFIX):
+                raise DoraError(f"rank 0 stopped the trainer: {message.reason}")
+            return message
         try:
             message = self._link.recv(timeout_s=RECV_TIMEOUT_S, waiting_for=waiting_for)
         except BaseException as exc:
@@ -56,9 +64,10 @@ class Receiver:
         return message
 
     def abort(self, reason: str) -> None:
-        """Rank 0: tell the other ranks to stop (they are waiting for the next message)."""
-        if self._link is not None and self.world > 1:
-            self._broadcast(encode(Shutdown(reason=reason)))
+        """Rank 0: tell the other ranks to stop (they are waiting for the next message); once."""
+        if self._link is not None and self.world > 1 and not self._aborted:
+            self._aborted = True
+            self._broadcast(encode(Shutdown(reason=ABORT_PREFIX + reason)))
 
     def _broadcast(self, frame: bytes | None) -> bytes:
         size = torch.tensor([len(frame) if frame is not None else 0], dtype=torch.int64)

@@ -22,6 +22,7 @@ Step `t`, on every rank (they see the same messages in the same order, `dora.lea
 
 from __future__ import annotations
 
+import json
 import time
 from collections import defaultdict
 from contextlib import AbstractContextManager, nullcontext
@@ -210,18 +211,22 @@ class Trainer:
                 continue
             self._seen.add(message.group.id)
             self._add_group(message.group, state, updates)
-        train_started = time.perf_counter()
+        closed = time.perf_counter()
         grad_norms = [self._apply_update(u, updates[u]) for u in range(len(updates))]
-        train_s = time.perf_counter() - train_started
+        after_close_s = time.perf_counter() - closed
         publish_s = self._publish(step + 1)
         metrics = self._metrics(step, state, updates, grad_norms)
         metrics.update(
             step_time_s=time.perf_counter() - started,
             wait_s=state.wait_s,
-            update_s=train_s,
+            train_s=time.perf_counter() - started - state.wait_s - publish_s,
+            after_close_s=after_close_s,
             publish_s=publish_s,
         )
         self.receiver.send(StepDone(step=step, incarnation=self.incarnation, metrics=metrics))
+        if self.rank == 0:
+            with (self.run_dir / "learn-metrics.jsonl").open("a") as f:
+                f.write(json.dumps({"step": step, **metrics}) + "\n")
         return metrics
 
     # --- groups, micro-batches and updates ----------------------------------------------------
