@@ -1,0 +1,645 @@
+"""The event loop: simulated instances and a simulated trainer on a virtual clock, driving the real
+`TransferQueue` and `Orchestrator` (dora/core) unchanged.
+
+Instances (continuous batching, as vLLM does it). Each instance runs at most `max_seqs`
+sequences; every running sequence decodes one token per engine step, and a step takes
+`t0 + c * b + k * S` seconds (`b` running sequences, `S` context tokens in all, costs.py). Between
+two events `b` is constant and `S` grows by `b` per step, so the tokens decoded in `dt` seconds
+solve a quadratic: time advances from one completion (or KV-cache exhaustion) to the next, never
+token by token. Each instance keeps a heap of the progress marks at which its sequences finish.
+When the KV cache is full the most recently started sequence is preempted and later re-prefilled
+(vLLM's recompute preemption); waiting sequences start when their context fits. Prefill pauses
+decode for its duration (a simplification of chunked prefill).
+
+The driver follows the sans-IO contract (DESIGN.md §3, §5):
+- a group is admitted only at the newest published version, once an instance holds it and has
+  room for all `G` samples (bind late); the group starts at once, so its version is frozen;
+- every action of the orchestrator is carried out in order: `Load` takes `weight_sync_s`,
+  `Migrate` moves the sequence with its KV cache (or re-prefills it), `Park` keeps the tokens so
+  far and drops the KV cache, `Resume` re-prefills;
+- completed groups go to the queue; what it assigns streams to the trainer. Colocated modes pause
+  every instance while the trainer holds the GPUs.
+
+A sample of an agentic episode holds its slot (its lease) while it waits for a tool; its KV cache
+goes to host memory meanwhile (as the production system does) and only the tool's tokens are
+prefilled on return.
+
+Workaround, not a core change: the orchestrator does not report when it quietly lifts a drain, so
+after `place` refuses, the driver retries on the next load, publish or periodic tick.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections import Counter, deque
+from dataclasses import dataclass, field
+
+from dora.core import Admitted, Assigned, RefusalReason, TransferQueue
+from dora.core.orchestrator import Action, Drain, Load, Migrate, Orchestrator, Park, Resume
+from dora.errors import SchedulingError
+from dora.sim.costs import Setup
+from dora.sim.modes import ModePlan
+from dora.sim.workload import Episode, Workload
+
+__all__ = ["Run", "simulate"]
+
+_INST, _LOADED, _TRAINED, _TOOL, _POLL = range(5)
+_POLL_S = 10.0
+_EPS = 1e-7
+
+
+class _Req:
+    __slots__ = (
+        "cached",
+        "ctx",
+        "ctx0",
+        "ep",
+        "group",
+        "inst",
+        "mark",
+        "p0",
+        "remaining",
+        "rid",
+        "shard",
+        "tool_pending",
+        "turn",
+        "v_first",
+        "v_last",
+        "where",
+    )
+
+    def __init__(self, rid: str, group: _Group, ep: Episode, version: int) -> None:
+        self.rid = rid
+        self.shard = 0
+        self.group = group
+        self.ep = ep
+        self.turn = 0
+        self.ctx = float(ep.prompt)
+        self.remaining = float(ep.turns[0])
+        self.cached = -1.0  # -1: a fresh prompt, prefilled once per group (shared prefix)
+        self.inst: _Inst | None = None
+        self.where = 0  # 0: neither running nor waiting (tool, parked), 1: waiting, 2: running
+        self.mark = self.p0 = self.ctx0 = 0.0
+        self.tool_pending = False
+        self.v_first = self.v_last = version
+
+
+@dataclass(slots=True)
+class _Group:
+    gid: str
+    version: int
+    left: int
+    tokens: int
+
+
+class _Inst:
+    __slots__ = (
+        "busy",
+        "heap",
+        "id",
+        "kv",
+        "load_token",
+        "paused",
+        "prog",
+        "ready",
+        "roomy",
+        "running",
+        "seg_start",
+        "shard",
+        "stall",
+        "t",
+        "target",
+        "token",
+        "used",
+        "version",
+        "waiting",
+    )
+
+    def __init__(self, iid: str, shard: int) -> None:
+        self.id = iid
+        self.shard = shard
+        self.version: int | None = None
+        self.ready = False
+        self.paused = False
+        self.running: dict[str, _Req] = {}
+        self.waiting: deque[_Req] = deque()
+        self.heap: list[tuple[float, int, _Req]] = []
+        self.kv = 0.0  # context tokens of the running sequences
+        self.prog = 0.0  # progress: tokens decoded per running sequence since the start
+        self.t = 0.0
+        self.stall = 0.0
+        self.token = 0
+        self.load_token = 0
+        self.target = 0.0
+        self.used = 0  # slots the orchestrator counts (running, waiting, in a tool)
+        self.roomy: int | None = None
+        self.busy = False
+        self.seg_start = 0.0
+
+
+@dataclass
+class Run:
+    """Everything one simulated mode measured."""
+
+    mode: str
+    plan: ModePlan
+    setup: Setup
+    step_end_s: list[float] = field(default_factory=list)
+    step_tokens: list[int] = field(default_factory=list)
+    snapshots: list[tuple[float, float, float, float, float]] = field(default_factory=list)
+    """At each step end: (time, instance busy s, running-seq s, trainer busy s, rollout-only s)."""
+    versions: list[dict[int, int]] = field(default_factory=list)
+    """At each step end: instances per version."""
+    staleness: list[int] = field(default_factory=list)
+    spans: Counter[int] = field(default_factory=Counter)
+    segments: list[tuple[int, float, float, int]] = field(default_factory=list)
+    """Timeline: (instance index, start, end, version; -1 while loading)."""
+    trainer: list[list[float]] = field(default_factory=list)
+    migrations: int = 0
+    migrated_gb: float = 0.0
+    preemptions: int = 0
+    parks: int = 0
+    loads: int = 0
+    events: int = 0
+    admission_waits: dict[str, int] = field(default_factory=dict)
+    accounting: dict[str, int] = field(default_factory=dict)
+
+
+class _Sim:
+    def __init__(self, setup: Setup, plan: ModePlan, *, seed: int) -> None:
+        self.s = setup
+        self.p = plan
+        self.run = Run(plan.name, plan, setup)
+        self.co = setup.decode_coefficients()
+        self.kvcap = setup.kv_capacity_tokens
+        self.workload = Workload(setup, seed=seed)
+        self.q = TransferQueue(
+            groups_per_step=setup.groups_per_step,
+            max_staleness=plan.staleness,
+            num_steps=setup.steps,
+        )
+        n_shards = -(-plan.instances // setup.controller_instances)
+        self.orchs = [Orchestrator(mode=plan.orchestrator) for _ in range(n_shards)]
+        self.now = 0.0
+        self.events: list[tuple[float, int, int, object, int]] = []
+        self.seq = 0
+        self.insts: dict[str, _Inst] = {}
+        self.index: dict[str, int] = {}
+        self.reqs: dict[str, _Req] = {}
+        self.groups: dict[str, _Group] = {}
+        self.roomy: dict[int, dict[int, set[str]]] = {}  # version -> shard -> instances
+        self.n_groups = 0
+        self.newest = 0
+        self.paused = False
+        self.blocked: set[int] = set()  # shards whose `place` refused since the last load
+        self.done = False
+        self.step_count = [0] * setup.steps
+        self.step_tokens = [0] * setup.steps
+        self.trainer_until = 0.0
+        self.trainer_gpus = plan.train_gpus
+        # integrals over time
+        self.last = 0.0
+        self.n_busy = 0
+        self.n_running = 0
+        self.acc_busy = self.acc_running = self.acc_train = self.acc_rollout = 0.0
+
+    # --- plumbing ------------------------------------------------------------------------------
+
+    def at(self, when: float, kind: int, obj: object, arg: int = 0) -> None:
+        self.seq += 1
+        heapq.heappush(self.events, (when, self.seq, kind, obj, arg))
+
+    def integrate(self, now: float) -> None:
+        dt = now - self.last
+        if dt <= 0:
+            return
+        train = max(0.0, min(now, self.trainer_until) - self.last)
+        self.acc_busy += self.n_busy * dt
+        self.acc_running += self.n_running * dt
+        self.acc_train += train
+        if self.n_busy:
+            self.acc_rollout += dt - train
+        self.last = now
+
+    def main(self) -> Run:
+        per = self.s.controller_instances
+        for i in range(self.p.instances):
+            iid = f"i{i}"
+            self.insts[iid] = _Inst(iid, i // per)
+            self.index[iid] = i
+            self.apply(self.orchs[i // per].add_instance(iid, capacity=self.s.max_seqs))
+        self.at(_POLL_S, _POLL, None)
+        while self.events and not self.done:
+            when, _, kind, obj, arg = heapq.heappop(self.events)
+            self.integrate(when)
+            self.now = when
+            self.run.events += 1
+            if kind == _INST:
+                assert isinstance(obj, _Inst)
+                if arg == obj.token:
+                    self.on_instance(obj)
+            elif kind == _TOOL:
+                assert isinstance(obj, _Req)
+                self.on_tool(obj)
+            elif kind == _LOADED:
+                assert isinstance(obj, _Inst)
+                if arg == obj.load_token:
+                    self.on_loaded(obj)
+            elif kind == _TRAINED:
+                assert isinstance(obj, int)
+                self.on_trained(obj)
+            else:
+                self.blocked.clear()
+                for o in self.orchs:
+                    self.apply(o.rebalance())
+                self.pump()
+                self.at(self.now + _POLL_S, _POLL, None)
+        if not self.done:
+            raise SchedulingError(f"{self.p.name}: the run stalled at step {self.q.step}")
+        return self.finish_run()
+
+    # --- instances -----------------------------------------------------------------------------
+
+    def sync(self, inst: _Inst) -> None:
+        """Advance `inst` to now (no event of its own happened in between)."""
+        dt = self.now - inst.t
+        inst.t = self.now
+        if dt <= 0 or inst.paused or not inst.ready:
+            return
+        if inst.stall > 0:
+            use = min(inst.stall, dt)
+            inst.stall -= use
+            dt -= use
+        b = len(inst.running)
+        if b == 0 or dt <= 0:
+            return
+        t0, c, k = self.co
+        a = t0 + c * b + k * inst.kv
+        q = 0.5 * k * b
+        dp = 2.0 * dt / (a + math.sqrt(a * a + 4.0 * q * dt))
+        inst.prog += dp
+        inst.kv += b * dp
+
+    def kick(self, inst: _Inst) -> None:
+        """Start waiting sequences, then schedule the instance's next event."""
+        if inst.ready and not inst.paused:
+            self.start_waiting(inst)
+        busy = inst.ready and not inst.paused and (bool(inst.running) or inst.stall > 0)
+        if busy != inst.busy:
+            self.n_busy += 1 if busy else -1
+            inst.busy = busy
+        inst.token += 1
+        if not inst.running or inst.paused or not inst.ready:
+            return
+        heap = inst.heap
+        while heap:
+            mark, _, req = heap[0]
+            if req.inst is inst and req.where == 2 and req.mark == mark:
+                break
+            heapq.heappop(heap)
+        b = len(inst.running)
+        dp = heap[0][0] - inst.prog
+        dp = max(0.0, min(dp, (self.kvcap - inst.kv) / b))
+        t0, c, k = self.co
+        dt = inst.stall + (t0 + c * b + k * inst.kv) * dp + 0.5 * k * b * dp * dp
+        inst.target = inst.prog + dp
+        self.at(self.now + dt, _INST, inst, inst.token)
+
+    def start_waiting(self, inst: _Inst) -> None:
+        limit = self.kvcap * (1.0 - self.s.kv_watermark)
+        waiting, running = inst.waiting, inst.running
+        while waiting and len(running) < self.s.max_seqs:
+            req = waiting[0]
+            if running and inst.kv + req.ctx > limit:
+                break
+            waiting.popleft()
+            if req.cached < 0:
+                inst.stall += self.s.prefill_s(0.0, req.ctx) / self.s.group_size
+            else:
+                inst.stall += self.s.prefill_s(req.cached, req.ctx - req.cached)
+            req.cached = req.ctx
+            req.where = 2
+            req.ctx0 = req.ctx
+            req.p0 = inst.prog
+            req.mark = inst.prog + req.remaining
+            running[req.rid] = req
+            self.seq += 1
+            heapq.heappush(inst.heap, (req.mark, self.seq, req))
+            inst.kv += req.ctx
+            self.n_running += 1
+
+    def stop(self, inst: _Inst, req: _Req) -> None:
+        """Take `req` off `inst` (it must be synced): its progress is kept."""
+        if req.where == 2:
+            del inst.running[req.rid]
+            req.ctx = req.ctx0 + (inst.prog - req.p0)
+            req.remaining = max(0.0, req.mark - inst.prog)
+            inst.kv -= req.ctx
+            self.n_running -= 1
+            if not inst.running:
+                inst.kv = 0.0
+                inst.stall = 0.0
+        elif req.where == 1:
+            inst.waiting.remove(req)
+        req.where = 0
+
+    def on_instance(self, inst: _Inst) -> None:
+        b = len(inst.running)
+        dp = inst.target - inst.prog
+        inst.stall = 0.0
+        inst.prog = inst.target
+        inst.kv += b * dp
+        inst.t = self.now
+        heap = inst.heap
+        while heap and heap[0][0] <= inst.prog + _EPS:
+            mark, _, req = heapq.heappop(heap)
+            if req.inst is inst and req.where == 2 and req.mark == mark:
+                self.stop(inst, req)
+                # at once: the orchestrator's answer may move the other sequences
+                self.turn_done(req)
+        while inst.running and inst.kv >= self.kvcap - 1e-6:
+            rid = next(reversed(inst.running))
+            req = inst.running[rid]
+            self.stop(inst, req)
+            req.cached = 0.0  # recompute preemption: the KV cache is freed
+            req.where = 1
+            inst.waiting.appendleft(req)
+            self.run.preemptions += 1
+        self.kick(inst)
+        self.pump()
+
+    def turn_done(self, req: _Req) -> None:
+        req.turn += 1
+        ep = req.ep
+        if req.turn < len(ep.turns):
+            req.tool_pending = True
+            self.at(self.now + ep.tool_s[req.turn - 1], _TOOL, req)
+            return
+        inst = req.inst
+        assert inst is not None
+        inst.used -= 1
+        self.update_room(inst)
+        del self.reqs[req.rid]
+        self.run.spans[req.v_last - req.v_first + 1] += 1
+        self.apply(self.orchs[req.shard].finish(req.rid))
+        g = req.group
+        g.left -= 1
+        if g.left == 0:
+            self.assigned(self.q.complete(g.gid))
+
+    def on_tool(self, req: _Req) -> None:
+        if req.rid not in self.reqs:
+            return
+        req.tool_pending = False
+        req.ctx += self.s.tool_tokens
+        req.remaining = float(req.ep.turns[req.turn])
+        inst = req.inst
+        if inst is None:
+            return  # parked: it continues on Resume
+        self.sync(inst)
+        req.where = 1
+        inst.waiting.append(req)
+        self.kick(inst)
+
+    def update_room(self, inst: _Inst) -> None:
+        room = (
+            inst.version
+            if inst.ready
+            and inst.version is not None
+            and self.s.max_seqs - inst.used >= self.s.group_size
+            else None
+        )
+        if room == inst.roomy:
+            return
+        if inst.roomy is not None:
+            shards = self.roomy[inst.roomy]
+            shards[inst.shard].discard(inst.id)
+            if not shards[inst.shard]:
+                del shards[inst.shard]
+        if room is not None:
+            self.roomy.setdefault(room, {}).setdefault(inst.shard, set()).add(inst.id)
+        inst.roomy = room
+
+    def segment(self, inst: _Inst, version: int) -> None:
+        if inst.version is not None and self.now > inst.seg_start:
+            self.run.segments.append((self.index[inst.id], inst.seg_start, self.now, version))
+        inst.seg_start = self.now
+
+    # --- orchestrator actions ------------------------------------------------------------------
+
+    def apply(self, actions: list[Action]) -> None:
+        for a in actions:
+            if isinstance(a, Load):
+                inst = self.insts[a.instance]
+                self.sync(inst)
+                if inst.used:
+                    raise SchedulingError(f"Load on {inst.id} which holds {inst.used} requests")
+                self.segment(inst, inst.version if inst.ready and inst.version is not None else -1)
+                inst.version = a.version
+                inst.ready = False
+                inst.load_token += 1
+                self.update_room(inst)
+                self.kick(inst)
+                delay = self.s.weight_sync_s if self.now > 0 else 0.0
+                self.run.loads += 1
+                self.at(self.now + delay, _LOADED, inst, inst.load_token)
+            elif isinstance(a, Migrate):
+                req = self.reqs[a.request]
+                src, dst = self.insts[a.src], self.insts[a.dst]
+                self.sync(src)
+                self.sync(dst)
+                self.stop(src, req)
+                src.used -= 1
+                dst.used += 1
+                req.inst = dst
+                self.run.migrations += 1
+                if req.cached >= 0 and not req.tool_pending:
+                    if self.s.migrate_kv:
+                        gb = req.cached * self.s.kv_bytes_per_token / 1e9
+                        self.run.migrated_gb += gb
+                        dst.stall += gb / self.s.kv_transfer_gbps
+                    else:
+                        req.cached = 0.0
+                if not req.tool_pending:
+                    req.where = 1
+                    dst.waiting.append(req)
+                self.update_room(src)
+                self.update_room(dst)
+                self.kick(src)
+                self.kick(dst)
+            elif isinstance(a, Park):
+                req = self.reqs[a.request]
+                inst = self.insts[a.instance]
+                self.sync(inst)
+                self.stop(inst, req)
+                inst.used -= 1
+                req.inst = None
+                if req.cached >= 0:
+                    req.cached = 0.0  # the KV cache is dropped; a resume re-prefills
+                self.run.parks += 1
+                self.update_room(inst)
+                self.kick(inst)
+            elif isinstance(a, Resume):
+                req = self.reqs[a.request]
+                inst = self.insts[a.instance]
+                self.sync(inst)
+                inst.used += 1
+                req.inst = inst
+                req.v_last = a.version
+                if not req.tool_pending:
+                    req.where = 1
+                    inst.waiting.append(req)
+                self.update_room(inst)
+                self.kick(inst)
+            else:
+                assert isinstance(a, Drain)
+
+    def on_loaded(self, inst: _Inst) -> None:
+        assert inst.version is not None
+        self.segment(inst, -1)
+        inst.ready = True
+        inst.t = self.now
+        self.q.on_version_loaded(inst.version)
+        self.update_room(inst)
+        self.apply(self.orchs[inst.shard].on_loaded(inst.id, inst.version))
+        self.kick(inst)
+        self.blocked.discard(inst.shard)
+        self.pump()
+
+    # --- admission -----------------------------------------------------------------------------
+
+    def pump(self) -> None:
+        q, s = self.q, self.s
+        v = self.newest
+        while not self.paused:
+            shards = self.roomy.get(v)
+            if not shards or q.admission_blocker(version=v) is not None:
+                return
+            shard = next((j for j in shards if j not in self.blocked), None)
+            if shard is None:
+                return
+            gid = f"g{self.n_groups + 1}"
+            rids = [f"{gid}/{j}" for j in range(s.group_size)]
+            where = self.orchs[shard].place(rids, version=v)
+            if where is None:
+                self.blocked.add(shard)
+                q.record_admission_wait(RefusalReason.NO_CAPACITY)
+                continue
+            self.n_groups += 1
+            out = q.try_admit(gid, version=v)
+            if not isinstance(out, Admitted):
+                raise SchedulingError(f"admission refused after the check: {out}")
+            q.start(gid)
+            inst = self.insts[where]
+            self.sync(inst)
+            eps = self.workload.group()
+            group = _Group(gid, v, len(eps), sum(e.tokens for e in eps))
+            self.groups[gid] = group
+            for rid, ep in zip(rids, eps, strict=True):
+                req = _Req(rid, group, ep, v)
+                req.inst = inst
+                req.shard = shard
+                req.where = 1
+                self.reqs[rid] = req
+                inst.waiting.append(req)
+            inst.used += s.group_size
+            self.update_room(inst)
+            self.kick(inst)
+
+    # --- trainer -------------------------------------------------------------------------------
+
+    def assigned(self, out: list[Assigned]) -> None:
+        for a in out:
+            self.take(a, self.groups.pop(a.group_id).tokens)
+
+    def take(self, a: Assigned, tokens: int) -> None:
+        s, k = self.s, self.p.staleness
+        stale = a.step - a.version
+        if not 0 <= stale <= k:
+            raise SchedulingError(f"staleness {stale} outside [0, {k}] for {a}")
+        self.run.staleness.append(stale)
+        self.step_count[a.step] += 1
+        self.step_tokens[a.step] += tokens
+        full = self.step_count[a.step] == s.groups_per_step
+        if self.p.colocated:
+            if full:
+                self.pause_all()
+                start = max(self.trainer_until, self.now)
+                self.train(start, s.train_s(self.step_tokens[a.step], self.trainer_gpus))
+                self.trained_at(a.step)
+            return
+        if s.stream_training:
+            self.train(max(self.trainer_until, self.now), s.train_s(tokens, self.trainer_gpus))
+            if full:
+                self.trained_at(a.step)
+        elif full:
+            start = max(self.trainer_until, self.now)
+            self.train(start, s.train_s(self.step_tokens[a.step], self.trainer_gpus))
+            self.trained_at(a.step)
+
+    def train(self, start: float, work: float) -> None:
+        tr = self.run.trainer
+        if tr and start <= tr[-1][1] + _EPS:
+            tr[-1][1] = start + work
+        else:
+            tr.append([start, start + work])
+        self.trainer_until = start + work
+
+    def trained_at(self, step: int) -> None:
+        self.train(self.trainer_until, self.s.train_step_overhead_s)
+        self.at(self.trainer_until, _TRAINED, step)
+
+    def pause_all(self) -> None:
+        self.paused = True
+        for inst in self.insts.values():
+            self.sync(inst)
+            inst.paused = True
+            self.kick(inst)
+
+    def on_trained(self, step: int) -> None:
+        self.q.on_step_done(step)
+        self.q.on_durable(step)
+        run = self.run
+        run.step_end_s.append(self.now)
+        run.step_tokens.append(self.step_tokens[step])
+        run.snapshots.append(
+            (self.now, self.acc_busy, self.acc_running, self.acc_train, self.acc_rollout)
+        )
+        run.versions.append(
+            dict(Counter(i.version for i in self.insts.values() if i.version is not None))
+        )
+        if step == self.s.steps - 1:
+            self.done = True
+            return
+        if self.paused and self.trainer_until <= self.now + _EPS:
+            self.paused = False
+            for inst in self.insts.values():
+                inst.paused = False
+                inst.t = self.now
+                self.kick(inst)
+        self.newest = step + 1
+        for o in self.orchs:
+            self.apply(o.publish(step + 1))
+        self.blocked.clear()
+        self.pump()
+
+    def finish_run(self) -> Run:
+        run = self.run
+        for inst in self.insts.values():
+            if inst.version is not None:
+                self.segment(inst, inst.version if inst.ready else -1)
+        run.admission_waits = {r.value: n for r, n in self.q.admission_waits().items() if n}
+        acc = self.q.accounting()
+        run.accounting = {
+            "admitted": acc.admitted,
+            "consumed": acc.consumed,
+            "filtered": acc.filtered,
+            "unassigned": acc.unassigned,
+        }
+        return run
+
+
+def simulate(setup: Setup, plan: ModePlan, *, seed: int = 0) -> Run:
+    """Run one mode to the end of `setup.steps` train steps."""
+    return _Sim(setup, plan, seed=seed).main()

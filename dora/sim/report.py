@@ -1,0 +1,247 @@
+"""What a simulated run measured, as numbers, tables, JSON and a timeline picture.
+
+Averages cover the steps after warm-up (`warmup_steps`), as the paper averages iterations after
+warm-up: the window runs from the end of the last warm-up step to the end of the last step.
+
+- tokens/s counts prompt and response tokens of the consumed groups (the paper's definition);
+- rollout-only share: time the trainer is idle while some instance generates (for colocated
+  modes, the rollout phase; for disaggregated ones, the generation that training does not hide);
+- instance utilisation: share of instance-time spent decoding or prefilling; slot use: running
+  sequences over `max_seqs`;
+- the physical bound per step: disaggregated `max(train time, generation work / capacity)`,
+  colocated `train time + generation work / capacity + weight sync` (the GPUs cannot overlap the
+  two). Capacity is an instance's decode throughput when its KV cache is full of sequences of the
+  workload's average running context. Efficiency = bound / achieved step time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import sys
+from typing import Any
+
+from dora.sim.costs import Setup
+from dora.sim.engine import Run
+from dora.sim.workload import mean_stats
+
+__all__ = ["PAPER", "render", "summarize", "write_plot"]
+
+PAPER: dict[str, dict[str, dict[str, float]]] = {
+    "paper-64": {
+        "sync": {"step_min": 22.91, "tokens_per_s": 14143, "rollout_only": 0.65},
+        "one_step_off": {"step_min": 22.94, "tokens_per_s": 14141, "rollout_only": 0.33},
+        "partial": {"step_min": 17.38, "tokens_per_s": 19872, "rollout_only": 0.46},
+        "dora": {"step_min": 14.67, "tokens_per_s": 23327, "rollout_only": 0.12},
+    },
+    "paper-128": {
+        "sync": {"step_min": 20.23, "tokens_per_s": 16070, "rollout_only": 0.73},
+        # the paper gives one-off and partial at 128 GPUs only as dora's speedups over them
+        "one_step_off": {"step_min": 10.46 * 1.34, "tokens_per_s": 34135 / 1.47},
+        "partial": {"step_min": 13.95, "tokens_per_s": 34135 / 1.11},
+        "dora": {"step_min": 10.46, "tokens_per_s": 34135, "rollout_only": 0.24},
+    },
+}
+"""The paper's Table (§5.2, Figs. 8-10): step time, end-to-end tokens/s, rollout-only share."""
+
+
+def bound_s(setup: Setup, run: Run, tokens_per_step: float) -> tuple[float, float, float]:
+    """`(bound, train time, generation time)` per step for this mode's placement."""
+    s, plan = setup, run.plan
+    tokens_mean, decoded_mean, ctx_mean = mean_stats(s)
+    t0, c, k = s.decode_coefficients()
+    b = max(1.0, min(float(s.max_seqs), s.kv_capacity_tokens / max(ctx_mean, 1.0)))
+    tps = b / (t0 + c * b + k * b * ctx_mean)
+    decoded = tokens_per_step * decoded_mean / tokens_mean
+    gen = decoded / (plan.instances * tps)
+    train = s.train_s(tokens_per_step, plan.train_gpus) + s.train_step_overhead_s
+    if plan.colocated:
+        return train + gen + s.weight_sync_s, train, gen
+    return max(train, gen), train, gen
+
+
+def summarize(run: Run) -> dict[str, Any]:
+    s = run.setup
+    w = s.warmup_steps
+    ends = run.step_end_s
+    snaps = run.snapshots
+    t0, base = (ends[w - 1], snaps[w - 1]) if w > 0 else (0.0, (0.0, 0.0, 0.0, 0.0, 0.0))
+    window = ends[-1] - t0
+    n_steps = len(ends) - w
+    last = snaps[-1]
+    tokens = sum(run.step_tokens[w:])
+    step_s = window / n_steps
+    inst = run.plan.instances
+    bound, train, gen = bound_s(s, run, tokens / n_steps)
+    hist = [0] * (run.plan.staleness + 1)
+    for x in run.staleness:
+        hist[x] += 1
+    out: dict[str, Any] = {
+        "mode": run.mode,
+        "placement": "colocated" if run.plan.colocated else "disaggregated",
+        "staleness_bound": run.plan.staleness,
+        "instances": inst,
+        "train_gpus": run.plan.train_gpus,
+        "steps": len(ends),
+        "measured_steps": n_steps,
+        "step_min": step_s / 60.0,
+        "tokens_per_s": tokens / window,
+        "rollout_only_share": (last[4] - base[4]) / window,
+        "instance_utilisation": (last[1] - base[1]) / (inst * window),
+        "slot_use": (last[2] - base[2]) / (inst * s.max_seqs * window),
+        "trainer_idle_share": 1.0 - (last[3] - base[3]) / window,
+        "staleness_histogram": hist,
+        "max_staleness": max(run.staleness),
+        "version_span_histogram": {str(k): v for k, v in sorted(run.spans.items())},
+        "versions_over_time": [
+            {
+                "step": i,
+                "minute": e / 60.0,
+                "instances_per_version": {str(v): n for v, n in d.items()},
+            }
+            for i, (e, d) in enumerate(zip(ends, run.versions, strict=True))
+        ],
+        "max_versions_loaded": max(len(d) for d in run.versions),
+        "bound_min": bound / 60.0,
+        "bound_train_min": train / 60.0,
+        "bound_generation_min": gen / 60.0,
+        "efficiency": bound / step_s,
+        "migrations": run.migrations,
+        "migrated_gb": run.migrated_gb,
+        "preemptions": run.preemptions,
+        "parks": run.parks,
+        "loads": run.loads,
+        "admission_waits": run.admission_waits,
+        "accounting": run.accounting,
+        "events": run.events,
+    }
+    paper = PAPER.get(s.name, {}).get(run.mode)
+    if paper is not None:
+        out["paper"] = paper
+        out["step_error"] = out["step_min"] / paper["step_min"] - 1.0
+    return out
+
+
+def _hist(h: list[int]) -> str:
+    return " ".join(f"{i}:{n}" for i, n in enumerate(h))
+
+
+def _versions(summary: dict[str, Any], last: int = 4) -> str:
+    rows = summary["versions_over_time"][-last:]
+    parts = []
+    for r in rows:
+        d = r["instances_per_version"]
+        held = ",".join(f"v{v}x{n}" for v, n in sorted(d.items(), key=lambda x: -int(x[0])))
+        parts.append(f"t{r['step']}[{held}]")
+    return " ".join(parts)
+
+
+def _rows(m: dict[str, Any]) -> list[tuple[str, str, str]]:
+    p = m.get("paper", {})
+
+    def ref(key: str, fmt: str) -> str:
+        return format(p[key], fmt) if key in p else ""
+
+    rows = [
+        (
+            "placement",
+            f"{m['placement']}, {m['instances']} instances, {m['train_gpus']} train GPUs",
+            "",
+        ),
+        ("tokens/s", f"{m['tokens_per_s']:,.0f}", ref("tokens_per_s", ",.0f")),
+        ("step time (min)", f"{m['step_min']:.2f}", ref("step_min", ".2f")),
+        ("rollout-only share", f"{m['rollout_only_share']:.0%}", ref("rollout_only", ".0%")),
+        (
+            "instance utilisation",
+            f"{m['instance_utilisation']:.0%} (slots {m['slot_use']:.0%})",
+            "",
+        ),
+        ("trainer idle share", f"{m['trainer_idle_share']:.0%}", ""),
+        ("staleness histogram", _hist(m["staleness_histogram"]), f"K = {m['staleness_bound']}"),
+        ("versions loaded (last steps)", _versions(m), f"max {m['max_versions_loaded']}"),
+        (
+            "bound per step (min)",
+            f"{m['bound_min']:.2f} (train {m['bound_train_min']:.2f},"
+            f" gen {m['bound_generation_min']:.2f})",
+            "",
+        ),
+        ("efficiency vs bound", f"{m['efficiency']:.0%}", ""),
+        (
+            "migrations / preemptions / parks",
+            f"{m['migrations']} / {m['preemptions']} / {m['parks']}",
+            "",
+        ),
+    ]
+    if m["mode"] == "partial":
+        spans = " ".join(f"{k}:{v}" for k, v in m["version_span_histogram"].items())
+        rows.append(("version span per trajectory", spans, ""))
+    return rows
+
+
+def render(summaries: list[dict[str, Any]], *, title: str, rich_ok: bool | None = None) -> str:
+    """Tables, one per mode; rich when writing to a terminal, plain text otherwise."""
+    if rich_ok is None:
+        rich_ok = sys.stdout.isatty()
+    if rich_ok:
+        from rich.console import Console
+        from rich.table import Table
+
+        buf = io.StringIO()
+        console = Console(file=buf, force_terminal=True, width=120)
+        for m in summaries:
+            table = Table(title=f"{title}: {m['mode']}", title_justify="left")
+            table.add_column("metric")
+            table.add_column("simulated")
+            table.add_column("paper / note")
+            for row in _rows(m):
+                table.add_row(*row)
+            console.print(table)
+        return buf.getvalue()
+    lines: list[str] = []
+    for m in summaries:
+        rows = _rows(m)
+        w0 = max(len(r[0]) for r in rows)
+        w1 = max(len(r[1]) for r in rows)
+        lines.append(f"== {title}: {m['mode']} ==")
+        lines.append(f"{'metric':<{w0}}  {'simulated':<{w1}}  paper / note")
+        lines.extend(f"{a:<{w0}}  {b:<{w1}}  {c}".rstrip() for a, b, c in rows)
+        lines.append("")
+    return "\n".join(lines)
+
+
+def setup_dict(setup: Setup) -> dict[str, Any]:
+    return dataclasses.asdict(setup)
+
+
+def write_plot(runs: list[Run], path: str, *, max_rows: int = 64) -> None:
+    """A timeline per mode: instances (rows) x time, coloured by the version each holds; grey
+    while loading; the trainer's busy time on the top row."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(len(runs), 1, figsize=(12, 2.6 * len(runs)), squeeze=False)
+    cmap = plt.get_cmap("tab10")
+    for ax, run in zip(axes[:, 0], runs, strict=True):
+        n = run.plan.instances
+        stride = max(1, -(-n // max_rows))
+        rows = -(-n // stride)
+        for idx, start, end, version in run.segments:
+            if idx % stride:
+                continue
+            color = "0.75" if version < 0 else cmap(version % 10)
+            ax.broken_barh([(start / 60, (end - start) / 60)], (idx // stride, 0.9), color=color)
+        bars = [(a / 60, (b - a) / 60) for a, b in run.trainer]
+        ax.broken_barh(bars, (rows + 0.5, 0.9), color="black")
+        ax.set_ylim(0, rows + 1.6)
+        ax.set_yticks([rows + 0.95])
+        ax.set_yticklabels(["trainer"])
+        ax.set_ylabel(f"instances ({n})" if stride == 1 else f"1 in {stride} of {n}")
+        ax.set_title(f"{run.mode}: colour = version held (mod 10), grey = loading", loc="left")
+        if run.step_end_s:
+            ax.set_xlim(0, run.step_end_s[-1] / 60)
+    axes[-1, 0].set_xlabel("minutes")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

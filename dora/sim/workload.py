@@ -1,0 +1,132 @@
+"""Workloads: what each group asks of the instances.
+
+A group is `G` episodes of one prompt. An episode is one or more turns; each turn decodes some
+tokens, then (except after the last) waits for a tool and appends the tool's tokens to the context.
+Single-turn math is one turn.
+
+Response lengths are log-normal and truncated at the maximum (the DAPO-Math shape: a median about
+1/28 of the maximum, p99 more than 10x the median), or drawn from a file of real lengths. Samples
+of one prompt share part of their log-length (`group_share`): hard prompts give long answers to
+all their samples, which is what makes a group's last sample so late. Draws come from one seeded
+numpy generator in admission order, so a run is reproducible and every mode sees the same stream
+of groups.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from dora.errors import ConfigError
+from dora.sim.costs import Setup
+
+__all__ = ["Episode", "Workload"]
+
+
+@dataclass(slots=True)
+class Episode:
+    """One sample: the prompt, the decode length of every turn, tool latencies between them."""
+
+    prompt: int
+    turns: list[int]
+    tool_s: list[float]
+
+    @property
+    def tokens(self) -> int:
+        """Tokens the trainer sees: the prompt, every decoded token and every tool token."""
+        return self.prompt + sum(self.turns) + self.tool_tokens
+
+    tool_tokens: int = 0
+
+
+class Workload:
+    """Draws groups of episodes for a `Setup`."""
+
+    def __init__(self, setup: Setup, *, seed: int) -> None:
+        self._s = setup
+        self._rng = np.random.default_rng(seed)
+        self._lengths: np.ndarray | None = None
+        if setup.lengths_file:
+            self._lengths = _read_lengths(setup.lengths_file)
+
+    def group(self) -> list[Episode]:
+        s, rng = self._s, self._rng
+        g = s.group_size
+        prompt = int(
+            min(s.prompt_max, max(1, rng.lognormal(math.log(s.prompt_median), s.prompt_sigma)))
+        )
+        n_turns = np.ones(g, dtype=np.int64)
+        if s.turns > 1:
+            n_turns += rng.geometric(1.0 / s.turns, size=g) - 1
+        total = int(n_turns.sum())
+        if self._lengths is not None:
+            lengths = rng.choice(self._lengths, size=total)
+        else:
+            # per-turn lengths share the prompt's part of the log-variance
+            shared = rng.normal(0.0, s.response_sigma * math.sqrt(s.group_share))
+            own = rng.normal(0.0, s.response_sigma * math.sqrt(1 - s.group_share), size=total)
+            lengths = np.exp(math.log(s.response_median) + shared + own)
+        lengths = np.clip(np.rint(lengths), 1, s.response_max).astype(np.int64)
+        tools = rng.exponential(s.tool_latency_s, size=total) if s.tool_latency_s > 0 else None
+        out: list[Episode] = []
+        i = 0
+        for n in n_turns.tolist():
+            turns = lengths[i : i + n].tolist()
+            tool_s = [0.0] * (n - 1) if tools is None else tools[i : i + n - 1].tolist()
+            i += n
+            ctx = prompt
+            for j, m in enumerate(turns):  # the episode ends at the context limit
+                ctx += m
+                if ctx >= s.context_max or j == n - 1:
+                    turns = turns[: j + 1]
+                    tool_s = tool_s[:j]
+                    break
+                ctx += s.tool_tokens
+            out.append(Episode(prompt, turns, tool_s, s.tool_tokens * (len(turns) - 1)))
+        return out
+
+
+def _read_lengths(path: str) -> np.ndarray:
+    try:
+        text = Path(path).read_text()
+    except OSError as exc:
+        raise ConfigError(f"lengths_file {path!r}: {exc.strerror}") from None
+    values: list[int] = []
+    for n, line in enumerate(text.splitlines(), 1):
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        try:
+            v = int(float(line))
+        except ValueError:
+            raise ConfigError(f"lengths_file {path!r} line {n}: not a number: {line!r}") from None
+        if v < 1:
+            raise ConfigError(f"lengths_file {path!r} line {n}: lengths must be >= 1")
+        values.append(v)
+    if not values:
+        raise ConfigError(f"lengths_file {path!r} holds no lengths")
+    return np.asarray(values, dtype=np.int64)
+
+
+@functools.lru_cache(maxsize=32)
+def mean_stats(
+    setup: Setup, *, seed: int = 12345, groups: int = 2000
+) -> tuple[float, float, float]:
+    """Monte-Carlo `(mean tokens per episode, mean decoded tokens per episode, time-averaged
+    context of a decoding sequence)`, for the physical bound."""
+    w = Workload(setup, seed=seed)
+    tokens = decoded = weighted = 0.0
+    for _ in range(groups):
+        for e in w.group():
+            tokens += e.tokens
+            ctx = e.prompt
+            for j, n in enumerate(e.turns):
+                decoded += n
+                weighted += n * (ctx + n / 2.0)
+                ctx += n + (setup.tool_tokens if j < len(e.turns) - 1 else 0)
+    n_ep = groups * setup.group_size
+    return tokens / n_ep, decoded / n_ep, weighted / max(decoded, 1.0)
