@@ -72,7 +72,12 @@ def load_tasks(config: DoraConfig) -> list[Task]:
         if not callable(fn):
             raise ConfigError(f"data.source {source!r} is not callable")
         takes_seed = "seed" in inspect.signature(fn).parameters
-        tasks = fn(seed=seed) if takes_seed else fn()
+        try:
+            tasks = fn(seed=seed) if takes_seed else fn()
+        except TypeError as exc:
+            raise ConfigError(
+                f"data.source {source!r} must be callable with no arguments (or seed= only): {exc}"
+            ) from exc
         return list(tasks)
     return _read_jsonl(Path(source))
 

@@ -28,6 +28,7 @@ wait), and `Shutdown` is sent. Every wait on the trainer that blocks progress ha
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import time
@@ -41,7 +42,7 @@ import msgspec
 from dora.config import DoraConfig
 from dora.core.orchestrator import Action, Drain, Load, Migrate, Mode, Orchestrator, Park, Resume
 from dora.core.transfer_queue import Assigned, RefusalReason, TransferQueue
-from dora.errors import ProtocolError, ServerTimeout
+from dora.errors import ProtocolError, ServerTimeout, ServerUnavailable
 from dora.link import ServeLink
 from dora.protocol import (
     Assigned as AssignedMessage,
@@ -150,6 +151,7 @@ class Rollout:
         self._trained = -1
         self._trained_event = asyncio.Event()
         self._trained_at: dict[int, float] = {}
+        self._trainer_stopped = False
         self._all_sent = asyncio.Event()
         self._load_locks: dict[str, asyncio.Lock] = {}
         self._tg: asyncio.TaskGroup | None = None
@@ -211,7 +213,10 @@ class Rollout:
                     await self._trained_event.wait()
         except TimeoutError:
             log.warning("the trainer did not acknowledge step %d within %g s", last, timeout_s)
-        await self.link.send(Shutdown(reason="rollout finished"), timeout_s=timeout_s)
+        if not self._trainer_stopped:
+            # The trainer may have finished and closed its end first: nothing left to tell it.
+            with contextlib.suppress(ServerUnavailable):
+                await self.link.send(Shutdown(reason="rollout finished"), timeout_s=timeout_s)
         self.ticker.emit(0.0)
         raise _RunComplete
 
@@ -317,6 +322,7 @@ class Rollout:
                 case Shutdown(reason=reason):
                     if not self.queue.finished or self._trained < self.num_steps - 1:
                         raise ProtocolError(f"the trainer shut down before the run ended: {reason}")
+                    self._trainer_stopped = True
 
     async def _hello(self, hello: Hello) -> None:
         if hello.incarnation != self.queue.incarnation:

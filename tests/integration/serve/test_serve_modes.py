@@ -8,7 +8,8 @@ Checked in every mode: every group arrives exactly once and every step gets exac
   KV cache (on) or by resubmitting the tokens so far (off);
 - sync: every group of step t was sampled by version t;
 - one_step_off: one version serving at a time;
-- partial: per-token versions recorded; some trajectories span versions, never going backwards.
+- partial: per-token versions recorded; some trajectories span versions, never going backwards
+  and never older than the version the group was admitted at (which its deadline counts from).
 """
 
 from __future__ import annotations
@@ -163,7 +164,9 @@ async def test_partial_mode(tmp_path: Path, long_tail_model: Path) -> None:
     spanning = 0
     for _, group in trainer.received:
         for versions in _sampled_versions(group):
-            assert versions[0] == group.version, "the head version is the group's version"
+            # The group is charged to the version it was admitted at (its deadline counts from
+            # there); a sample parked before its first token starts on a newer one.
+            assert versions[0] >= group.version
             assert (np.diff(versions) >= 0).all(), "versions never go backwards"
             spanning += len(set(versions.tolist())) > 1
     assert spanning > 0, "some trajectories continued on a newer version"

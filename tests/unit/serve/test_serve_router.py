@@ -1,0 +1,211 @@
+"""The router against fake instances: moves while a call is in flight (abort and resubmit, or KV
+export and import), park and resume on a newer version (partial), and an interrupt that misses."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from dora.engine.api import ExportedRequest
+from dora.errors import RequestError
+from dora.protocol import Completion, SamplingParams
+from dora.serve.router import Router
+
+pytestmark = pytest.mark.timeout(10)
+
+
+class FakeInstance:
+    """Samples `first` tokens, then blocks until released (finishes) or aborted/exported (tokens so
+    far). Token values encode the position, so continuity across instances can be checked."""
+
+    def __init__(self, name: str, version: int, *, first: int = 3, rest: int = 2) -> None:
+        self.name, self.version, self.first, self.rest = name, version, first, rest
+        self.calls: list[tuple[str, list[int], int]] = []
+        self.imports: list[ExportedRequest] = []
+        self.blocked = asyncio.Event()
+        self.release = asyncio.Event()
+        self._stop: dict[str, asyncio.Event] = {}
+        self._params: dict[str, SamplingParams] = {}
+        self._prompts: dict[str, list[int]] = {}
+
+    def _tokens(self, prompt: list[int], n: int) -> list[int]:
+        return [len(prompt) + i for i in range(n)]
+
+    def _completion(self, rid: str, tokens: list[int], finish: str) -> Completion:
+        return Completion(
+            request_id=rid,
+            token_ids=tokens,
+            logprobs=[-0.5] * len(tokens),
+            versions=[self.version] * len(tokens),
+            finish_reason=finish,  # type: ignore[arg-type]
+        )
+
+    async def generate(
+        self, prompt_ids: list[int], params: SamplingParams, *, request_id: str, version: int | None
+    ) -> Completion:
+        assert version == self.version, "routed to an instance of another version"
+        self.calls.append((request_id, list(prompt_ids), params.max_tokens))
+        stop = self._stop[request_id] = asyncio.Event()
+        self._prompts[request_id], self._params[request_id] = list(prompt_ids), params
+        self.blocked.set()
+        release = asyncio.ensure_future(self.release.wait())
+        aborted = asyncio.ensure_future(stop.wait())
+        await asyncio.wait([release, aborted], return_when=asyncio.FIRST_COMPLETED)
+        release.cancel()
+        aborted.cancel()
+        if stop.is_set():
+            return self._completion(request_id, self._tokens(prompt_ids, self.first), "abort")
+        n = min(self.first + self.rest, params.max_tokens)
+        return self._completion(request_id, self._tokens(prompt_ids, n), "stop")
+
+    async def abort(self, request_id: str) -> Completion:
+        stop = self._stop.get(request_id)
+        if stop is None or self.release.is_set():
+            raise RequestError(f"abort: HTTP 404: unknown request_id {request_id!r}")
+        stop.set()
+        return self._completion(request_id, [], "abort")
+
+    async def export_request(self, request_id: str) -> ExportedRequest:
+        await self.abort(request_id)
+        prompt = self._prompts[request_id]
+        tokens = self._tokens(prompt, self.first)
+        return ExportedRequest(
+            request_id=request_id,
+            version=self.version,
+            prompt_ids=prompt,
+            token_ids=tokens,
+            logprobs=[-0.5] * len(tokens),
+            versions=[self.version] * len(tokens),
+            params=self._params[request_id],
+            key=7,
+            kv=b"kv",
+        )
+
+    async def import_request(self, exported: ExportedRequest) -> Completion:
+        self.imports.append(exported)
+        await self.release.wait()
+        more = [len(exported.prompt_ids) + len(exported.token_ids) + i for i in range(self.rest)]
+        tokens = [*exported.token_ids, *more]
+        return Completion(
+            request_id=exported.request_id,
+            token_ids=tokens,
+            logprobs=[*exported.logprobs, *([-0.25] * len(more))],
+            versions=[*exported.versions, *([self.version] * len(more))],
+            finish_reason="stop",
+        )
+
+    async def load_weights(self, version: int, **_: object) -> dict[str, object]:
+        self.version = version
+        return {}
+
+    async def health(self) -> dict[str, object]:
+        return {"status": "ok"}
+
+    async def close(self) -> None:
+        pass
+
+
+PROMPT = [1, 2, 3, 4]
+PARAMS = SamplingParams(max_tokens=10)
+
+
+def _router(kv: bool, **instances: FakeInstance) -> Router:
+    router = Router(kv_migration=kv, control_timeout_s=5)
+    for name, inst in instances.items():
+        router.add_instance(name, inst, version=inst.version)
+    return router
+
+
+async def test_move_in_flight_resubmits_tokens_so_far() -> None:
+    a, b = FakeInstance("a", 0), FakeInstance("b", 0, first=0, rest=2)
+    b.release.set()
+    router = _router(False, a=a, b=b)
+    router.open("g0/0", version=0, instance="a")
+    call = asyncio.ensure_future(router.sampler("g0/0").generate(PROMPT, PARAMS))
+    await a.blocked.wait()
+    assert router.versions_serving() == {0: 1}
+    assert router.move("g0/0", "b")
+    await router.interrupt("g0/0", export=True)  # kv off: a plain abort
+    done = await call
+    assert done.finish_reason == "stop"
+    assert done.token_ids == list(range(4, 4 + 5)), "the tokens continue where a stopped"
+    assert done.versions == [0] * 5
+    (_, prompt, max_tokens) = b.calls[0]
+    assert prompt == [*PROMPT, 4, 5, 6] and max_tokens == 10 - 3
+    assert router.resubmissions == 1 and router.migrations == 1 and router.kv_migrations == 0
+    assert router.instances["a"].inflight == router.instances["b"].inflight == 0
+
+
+async def test_move_in_flight_with_kv_imports_the_request() -> None:
+    a, b = FakeInstance("a", 0), FakeInstance("b", 0)
+    b.release.set()
+    router = _router(True, a=a, b=b)
+    router.open("g0/0", version=0, instance="a")
+    call = asyncio.ensure_future(router.sampler("g0/0").generate(PROMPT, PARAMS))
+    await a.blocked.wait()
+    assert router.move("g0/0", "b")
+    await router.interrupt("g0/0", export=True)
+    done = await call
+    assert done.token_ids == [4, 5, 6, 7, 8] and done.finish_reason == "stop"
+    assert done.logprobs == [-0.5, -0.5, -0.5, -0.25, -0.25]
+    assert len(b.imports) == 1 and b.imports[0].token_ids == [4, 5, 6] and not b.calls
+    assert router.kv_migrations == 1 and router.resubmissions == 0
+
+
+async def test_park_then_resume_on_a_newer_version_records_token_versions() -> None:
+    a, b = FakeInstance("a", 0), FakeInstance("b", 1, first=0, rest=2)
+    b.release.set()
+    router = _router(False, a=a, b=b)
+    router.open("g0/0", version=0, instance="a")
+    call = asyncio.ensure_future(router.sampler("g0/0").generate(PROMPT, PARAMS))
+    await a.blocked.wait()
+    assert router.park("g0/0")
+    await router.interrupt("g0/0", export=False)
+    await asyncio.sleep(0.01)
+    assert not call.done(), "a parked request waits for its resume"
+    router.resume("g0/0", "b", 1)
+    done = await call
+    assert done.versions == [0, 0, 0, 1, 1]
+    assert router.leases["g0/0"].version == 1
+
+
+async def test_interrupt_that_misses_does_not_hang() -> None:
+    a, b = FakeInstance("a", 0), FakeInstance("b", 0)
+    router = _router(False, a=a, b=b)
+    router.open("g0/0", version=0, instance="a")
+    call = asyncio.ensure_future(router.sampler("g0/0").generate(PROMPT, PARAMS))
+    await a.blocked.wait()
+    assert router.move("g0/0", "b")
+    a.release.set()  # the call ends before the interrupt reaches the instance
+    await asyncio.sleep(0.01)
+    await router.interrupt("g0/0", export=False)
+    done = await call
+    assert done.finish_reason == "stop" and len(done.token_ids) == 5
+    assert router.missed_interrupts == 1 and not b.calls
+    # the next turn goes to the lease's new instance
+    b.release.set()
+    await router.sampler("g0/0").generate(PROMPT, PARAMS)
+    assert len(b.calls) == 1
+
+
+async def test_wait_idle_and_versions_serving() -> None:
+    a, b = FakeInstance("a", 0), FakeInstance("b", 1)
+    router = _router(False, a=a, b=b)
+    router.open("x/0", version=0, instance="a")
+    router.open("y/0", version=1, instance="b")
+    calls = [
+        asyncio.ensure_future(router.sampler(lid).generate(PROMPT, PARAMS))
+        for lid in ("x/0", "y/0")
+    ]
+    await a.blocked.wait()
+    await b.blocked.wait()
+    assert router.versions_serving() == {0: 1, 1: 1} and router.max_versions_serving == 2
+    idle = asyncio.ensure_future(router.wait_idle("a"))
+    await asyncio.sleep(0.01)
+    assert not idle.done()
+    a.release.set()
+    b.release.set()
+    await asyncio.gather(*calls)
+    await idle
+    assert router.instances["a"].busy_s > 0 and router.instances["a"].tokens == 5
