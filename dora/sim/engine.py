@@ -147,6 +147,9 @@ class Run:
     setup: Setup
     step_end_s: list[float] = field(default_factory=list)
     step_tokens: list[int] = field(default_factory=list)
+    step_groups: list[int] = field(default_factory=list)
+    step_versions: list[dict[int, int]] = field(default_factory=list)
+    """Per step: groups consumed per version (sync must be all version t)."""
     snapshots: list[tuple[float, float, float, float, float]] = field(default_factory=list)
     """At each step end: (time, instance busy s, running-seq s, trainer busy s, rollout-only s)."""
     versions: list[dict[int, int]] = field(default_factory=list)
@@ -196,6 +199,7 @@ class _Sim:
         self.done = False
         self.step_count = [0] * setup.steps
         self.step_tokens = [0] * setup.steps
+        self.step_version: list[Counter[int]] = [Counter() for _ in range(setup.steps)]
         self.trainer_until = 0.0
         self.trainer_gpus = plan.train_gpus
         # integrals over time
@@ -561,6 +565,7 @@ class _Sim:
         self.run.staleness.append(stale)
         self.step_count[a.step] += 1
         self.step_tokens[a.step] += tokens
+        self.step_version[a.step][a.version] += 1
         full = self.step_count[a.step] == s.groups_per_step
         if self.p.colocated:
             if full:
@@ -603,6 +608,8 @@ class _Sim:
         run = self.run
         run.step_end_s.append(self.now)
         run.step_tokens.append(self.step_tokens[step])
+        run.step_groups.append(self.step_count[step])
+        run.step_versions.append(dict(self.step_version[step]))
         run.snapshots.append(
             (self.now, self.acc_busy, self.acc_running, self.acc_train, self.acc_rollout)
         )

@@ -81,7 +81,7 @@ class Workload:
             ctx = prompt
             for j, m in enumerate(turns):  # the episode ends at the context limit
                 ctx += m
-                if ctx >= s.context_max or j == n - 1:
+                if ctx + s.tool_tokens >= s.context_max or j == n - 1:
                     turns = turns[: j + 1]
                     tool_s = tool_s[:j]
                     break

@@ -1,0 +1,141 @@
+"""The simulator keeps the core's promises at scale: C2 and C3 in every mode, sync is synchronous,
+partial spans versions, and dora beats sync on the paper's setup."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dora.sim import MODES, Run, plan, preset, simulate
+from dora.sim.cli import build_setup
+from dora.sim.costs import Setup
+from dora.sim.report import summarize
+
+
+def small(**changes: object) -> Setup:
+    """paper-64's cost model on a small pool and batch: seconds of wall time per mode."""
+    base = dataclasses.replace(
+        preset("paper-64"),
+        gpus=16,
+        rollout_gpus=8,
+        groups_per_step=24,
+        group_size=4,
+        max_seqs=32,
+        steps=8,
+        warmup_steps=2,
+    )
+    return dataclasses.replace(base, **changes)  # type: ignore[arg-type]
+
+
+def check_run(run: Run, setup: Setup) -> None:
+    k = run.plan.staleness
+    assert run.staleness, "nothing was consumed"
+    assert all(0 <= x <= k for x in run.staleness)
+    assert run.step_groups == [setup.groups_per_step] * setup.steps
+    for t, versions in enumerate(run.step_versions):
+        assert all(0 <= t - w <= k for w in versions), (t, versions)
+    acc = run.accounting
+    # every admitted group consumed exactly once: nothing left over, nothing filtered
+    assert acc["admitted"] == acc["consumed"] == setup.steps * setup.groups_per_step
+    assert acc["unassigned"] == 0 and acc["filtered"] == 0
+    assert len(run.staleness) == acc["consumed"]
+    assert run.step_end_s == sorted(run.step_end_s)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_every_mode_keeps_staleness_and_consumes_each_group_once(mode: str) -> None:
+    setup = small()
+    check_run(simulate(setup, plan(mode, setup), seed=1), setup)
+
+
+@given(
+    b=st.integers(1, 12),
+    g=st.integers(1, 6),
+    k=st.integers(0, 3),
+    instances=st.integers(2, 6),
+    mode=st.sampled_from(MODES),
+    seed=st.integers(0, 10_000),
+    turns=st.sampled_from([1.0, 3.0]),
+)
+@settings(max_examples=25, deadline=None)
+def test_random_setups_keep_the_rules(
+    b: int, g: int, k: int, instances: int, mode: str, seed: int, turns: float
+) -> None:
+    setup = small(
+        gpus=4 * instances,
+        rollout_gpus=4 * (instances // 2),
+        groups_per_step=b,
+        group_size=g,
+        staleness=k,
+        max_seqs=max(g, 8),
+        steps=5,
+        warmup_steps=1,
+        response_median=300,
+        response_max=4000,
+        turns=turns,
+        tool_latency_s=2.0 if turns > 1 else 0.0,
+        tool_tokens=50 if turns > 1 else 0,
+    )
+    check_run(simulate(setup, plan(mode, setup), seed=seed), setup)
+
+
+def test_sync_trains_each_step_on_its_own_version_with_no_overlap() -> None:
+    setup = small()
+    run = simulate(setup, plan("sync", setup), seed=2)
+    assert run.step_versions == [{t: setup.groups_per_step} for t in range(setup.steps)]
+    # colocated: generation and training never overlap, so the trainer runs once per step
+    assert len(run.trainer) == setup.steps
+    assert run.migrations == run.parks == 0
+
+
+def test_k0_in_the_multi_version_machinery_is_synchronous_too() -> None:
+    setup = small(staleness=0)
+    run = simulate(setup, plan("dora", setup), seed=3)
+    assert run.step_versions == [{t: setup.groups_per_step} for t in range(setup.steps)]
+
+
+def test_partial_trajectories_span_versions() -> None:
+    setup = small(steps=6)
+    run = simulate(setup, plan("partial", setup), seed=4)
+    assert max(run.spans) > 1
+    assert run.parks > 0
+    # C3 still holds, counted from each trajectory's first token
+    assert max(run.staleness) <= setup.staleness
+
+
+def versions_at_once(run: Run) -> int:
+    segs = [(a, b, v) for _, a, b, v in run.segments if v >= 0]
+    return max(len({v for a, b, v in segs if a <= t < b}) for t, _, _ in segs)
+
+
+def test_dora_holds_several_versions_at_once_and_one_step_off_one() -> None:
+    setup = small()
+    assert versions_at_once(simulate(setup, plan("dora", setup), seed=5)) >= 2
+    assert versions_at_once(simulate(setup, plan("one_step_off", setup), seed=5)) == 1
+
+
+def test_same_seed_same_numbers() -> None:
+    setup = small(steps=4, warmup_steps=1)
+    a = simulate(setup, plan("dora", setup), seed=7)
+    b = simulate(setup, plan("dora", setup), seed=7)
+    assert a.step_end_s == b.step_end_s and a.staleness == b.staleness
+
+
+def test_paper_64_dora_beats_sync_in_a_few_steps() -> None:
+    setup = build_setup("paper-64", [], steps=5)
+    sync = summarize(simulate(setup, plan("sync", setup), seed=0))
+    dora = summarize(simulate(setup, plan("dora", setup), seed=0))
+    assert dora["tokens_per_s"] / sync["tokens_per_s"] > 1.0
+    assert 0 < sync["efficiency"] <= 1.05 and 0 < dora["efficiency"] <= 1.05
+
+
+def test_agentic_preset_runs_at_scale_of_controllers() -> None:
+    setup = build_setup("agentic", ["groups_per_step=64", "controller_instances=16"], steps=3)
+    setup = dataclasses.replace(setup, gpus=4 * 64, rollout_gpus=4 * 32)
+    for mode in ("sync", "dora"):
+        run = simulate(setup, plan(mode, setup), seed=0)
+        check_run(run, setup)
+    assert run.plan.instances == 32  # two controllers of 16
