@@ -24,6 +24,26 @@ _EXPORTS: dict[str, str] = {
     "Completion": "dora.protocol",
     "TinyModelSpec": "dora.models",
     "build_tiny_model": "dora.models",
+    # the environment API (docs/environments.md)
+    "Env": "dora.env",
+    "SingleTurnEnv": "dora.env",
+    "Task": "dora.env",
+    "Episode": "dora.env",
+    "Message": "dora.env",
+    "PromptStream": "dora.env",
+    "ScorerPool": "dora.env",
+    "load_env": "dora.env",
+    "tool_schema": "dora.tools",
+    # running episodes against an inference instance
+    "Sampler": "dora.serve.episode",
+    "PinnedSampler": "dora.serve.episode",
+    "EpisodeLimits": "dora.serve.episode",
+    "GroupFailed": "dora.serve.episode",
+    "run_episode": "dora.serve.episode",
+    "run_group": "dora.serve.episode",
+    # the scheduling core (docs/scheduling.md)
+    "TransferQueue": "dora.core",
+    "Orchestrator": "dora.core",
 }
 
 __all__ = sorted(_EXPORTS)
