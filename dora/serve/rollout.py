@@ -87,6 +87,8 @@ class RolloutReport:
     resubmissions: int
     parks: int
     missed_interrupts: int
+    failed_calls: int
+    instances_failed: list[str]
     weight_loads: int
     weight_load_s: float
     admission_wait_s: dict[str, float]
@@ -152,6 +154,7 @@ class Rollout:
         self._trained_event = asyncio.Event()
         self._trained_at: dict[int, float] = {}
         self._trainer_stopped = False
+        self._dead: set[str] = set()
         self._all_sent = asyncio.Event()
         self._load_locks: dict[str, asyncio.Lock] = {}
         self._tg: asyncio.TaskGroup | None = None
@@ -175,6 +178,7 @@ class Rollout:
         try:
             async with asyncio.TaskGroup() as tg:
                 self._tg = tg
+                self.router.on_failure = self.instance_failed
                 for h in self._instances:
                     self.router.add_instance(h.id, h.client, version=0)
                     self._load_locks[h.id] = asyncio.Lock()
@@ -245,6 +249,25 @@ class Rollout:
                     self.router.resume(rid, i, v)
         self.changed.set()
 
+    def _target(self, instance: str) -> int | None:
+        """The version the orchestrator wants on `instance` (None: none, or it is gone)."""
+        for view in self.orchestrator.instances():
+            if view.id == instance:
+                return view.version
+        return None
+
+    def instance_failed(self, instance: str) -> None:
+        """An instance is unreachable: its leases continue on instances of their version (or are
+        parked until one has room); it gets no more work."""
+        if instance in self._dead:
+            return
+        self._dead.add(instance)
+        log.warning("instance %s is unreachable; moving its requests", instance)
+        self.metrics.write("instance_failed", {"instance": instance})
+        self.apply(self.orchestrator.remove_instance(instance))
+        if not self.orchestrator.instances():
+            raise ServerUnavailable("every inference instance is gone")
+
     def _loaded(self, instance: str, version: int) -> None:
         self.queue.on_version_loaded(version)
         self.apply(self.orchestrator.on_loaded(instance, version))
@@ -252,9 +275,8 @@ class Rollout:
     async def _load(self, instance: str, version: int) -> None:
         timeout_s = self.config.serve.weight_load_timeout_s
         async with self._load_locks[instance]:
-            view = next(i for i in self.orchestrator.instances() if i.id == instance)
-            if view.version != version:
-                return  # the orchestrator gave the instance another version since
+            if self._target(instance) != version:
+                return  # the orchestrator gave the instance another version since (or lost it)
             try:
                 async with asyncio.timeout(timeout_s):
                     await self.router.wait_idle(instance)
@@ -263,22 +285,26 @@ class Rollout:
                     f"instance {instance} still had calls in flight {timeout_s:g} s after it was "
                     f"emptied for version {version}"
                 ) from None
-            view = next(i for i in self.orchestrator.instances() if i.id == instance)
-            if view.version != version:
+            if self._target(instance) != version:
                 return  # changed while we waited (the store may have dropped `version` since)
             weights = self.store.get(version)
             started = time.monotonic()
             client = self.router.instances[instance].client
-            if weights.path:
-                await client.load_weights(version, path=weights.path, timeout_s=timeout_s)
-            else:
+            tensors = None
+            if not weights.path:
                 tensors = {
                     n: (d, s, b)
                     for n, d, s, b in zip(
                         weights.names, weights.dtypes, weights.shapes, weights.data, strict=True
                     )
                 }
-                await client.load_weights(version, tensors=tensors, timeout_s=timeout_s)
+            try:
+                await client.load_weights(
+                    version, path=weights.path or None, tensors=tensors, timeout_s=timeout_s
+                )
+            except ServerUnavailable:
+                self.instance_failed(instance)
+                return
             seconds = time.monotonic() - started
             self.router.instances[instance].version = version
             self.weight_loads += 1
@@ -446,6 +472,8 @@ class Rollout:
             "resubmissions": self.router.resubmissions,
             "parks": self.router.parks,
             "missed_interrupts": self.router.missed_interrupts,
+            "failed_calls": self.router.failed_calls,
+            "instances_failed": sorted(self._dead),
             "weight_loads": self.weight_loads,
             "weight_load_s": round(self.weight_load_s, 4),
             "weights_held": self.store.versions(),
@@ -473,6 +501,8 @@ class Rollout:
             resubmissions=self.router.resubmissions,
             parks=self.router.parks,
             missed_interrupts=self.router.missed_interrupts,
+            failed_calls=self.router.failed_calls,
+            instances_failed=sorted(self._dead),
             weight_loads=self.weight_loads,
             weight_load_s=round(self.weight_load_s, 4),
             admission_wait_s={k: round(v, 4) for k, v in self.admission_wait_s.items()},

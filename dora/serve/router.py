@@ -20,7 +20,11 @@ Invariants:
   really empty (an abort that races with a call's start must not let a load change the weights
   under a running call);
 - a move whose interruption missed (the call had already finished) is harmless: the call's result
-  stands and the next turn goes to the new instance.
+  stands and the next turn goes to the new instance;
+- an instance that becomes unreachable (`ServerUnavailable`) is reported to `on_failure` (the
+  rollout removes it from the orchestrator, which migrates or parks its leases); the calls it was
+  running are resubmitted with the tokens their episodes had before the call (the lost call's
+  tokens are gone with the instance; it is the same version, so C1 holds).
 """
 
 from __future__ import annotations
@@ -28,12 +32,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import msgspec
 
 from dora.engine.api import ExportedRequest
-from dora.errors import ServerError
+from dora.errors import ServerError, ServerUnavailable
 from dora.protocol import Completion, FinishReason, SamplingParams
 from dora.serve.instances import InstanceClient
 
@@ -102,6 +107,11 @@ class Router:
         self.missed_interrupts = 0
         """Interrupts that found nothing to stop (the call had ended) or failed on the instance:
         the call then finished where it was, which is safe (same version, or a drained load)."""
+        self.failed_calls = 0
+        """Calls lost because their instance became unreachable."""
+        self.on_failure: Callable[[str], None] | None = None
+        """Called with an instance id when a call finds it unreachable; without it the error
+        propagates."""
         self.max_versions_serving = 0
         """Most distinct versions with calls in flight at the same moment."""
 
@@ -240,10 +250,22 @@ class Router:
                 completion = await inst.client.import_request(
                     msgspec.structs.replace(imported, request_id=call_id)
                 )
+        except ServerUnavailable:
+            if self.on_failure is None:
+                raise
         finally:
             self._end(inst, 0 if completion is None else len(completion.token_ids))
             lease.call_id = lease.call_instance = None
         future, lease.interrupt = lease.interrupt, None
+        if completion is None:
+            # The instance is gone, and the tokens of this call with it. The failure handler
+            # moves (or parks) every lease it held; the caller resubmits the tokens it has.
+            self.failed_calls += 1
+            self.on_failure(inst.id)  # type: ignore[misc]
+            lost = Completion(
+                request_id=call_id, token_ids=[], logprobs=[], versions=[], finish_reason="abort"
+            )
+            return lost, None, True
         if future is None:
             return completion, None, False
         # The router interrupted this call; wait for the RPC that did it (bounded by its own

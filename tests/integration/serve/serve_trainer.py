@@ -11,6 +11,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -40,6 +41,7 @@ class ToyTrainer:
         step_time_s: float = 0.05,
         noise: float = 0.01,
         timeout_s: float = 60.0,
+        on_trained: Callable[[int], None] | None = None,
     ) -> None:
         self.address = address
         self.steps = steps
@@ -47,6 +49,7 @@ class ToyTrainer:
         self.step_time_s = step_time_s
         self.noise = noise
         self.timeout_s = timeout_s
+        self.on_trained = on_trained
         self.base = load_file(str(next(model_dir.glob("*.safetensors"))))
         self.received: list[tuple[int, Group]] = []
         self.by_step: dict[int, list[Group]] = defaultdict(list)
@@ -103,6 +106,8 @@ class ToyTrainer:
                     self._publish(link, step + 1)
                     link.send(StepDone(step=step, incarnation=0, metrics={"groups": 1.0}))
                     self.trained.append(step)
+                    if self.on_trained is not None:
+                        self.on_trained(step)
                     step += 1
         finally:
             link.close()

@@ -1,11 +1,13 @@
 """`dora serve` as a user runs it: a process that starts engine processes, serves a trainer over
-ZMQ until the last step, writes its metrics, stops its instances and exits 0."""
+ZMQ until the last step, writes its metrics, stops its instances and exits 0; and keeps going when
+one of its instances dies in the middle of the run (DESIGN §7)."""
 
 from __future__ import annotations
 
 import json
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -16,7 +18,7 @@ from serve_trainer import ToyTrainer
 
 pytestmark = pytest.mark.timeout(240)
 
-STEPS, B = 3, 2
+STEPS, B, INSTANCES = 6, 2, 3
 
 
 def _free_port() -> int:
@@ -26,7 +28,21 @@ def _free_port() -> int:
         return port
 
 
-def test_dora_serve_command(tmp_path: Path, long_tail_model: Path) -> None:
+def _engine_children(parent: int) -> list[int]:
+    """Engine processes started by process `parent` (dora serve's instance pool)."""
+    pids = []
+    for path in Path(f"/proc/{parent}/task").glob("*/children"):
+        for pid in path.read_text().split():
+            try:
+                cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            except FileNotFoundError:
+                continue
+            if b"dora.engine" in cmdline:
+                pids.append(int(pid))
+    return sorted(pids)
+
+
+def test_dora_serve_command_survives_a_dead_instance(tmp_path: Path, long_tail_model: Path) -> None:
     port = _free_port()
     run_dir = tmp_path / "run"
     config = tmp_path / "serve.toml"
@@ -36,7 +52,7 @@ def test_dora_serve_command(tmp_path: Path, long_tail_model: Path) -> None:
 path = {json.dumps(str(long_tail_model))}
 max_model_len = 256
 [serve]
-instances = 2
+instances = {INSTANCES}
 max_running = 8
 port = {port}
 request_timeout_s = 120
@@ -45,7 +61,7 @@ mode = "dora"
 staleness = 1
 group_size = 2
 batch_size = {B}
-max_tokens = 24
+max_tokens = 32
 max_turns = 1
 [learn]
 steps = {STEPS}
@@ -55,28 +71,59 @@ metrics_every_s = 0.5
 progress = false
 """
     )
+    serve: list[subprocess.Popen[str]] = []
+    killed: list[int] = []
+
+    def kill_one_instance(step: int) -> None:
+        # Fault injection: SIGKILL one engine process (by pid) after step 1 is trained.
+        if step == 1:
+            victim = _engine_children(serve[0].pid)[0]
+            os.kill(victim, signal.SIGKILL)
+            killed.append(victim)
+
     trainer = ToyTrainer(
-        f"tcp://127.0.0.1:{port}", model_dir=long_tail_model, steps=STEPS, batch_size=B
+        f"tcp://127.0.0.1:{port}",
+        model_dir=long_tail_model,
+        steps=STEPS,
+        batch_size=B,
+        timeout_s=180,
+        on_trained=kill_one_instance,
     )
-    trainer.timeout_s = 180
     trainer.start()
-    proc = subprocess.run(
+    proc = subprocess.Popen(
         [sys.executable, "-m", "dora.cli", "serve", str(config), "data.seed=1"],
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
-        timeout=200,
-        check=False,
     )
+    serve.append(proc)
+    try:
+        stdout, stderr = proc.communicate(timeout=200)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
     trainer.join()
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert f"trainer link on tcp://127.0.0.1:{port}" in proc.stdout
-    assert sorted(trainer.by_step) == list(range(STEPS)) and trainer.shutdown
+    assert proc.returncode == 0, stderr[-3000:]
+    assert f"trainer link on tcp://127.0.0.1:{port}" in stdout
+    assert killed, "the fault was injected"
+
+    ids = [g.id for _, g in trainer.received]
+    assert len(ids) == STEPS * B == len(set(ids)), "every group exactly once"
+    assert trainer.trained == list(range(STEPS)) and trainer.shutdown
+    for step, group in trainer.received:
+        assert 0 <= step - group.version <= 1
+        for s in group.samples:
+            assert (s.token_versions()[s.mask() == 1] == group.version).all(), "C1"
+
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps"] == STEPS and summary["groups_sent"] == STEPS * B
-    assert set(summary["utilisation"]) == {"i0", "i1"}
-    assert (run_dir / "rollout.jsonl").stat().st_size > 0
-    pids = [int(p) for p in re.findall(r"instance i\d \(pid (\d+)\)", proc.stderr)]
-    assert len(pids) == 2, proc.stderr[-3000:]
+    assert set(summary["utilisation"]) == {f"i{i}" for i in range(INSTANCES)}
+    assert len(summary["instances_failed"]) == 1, summary
+    kinds = {json.loads(x)["kind"] for x in (run_dir / "rollout.jsonl").read_text().splitlines()}
+    assert {"tick", "step", "trained", "instance_failed", "summary"} <= kinds
+    pids = [int(p) for p in re.findall(r"instance i\d \(pid (\d+)\)", stderr)]
+    assert len(pids) == INSTANCES and killed[0] in pids, stderr[-3000:]
     for pid in pids:  # every instance process was stopped by its handle
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)

@@ -8,7 +8,7 @@ import asyncio
 import pytest
 
 from dora.engine.api import ExportedRequest
-from dora.errors import RequestError
+from dora.errors import RequestError, ServerUnavailable
 from dora.protocol import Completion, SamplingParams
 from dora.serve.router import Router
 
@@ -209,3 +209,28 @@ async def test_wait_idle_and_versions_serving() -> None:
     await asyncio.gather(*calls)
     await idle
     assert router.instances["a"].busy_s > 0 and router.instances["a"].tokens == 5
+
+
+class DeadInstance(FakeInstance):
+    async def generate(
+        self, prompt_ids: list[int], params: SamplingParams, *, request_id: str, version: int | None
+    ) -> Completion:
+        raise ServerUnavailable(f"generate: {self.name} unreachable")
+
+
+async def test_an_unreachable_instance_is_reported_and_the_call_resubmitted() -> None:
+    a, b = DeadInstance("a", 0), FakeInstance("b", 0, first=0, rest=2)
+    b.release.set()
+    router = _router(False, a=a, b=b)
+    router.open("g0/0", version=0, instance="a")
+    with pytest.raises(ServerUnavailable):  # without a failure handler, the error propagates
+        await router.sampler("g0/0").generate(PROMPT, PARAMS)
+    failed: list[str] = []
+
+    def on_failure(instance: str) -> None:
+        failed.append(instance)
+        router.move("g0/0", "b")  # what the orchestrator's remove_instance decides
+
+    router.on_failure = on_failure
+    done = await router.sampler("g0/0").generate(PROMPT, PARAMS)
+    assert failed == ["a"] and done.token_ids == [4, 5] and router.failed_calls == 1
