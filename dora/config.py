@@ -47,6 +47,13 @@ class ModelConfig(_Section):
     max_model_len: Annotated[
         int, M(ge=16, description="Context limit in tokens (prompt plus every turn)")
     ] = 1024
+    seed: Annotated[int, M(description="Seed of the tiny model's random initialisation")] = 0
+    warmup_steps: Annotated[
+        int,
+        M(ge=0, description="Supervised warm-up steps on the tasks' reference answers; 0 is off"),
+    ] = 0
+    warmup_lr: Annotated[float, M(gt=0, description="Learning rate of the warm-up")] = 3e-3
+    warmup_batch_size: Annotated[int, M(ge=1, description="Sequences per warm-up step")] = 32
 
 
 class ServeConfig(_Section):
@@ -174,12 +181,20 @@ class DataConfig(_Section):
     """Where tasks come from and how evaluation samples them."""
 
     source: Annotated[
-        str, M(description="Dataset file (JSONL/parquet), or '' for the env's own generator")
+        str, M(description="Tasks: a .jsonl/.json/.parquet file, or 'module:function'")
     ] = ""
+    kwargs: Annotated[
+        dict[str, str | int | float | bool | list[str | int | float]],
+        M(description="Keyword arguments when source is a function"),
+    ] = msgspec.field(default_factory=dict)
     seed: Annotated[int, M(description="Seed of the prompt stream (reshuffled every epoch)")] = 0
     eval_source: Annotated[
-        str, M(description="Held-out dataset file, or '' for the env's own held-out split")
+        str, M(description="Held-out tasks, like source; '' turns evaluation off")
     ] = ""
+    eval_kwargs: Annotated[
+        dict[str, str | int | float | bool | list[str | int | float]],
+        M(description="Keyword arguments when eval_source is a function"),
+    ] = msgspec.field(default_factory=dict)
     eval_size: Annotated[int, M(ge=0, description="Held-out tasks per evaluation; 0 is off")] = 64
     eval_every: Annotated[int, M(ge=1, description="Steps between evaluations")] = 5
 

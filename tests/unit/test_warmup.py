@@ -1,0 +1,58 @@
+"""The supervised warm-up lowers the loss on reference answers, and the prepared model is shared."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from dora.config import load_config
+from dora.models.prepare import model_key, prepare_model
+
+SMALL = [
+    "model.path=tiny",
+    "model.tiny_hidden_size=32",
+    "model.tiny_layers=1",
+    "model.max_model_len=256",
+    "model.warmup_steps=2",
+    "model.warmup_batch_size=8",
+    "data.source=envs.math:chain_arithmetic_tasks",
+    "data.kwargs.n=200",
+    "data.kwargs.max_terms=3",
+]
+
+
+def test_warmup_learns_and_prepared_model_is_cached(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("DORA_CACHE", str(tmp_path))
+    config = load_config(None, SMALL)
+    losses: list[float] = []
+
+    from dora.data import load_tasks
+    from dora.env import load_env
+    from dora.models import TinyModelSpec, build_tiny_model
+    from dora.models.warmup import WarmupSettings, warmup
+
+    base = build_tiny_model(tmp_path / "base", TinyModelSpec(hidden_size=32, num_layers=1))
+    warmup(
+        base,
+        tmp_path / "warm",
+        tasks=load_tasks("envs.math:chain_arithmetic_tasks", kwargs={"n": 200, "max_terms": 3}),
+        env_factory=load_env("envs.math:ChainArithmeticEnv"),
+        settings=WarmupSettings(steps=40, batch_size=8, lr=3e-3, max_len=256, threads=1),
+        progress=lambda step, loss: losses.append(loss),
+    )
+    assert len(losses) == 40
+    assert sum(losses[-5:]) / 5 < 0.6 * losses[0], losses
+
+    first = prepare_model(config, log=False)
+    assert (first / "config.json").is_file() and first.parent == tmp_path / "models"
+    assert prepare_model(config, log=False) == first  # cached: the other side finds it ready
+    reseeded = load_config(None, [*SMALL, "model.seed=1"])
+    assert model_key(reseeded) != model_key(config)
+
+
+def test_a_user_model_without_warmup_is_used_as_is() -> None:
+    config = load_config(None, ["model.path=/models/mine"])
+    assert prepare_model(config, log=False) == Path("/models/mine")
