@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
@@ -124,8 +125,14 @@ async def _start_process(
     ]
     if spec.max_model_len is not None:
         args += ["--max-model-len", str(spec.max_model_len)]
+    # Progress bars of model loading from N processes would garble the terminal.
+    env = {"HF_HUB_DISABLE_PROGRESS_BARS": "1", **os.environ}
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, *args, stdout=asyncio.subprocess.PIPE, stdin=asyncio.subprocess.DEVNULL
+        sys.executable,
+        *args,
+        stdout=asyncio.subprocess.PIPE,
+        stdin=asyncio.subprocess.DEVNULL,
+        env=env,
     )
     procs.append(proc)
     assert proc.stdout is not None

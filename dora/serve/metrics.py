@@ -69,11 +69,13 @@ class Progress:
     def update(self, snap: Record) -> None:
         from rich.table import Table
 
+        serving = snap["serving_versions"]
+        assert isinstance(serving, dict)
+        calls = ", ".join(f"v{w}: {n}" for w, n in sorted(serving.items())) or "none"
         table = Table(
             title=(
-                f"dora serve  step {snap['step']}/{self.total_steps}  trained "
-                f"{snap['trained']}  newest v{snap['newest']}  "
-                f"serving {snap['serving_versions']}"
+                f"dora serve  step {snap['step']}/{self.total_steps}  trained {snap['trained']}  "
+                f"newest v{snap['newest']}\ncalls in flight per version: {calls}"
             ),
             expand=False,
         )

@@ -365,6 +365,8 @@ class Rollout:
     def _maybe_publish(self) -> None:
         """Hand the newest published version whose weights are complete to the orchestrator."""
         v = self.queue.published_version
+        if self.queue.finished:
+            return  # every step is filled: nothing will be sampled by a newer version
         if v > self.orchestrator.newest and self.store.has(v):
             self.apply(self.orchestrator.publish(v))
             self._retain_weights()
