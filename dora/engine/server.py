@@ -6,9 +6,7 @@ on torch. Every response carries the weight version that produced it: a `"versio
 an `X-Dora-Version` header (the version of the first sampled token for completions; the current one
 for everything else).
 
-Control endpoints (`/control/...`) answer loopback peers only, unless a bearer token is configured,
-in which case every caller must present it. So binding to a public address without a token leaves
-control closed to the world, and binding with one opens it to whoever holds the token.
+The control endpoints (`/control/...`, control.py) share this app and its plumbing.
 
 A request whose HTTP caller goes away is aborted; finished results are remembered for a while, so an
 abort that races with the end of a request still returns the whole completion.
@@ -18,8 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
-import ipaddress
 import time
 import uuid
 from collections import OrderedDict
@@ -33,21 +29,12 @@ from aiohttp import web
 
 from dora.engine import api, render
 from dora.engine.batcher import Batcher, BatcherConfig, Sequence
-from dora.engine.worker import EngineWorker, read_safetensors
+from dora.engine.control import ControlRoutes
+from dora.engine.worker import EngineWorker
 from dora.protocol import Completion, SamplingParams
 
-_DTYPES = {
-    "float32": torch.float32,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "float64": torch.float64,
-    "F32": torch.float32,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-}
 
-
-class _Watch:
+class Watch:
     """The loop's view of one sequence: how many tokens are out, and whether it is finished."""
 
     def __init__(
@@ -92,10 +79,11 @@ class EngineServer:
         self.model_name = model_name
         self.control_token = control_token
         self.max_request_bytes = max_request_bytes
+        self.max_control_bytes = max_control_bytes
         self.url = ""
         self._renderer = render.Renderer(tokenizer, worker.batcher.eos_token_ids)
-        self._inflight: dict[str, list[Sequence]] = {}
-        self._recent: OrderedDict[str, list[Completion]] = OrderedDict()
+        self.inflight: dict[str, list[Sequence]] = {}
+        self.recent: OrderedDict[str, list[Completion]] = OrderedDict()
         self.app = web.Application(
             client_max_size=max_control_bytes, middlewares=[self._version_header]
         )
@@ -106,12 +94,7 @@ class EngineServer:
                 web.get("/v1/models", self._models),
                 web.get("/health", self._health),
                 web.get("/metrics", self._metrics),
-                web.post("/control/load_weights", self._load_weights),
-                web.post("/control/pause", self._pause),
-                web.post("/control/resume", self._resume),
-                web.post("/control/abort", self._abort),
-                web.post("/control/export", self._export),
-                web.post("/control/import", self._import),
+                *ControlRoutes(self).routes(),
             ]
         )
 
@@ -164,6 +147,10 @@ class EngineServer:
     def version(self) -> int:
         return self.worker.batcher.version
 
+    def watch(self, seq: Sequence) -> Watch:
+        """Follow `seq` from the event loop (call on the loop, before the engine sees `seq`)."""
+        return Watch(asyncio.get_running_loop(), seq, asyncio.Event())
+
     # -- plumbing ----------------------------------------------------------------------------------
 
     @web.middleware
@@ -175,7 +162,7 @@ class EngineServer:
             response.headers.setdefault("X-Dora-Version", str(self.version))
         return response
 
-    def _error(self, status: int, message: str) -> web.Response:
+    def error(self, status: int, message: str) -> web.Response:
         kind = {400: "invalid_request_error", 404: "not_found", 409: "version_mismatch"}.get(
             status, "error"
         )
@@ -185,17 +172,17 @@ class EngineServer:
         }
         return web.json_response(body, status=status)
 
-    async def _read(self, request: web.Request, limit: int) -> bytes | web.Response:
+    async def read_body(self, request: web.Request, limit: int) -> bytes | web.Response:
         if request.content_length is not None and request.content_length > limit:
-            return self._error(
+            return self.error(
                 413, f"request body of {request.content_length} bytes exceeds {limit}"
             )
         try:
             body = await request.read()
         except web.HTTPRequestEntityTooLarge as exc:
-            return self._error(413, str(exc))
+            return self.error(413, str(exc))
         if len(body) > limit:
-            return self._error(413, f"request body of {len(body)} bytes exceeds {limit}")
+            return self.error(413, f"request body of {len(body)} bytes exceeds {limit}")
         return body
 
     async def _submit(
@@ -207,8 +194,8 @@ class EngineServer:
         n: int,
         version: int | None,
         stream: bool = False,
-    ) -> list[_Watch]:
-        if request_id in self._inflight:
+    ) -> list[Watch]:
+        if request_id in self.inflight:
             raise ValueError(f"request_id {request_id!r} is already in flight")
         loop, changed = asyncio.get_running_loop(), asyncio.Event()
         batcher = self.worker.batcher
@@ -223,12 +210,12 @@ class EngineServer:
             )
             for i in range(n)
         ]
-        watches = [_Watch(loop, seq, changed) for seq in seqs]
-        self._inflight[request_id] = seqs
+        watches = [Watch(loop, seq, changed) for seq in seqs]
+        self.inflight[request_id] = seqs
         self.worker.call(lambda b: b.add_all(seqs))
         return watches
 
-    async def _wait(self, request_id: str, watches: list[_Watch]) -> None:
+    async def wait(self, request_id: str, watches: list[Watch]) -> None:
         """Wait until every sequence finished; abort them all if the caller goes away."""
         try:
             for w in watches:
@@ -236,13 +223,13 @@ class EngineServer:
         finally:
             self._forget(request_id, watches)
 
-    def _forget(self, request_id: str, watches: list[_Watch]) -> None:
-        seqs = self._inflight.pop(request_id, [])
+    def _forget(self, request_id: str, watches: list[Watch]) -> None:
+        seqs = self.inflight.pop(request_id, [])
         if any(not w.done for w in watches):
             self.worker.call(lambda b: [b.abort(s) for s in seqs if s.finish_reason is None])
-        self._recent[request_id] = [s.completion() for s in seqs]
-        while len(self._recent) > 4096:
-            self._recent.popitem(last=False)
+        self.recent[request_id] = [s.completion() for s in seqs]
+        while len(self.recent) > 4096:
+            self.recent.popitem(last=False)
 
     def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -262,7 +249,7 @@ class EngineServer:
         return await self._generate(request, chat=True)
 
     async def _generate(self, request: web.Request, *, chat: bool) -> web.StreamResponse:
-        body = await self._read(request, self.max_request_bytes)
+        body = await self.read_body(request, self.max_request_bytes)
         if isinstance(body, web.Response):
             return body
         req: api.CompletionRequest | api.ChatRequest
@@ -283,7 +270,7 @@ class EngineServer:
                 request_id, prompt_ids, params, n=req.n, version=req.version, stream=req.stream
             )
         except ValueError as exc:
-            return self._error(400, str(exc))
+            return self.error(400, str(exc))
         meta = render.Meta(
             id=request_id,
             model=req.model or self.model_name,
@@ -292,10 +279,10 @@ class EngineServer:
         )
         if req.stream:
             return await self._stream(request, req, meta, watches)
-        await self._wait(request_id, watches)
+        await self.wait(request_id, watches)
         failed = next((w.seq for w in watches if w.seq.error), None)
         if failed is not None:
-            return self._error(failed.error_status, failed.error or "")
+            return self.error(failed.error_status, failed.error or "")
         seqs = [w.seq for w in watches]
         out = (
             self._renderer.chat_response(meta, req, seqs)
@@ -311,7 +298,7 @@ class EngineServer:
         request: web.Request,
         req: api.CompletionRequest | api.ChatRequest,
         meta: render.Meta,
-        watches: list[_Watch],
+        watches: list[Watch],
     ) -> web.StreamResponse:
         response = web.StreamResponse(
             headers={
@@ -360,187 +347,6 @@ class EngineServer:
         out: dict[str, object] = {"version": self.version, "paused": self.worker.paused, **stats}
         out["tokens_per_s"] = self.worker.rate()
         return web.json_response(out)
-
-    # -- control -----------------------------------------------------------------------------------
-
-    def _allowed(self, request: web.Request) -> web.Response | None:
-        if self.control_token:
-            given = request.headers.get("Authorization", "")
-            if hmac.compare_digest(given.encode(), f"Bearer {self.control_token}".encode()):
-                return None
-            return self._error(401, "control endpoints need a valid bearer token")
-        try:
-            loopback = ipaddress.ip_address(request.remote or "").is_loopback
-        except ValueError:
-            loopback = False
-        return (
-            None if loopback else self._error(403, "control endpoints answer loopback callers only")
-        )
-
-    async def _control_body(self, request: web.Request, cls: type[api.S]) -> api.S | web.Response:
-        denied = self._allowed(request)
-        if denied is not None:
-            return denied
-        body = await self._read(request, self.app._client_max_size)
-        if isinstance(body, web.Response):
-            return body
-        try:
-            if request.content_type == "application/msgpack":
-                return msgspec.msgpack.decode(body, type=cls)
-            return api.decode_strict(body or b"{}", cls)
-        except (ValueError, msgspec.DecodeError) as exc:
-            return self._error(400, str(exc))
-
-    async def _load_weights(self, request: web.Request) -> web.Response:
-        req = await self._control_body(request, api.LoadWeightsRequest)
-        if isinstance(req, web.Response):
-            return req
-        try:
-            tensors = _tensor_source(req)
-        except ValueError as exc:
-            return self._error(400, str(exc))
-        try:
-            result = await asyncio.wrap_future(
-                self.worker.load_weights(tensors, version=req.version, mode=req.mode)
-            )
-        except (ValueError, FileNotFoundError) as exc:
-            return self._error(400, f"weights not loaded: {exc}")
-        return web.json_response(result)
-
-    async def _pause(self, request: web.Request) -> web.Response:
-        return await self._set_paused(request, True)
-
-    async def _resume(self, request: web.Request) -> web.Response:
-        return await self._set_paused(request, False)
-
-    async def _set_paused(self, request: web.Request, paused: bool) -> web.Response:
-        denied = self._allowed(request)
-        if denied is not None:
-            return denied
-        await asyncio.wrap_future(self.worker.set_paused(paused))
-        return web.json_response({"paused": paused, "version": self.version})
-
-    async def _abort(self, request: web.Request) -> web.Response:
-        req = await self._control_body(request, api.RequestIdBody)
-        if isinstance(req, web.Response):
-            return req
-        seqs = self._inflight.get(req.request_id)
-        if seqs is not None:
-            done = await asyncio.wrap_future(
-                self.worker.call(
-                    lambda b: [
-                        b.abort(s) if s.finish_reason is None else s.completion() for s in seqs
-                    ]
-                )
-            )
-        elif req.request_id in self._recent:
-            done = self._recent[req.request_id]
-        else:
-            return self._error(404, f"unknown request_id {req.request_id!r}")
-        return web.json_response(
-            {"request_id": req.request_id, "completions": [render.completion_dict(c) for c in done]}
-        )
-
-    async def _export(self, request: web.Request) -> web.Response:
-        req = await self._control_body(request, api.RequestIdBody)
-        if isinstance(req, web.Response):
-            return req
-        seqs = self._inflight.get(req.request_id)
-        if seqs is None:
-            return self._error(404, f"request_id {req.request_id!r} is not in flight")
-        if len(seqs) != 1:
-            return self._error(400, "only requests with n = 1 can be exported")
-        seq = seqs[0]
-
-        def detach(b: Batcher) -> api.ExportedRequest | None:
-            if seq.finish_reason is not None:
-                return None
-            version = b.version
-            kv = b.detach(seq)
-            return _exported(seq, version, kv)
-
-        exported = await asyncio.wrap_future(self.worker.call(detach))
-        if exported is None:
-            return self._error(409, f"request {req.request_id!r} already finished")
-        return web.Response(
-            body=msgspec.msgpack.encode(exported), content_type="application/msgpack"
-        )
-
-    async def _import(self, request: web.Request) -> web.Response:
-        req = await self._control_body(request, api.ExportedRequest)
-        if isinstance(req, web.Response):
-            return req
-        if req.version != self.version:
-            return self._error(
-                409, f"request holds version {req.version}, engine holds {self.version}"
-            )
-        if req.request_id in self._inflight:
-            return self._error(400, f"request_id {req.request_id!r} is already in flight")
-        seq = Sequence(
-            id=req.request_id,
-            prompt_ids=req.prompt_ids,
-            params=req.params,
-            key=req.key,
-            version=req.version,
-            token_ids=list(req.token_ids),
-            logprobs=list(req.logprobs),
-            versions=list(req.versions),
-        )
-        if req.kv:
-            kv = torch.frombuffer(bytearray(req.kv), dtype=torch.uint8).view(_DTYPES[req.kv_dtype])
-            seq.kv_import = kv.reshape(req.kv_shape)
-        elif req.token_ids:
-            return self._error(400, "a request with sampled tokens needs its KV cache")
-        watch = _Watch(asyncio.get_running_loop(), seq, asyncio.Event())
-        self._inflight[req.request_id] = [seq]
-        self.worker.call(lambda b: b.add(seq))
-        await self._wait(req.request_id, [watch])
-        if seq.error:
-            return self._error(seq.error_status, seq.error)
-        return web.json_response(render.completion_dict(seq.completion()))
-
-
-def _exported(seq: Sequence, version: int, kv: torch.Tensor | None) -> api.ExportedRequest:
-    raw, dtype, shape = b"", "", []
-    if kv is not None:
-        raw = kv.contiguous().view(torch.uint8).numpy().tobytes()
-        dtype, shape = str(kv.dtype).removeprefix("torch."), list(kv.shape)
-    return api.ExportedRequest(
-        request_id=seq.id,
-        version=version,
-        prompt_ids=seq.prompt_ids,
-        token_ids=list(seq.token_ids),
-        logprobs=list(seq.logprobs),
-        versions=list(seq.versions),
-        params=seq.params,
-        key=seq.key,
-        kv=raw,
-        kv_dtype=dtype,
-        kv_shape=shape,
-    )
-
-
-def _tensor_source(req: api.LoadWeightsRequest) -> render.TensorSource:
-    if req.path:
-        path = req.path
-        return lambda: read_safetensors(path)
-    if not (len(req.names) == len(req.dtypes) == len(req.shapes) == len(req.data)) or not req.names:
-        raise ValueError(
-            "give either path or names, dtypes, shapes and data of equal, non-zero length"
-        )
-    unknown = sorted({d for d in req.dtypes if d not in _DTYPES})
-    if unknown:
-        raise ValueError(f"unsupported dtypes {unknown}; use one of {sorted(_DTYPES)}")
-
-    def build() -> dict[str, torch.Tensor]:
-        return {
-            name: torch.frombuffer(bytearray(data), dtype=_DTYPES[dtype]).reshape(shape)
-            for name, dtype, shape, data in zip(
-                req.names, req.dtypes, req.shapes, req.data, strict=True
-            )
-        }
-
-    return build
 
 
 def load_model(model_dir: str | Path) -> tuple[torch.nn.Module, object]:
