@@ -28,7 +28,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--threads", type=int, default=None, help="torch threads (default: torch's choice)"
     )
     p.add_argument("--max-running", type=int, default=256)
-    p.add_argument("--max-kv-tokens", type=int, default=1 << 20)
+    p.add_argument("--max-kv-tokens", type=int, default=None, help="default: --max-kv-gib worth")
+    p.add_argument("--max-kv-gib", type=float, default=4.0)
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument(
         "--control-token-env",
@@ -44,6 +45,7 @@ async def serve(args: argparse.Namespace) -> None:
     config = BatcherConfig(
         max_running=args.max_running,
         max_kv_tokens=args.max_kv_tokens,
+        max_kv_bytes=int(args.max_kv_gib * (1 << 30)),
         max_model_len=args.max_model_len,
     )
     stop = asyncio.Event()

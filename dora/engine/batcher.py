@@ -13,8 +13,9 @@ operations whatever the batch holds: per-row state lives in a few tensors indexe
 expressions. The only per-row Python is appending the sampled ids to each sequence's lists, and
 stop-string checks for rows that have them.
 
-KV memory is bounded by reservation: a sequence is admitted only if the sum over running sequences
-of `prompt + max_tokens` stays within `max_kv_tokens`, so a running sequence never needs preemption.
+KV memory is bounded by reservation. The cache is dense (rows x columns), so what a batch can come
+to hold is `rows x the longest prompt + max_tokens among them`; a sequence is admitted only if that
+stays within `max_kv_tokens` (by default `max_kv_bytes` worth), so nothing ever needs preemption.
 """
 
 from __future__ import annotations
@@ -43,8 +44,10 @@ class BatcherConfig:
 
     max_running: int = 256
     """Most sequences decoded together."""
-    max_kv_tokens: int = 1 << 20
-    """Most KV tokens reserved (prompt + max_tokens over running sequences)."""
+    max_kv_tokens: int | None = None
+    """Most KV tokens the dense cache may come to hold (default: `max_kv_bytes` worth)."""
+    max_kv_bytes: int = 4 << 30
+    """KV memory budget used when `max_kv_tokens` is not given."""
     max_prefill_tokens: int = 8192
     """Most prompt tokens (padded) prefilled in one step; one longer prompt still goes alone."""
     max_model_len: int | None = None
@@ -110,10 +113,26 @@ class Batcher:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.reserved_tokens = 0
+        """Dense KV tokens the running sequences may come to hold: rows x longest reservation."""
+        self._longest = 0
         self.generated_tokens = 0
         self._base: Any = hf.base_model
         self._lm_head: Any = hf.get_output_embeddings()
-        self._cache = SlotCache(int(hf_config.num_hidden_layers))
+        self._cache = SlotCache(
+            int(hf_config.num_hidden_layers),
+            max_rows=self.config.max_running,
+            max_cols=self.max_model_len + 1,
+        )
+        heads = int(getattr(hf_config, "num_attention_heads", 1))
+        kv_heads = int(getattr(hf_config, "num_key_value_heads", None) or heads)
+        head_dim = int(getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads)
+        itemsize = next(model.parameters()).element_size()
+        self.kv_bytes_per_token = (
+            2 * int(hf_config.num_hidden_layers) * kv_heads * head_dim * itemsize
+        )
+        self.max_kv_tokens = self.config.max_kv_tokens or max(
+            self.config.max_kv_bytes // self.kv_bytes_per_token, 1
+        )
         forward_params = _signature_params(self._base.forward)
         self._cache_kw = "cache" if "cache" in forward_params else "past_key_values"
         self._float_mask = getattr(hf_config, "_attn_implementation", "sdpa") == "eager"
@@ -222,8 +241,9 @@ class Batcher:
                     400,
                 )
                 continue
-            need = len(seq.prompt_ids) + seq.params.max_tokens
-            if self.reserved_tokens + need > self.config.max_kv_tokens and (
+            need = self._reservation(seq)
+            rows = len(self.running) + len(new) + len(imported) + 1
+            if rows * max(self._longest, need) > self.max_kv_tokens and (
                 self.running or new or imported
             ):
                 break
@@ -236,7 +256,8 @@ class Batcher:
             else:
                 imported.append(seq)
             self.waiting.popleft()
-            self.reserved_tokens += need
+            self._longest = max(self._longest, need)
+            self.reserved_tokens = rows * self._longest
         if imported:
             self._admit_imported(imported)
         if new:
@@ -397,11 +418,13 @@ class Batcher:
             moved.row = row
         self.running.pop()
         seq.row = -1
-        self.reserved_tokens -= len(seq.prompt_ids) + seq.params.max_tokens
+        self._longest = max((self._reservation(s) for s in self.running), default=0)
+        self.reserved_tokens = len(self.running) * self._longest
         if seq.params.stop:
             self._stop_rows -= 1
-        if not self.running:
-            self.reserved_tokens = 0
+
+    def _reservation(self, seq: Sequence) -> int:
+        return min(len(seq.prompt_ids) + seq.params.max_tokens, self.max_model_len)
 
     def _fail(self, seq: Sequence, message: str, status: int) -> None:
         seq.error, seq.error_status, seq.finish_reason = message, status, "error"
@@ -425,10 +448,10 @@ class Batcher:
             "waiting": len(self.waiting),
             "kv_used_tokens": used,
             "kv_reserved_tokens": self.reserved_tokens,
-            "kv_max_tokens": self.config.max_kv_tokens,
+            "kv_max_tokens": self.max_kv_tokens,
             "kv_capacity_tokens": self._cache.capacity_tokens,
             "kv_bytes": self._cache.capacity_tokens * per_token,
-            "kv_use": self.reserved_tokens / self.config.max_kv_tokens,
+            "kv_use": self.reserved_tokens / self.max_kv_tokens,
             "generated_tokens_total": self.generated_tokens,
         }
 

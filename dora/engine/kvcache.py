@@ -22,8 +22,9 @@ import torch
 class SlotCache:
     """Per-layer K/V slots; shapes are taken from the first prefill (any head count, GQA or not)."""
 
-    def __init__(self, num_layers: int) -> None:
+    def __init__(self, num_layers: int, *, max_rows: int, max_cols: int) -> None:
         self.num_layers = num_layers
+        self.max_rows, self.max_cols = max_rows, max_cols
         self.k: list[torch.Tensor] = []
         self.v: list[torch.Tensor] = []
         self.rows_cap = 0
@@ -89,9 +90,11 @@ class SlotCache:
         new_rows = max(self.rows_cap, 1)
         while new_rows < rows:
             new_rows *= 2
+        new_rows = max(min(new_rows, self.max_rows), rows)
         new_cols = max(self.cols_cap, 64)
         while new_cols < cols:
             new_cols *= 2
+        new_cols = max(min(new_cols, self.max_cols), cols)
         _, heads, _, dim = template.shape
         shape = (new_rows, heads, new_cols, dim)
         for layer in range(self.num_layers):

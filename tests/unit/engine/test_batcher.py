@@ -143,3 +143,23 @@ def test_detached_kv_resumes_on_another_batcher(
     while c.has_work():
         c.step()
     assert moving.token_ids == ref.token_ids
+
+
+def test_one_long_request_limits_its_batch_mates(
+    model_and_tok: tuple[torch.nn.Module, object],
+) -> None:
+    b = make(model_and_tok, max_kv_tokens=200)
+    long = b.new_sequence("long", [5] * 10, SamplingParams(max_tokens=90, ignore_eos=True))
+    short = [
+        b.new_sequence(f"s{i}", [5] * 10, SamplingParams(max_tokens=5, ignore_eos=True))
+        for i in range(6)
+    ]
+    for s in [long, *short]:
+        b.add(s)
+    b.step()
+    assert len(b.running) == 2 and b.reserved_tokens == 200  # 2 rows x (10 + 90)
+    while b.has_work():
+        b.step()
+        assert b.reserved_tokens <= 200
+    assert all(len(s.token_ids) == 5 for s in short) and len(long.token_ids) == 90
+    assert b.cache.cols_cap <= b.max_model_len + 1
