@@ -338,6 +338,7 @@ class _Sim:
         if req.where == 2:
             del inst.running[req.rid]
             req.ctx = req.ctx0 + (inst.prog - req.p0)
+            req.cached = req.ctx  # its KV cache covers every token so far (until dropped)
             req.remaining = max(0.0, req.mark - inst.prog)
             inst.kv -= req.ctx
             self.n_running -= 1

@@ -222,7 +222,8 @@ def write_plot(runs: list[Run], path: str, *, max_rows: int = 64) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(len(runs), 1, figsize=(12, 2.6 * len(runs)), squeeze=False)
-    cmap = plt.get_cmap("tab10")
+    tab = plt.get_cmap("tab10")
+    palette = [tab(i) for i in range(10) if i != 7]  # tab10's grey is the loading colour
     for ax, run in zip(axes[:, 0], runs, strict=True):
         n = run.plan.instances
         stride = max(1, -(-n // max_rows))
@@ -230,7 +231,7 @@ def write_plot(runs: list[Run], path: str, *, max_rows: int = 64) -> None:
         for idx, start, end, version in run.segments:
             if idx % stride:
                 continue
-            color = "0.75" if version < 0 else cmap(version % 10)
+            color = "0.8" if version < 0 else palette[version % len(palette)]
             ax.broken_barh([(start / 60, (end - start) / 60)], (idx // stride, 0.9), color=color)
         bars = [(a / 60, (b - a) / 60) for a, b in run.trainer]
         ax.broken_barh(bars, (rows + 0.5, 0.9), color="black")
@@ -238,7 +239,7 @@ def write_plot(runs: list[Run], path: str, *, max_rows: int = 64) -> None:
         ax.set_yticks([rows + 0.95])
         ax.set_yticklabels(["trainer"])
         ax.set_ylabel(f"instances ({n})" if stride == 1 else f"1 in {stride} of {n}")
-        ax.set_title(f"{run.mode}: colour = version held (mod 10), grey = loading", loc="left")
+        ax.set_title(f"{run.mode}: colour = version held (mod 9), grey = loading", loc="left")
         if run.step_end_s:
             ax.set_xlim(0, run.step_end_s[-1] / 60)
     axes[-1, 0].set_xlabel("minutes")

@@ -139,3 +139,11 @@ def test_agentic_preset_runs_at_scale_of_controllers() -> None:
         run = simulate(setup, plan(mode, setup), seed=0)
         check_run(run, setup)
     assert run.plan.instances == 32  # two controllers of 16
+
+
+def test_migrations_carry_the_kv_cache_unless_told_not_to() -> None:
+    setup = small(steps=6)
+    with_kv = simulate(setup, plan("dora", setup), seed=6)
+    assert with_kv.migrations > 0 and with_kv.migrated_gb > 0
+    without = simulate(dataclasses.replace(setup, migrate_kv=False), plan("dora", setup), seed=6)
+    assert without.migrated_gb == 0
