@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -266,7 +267,7 @@ async def run_fixed(tmp: Path, tiny_dir: Path, processes: int) -> list[dict[str,
             "dora.cli",
             "learn",
             str(config),
-            env={**__import__("os").environ, "DORA_SERVE_ADDRESS": standin.link.address},
+            env={**os.environ, "DORA_SERVE_ADDRESS": standin.link.address},
         )
         record = await standin.serve(range(3), fixed_groups(standin))
         assert await asyncio.wait_for(proc.wait(), 120) == 0
@@ -284,3 +285,33 @@ async def test_two_gloo_ranks_match_one_process(tmp_path: Path, tiny_dir: Path) 
         for key in ("loss", "grad_norm", "entropy", "tokens", "ratio_mean", "is_weight_mean"):
             assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), key
     print([round(x["loss"], 5) for x in one], [round(x["loss"], 5) for x in two])
+
+
+@pytest.mark.slow
+async def test_rank_zero_timeout_stops_every_rank(tmp_path: Path, tiny_dir: Path) -> None:
+    """Serve goes quiet: rank 0's deadline expires and rank 1 stops too, well before any
+    collective timeout (which is RECV_TIMEOUT_S + 300 s)."""
+    config = write_config(tmp_path, tiny_dir, steps=2, processes=2)
+    standin = StandIn(tiny_dir)
+    env = {
+        **os.environ,
+        "DORA_SERVE_ADDRESS": standin.link.address,
+        "DORA_LEARN_RECV_TIMEOUT_S": "3",
+    }
+    try:
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "dora.cli",
+            "learn",
+            str(config),
+            env=env,
+            stderr=asyncio.subprocess.PIPE,
+        )
+        hello = await standin.recv()
+        assert hello.__class__.__name__ == "Hello"
+        _, err = await asyncio.wait_for(proc.communicate(), 120)
+        assert proc.returncode != 0
+        assert b"the groups of step 0" in err
+    finally:
+        standin.close()
