@@ -196,7 +196,8 @@ async def test_inline_weights_and_shutdown_from_serve(
     tmp_path: Path, tiny_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Inline chunks rebuild the published weights exactly; serve's `Shutdown` ends the run after a
-    checkpoint of the last trained step. Decoupled PPO, two updates per step, KL, sequence-level."""
+    checkpoint of the last trained step. Decoupled PPO, two updates per step, KL, sequence-level,
+    and the zero-variance filter."""
     standin = StandIn(tiny_dir)
     monkeypatch.setenv("DORA_SERVE_ADDRESS", standin.link.address)
     config = write_config(
@@ -210,10 +211,18 @@ async def test_inline_weights_and_shutdown_from_serve(
         aggregation="sequence",
         kl_coef=0.05,
         micro_batch_tokens=64,
+        filter_zero_variance=True,
     )
+    make = on_policy_groups(standin)
+
+    def with_flat_group(step: int, version: int) -> list[Group]:
+        groups = make(step, version)
+        flat = [msgspec.structs.replace(s, reward=0.5) for s in groups[0].samples]
+        return [*groups, msgspec.structs.replace(groups[0], id=f"flat{step}", samples=flat)]
+
     try:
         learner = await run_learn_in_thread(learn_args(config))
-        record = await standin.serve(range(5), on_policy_groups(standin), shutdown_after=1)
+        record = await standin.serve(range(5), with_flat_group, shutdown_after=1)
         assert await asyncio.wait_for(learner, 60) == 0
         await standin.drain()
         assert [d.step for d in record.of(StepDone)] == [0, 1]
@@ -231,6 +240,8 @@ async def test_inline_weights_and_shutdown_from_serve(
             torch.testing.assert_close(published[name], tensor, rtol=0, atol=0)
         m = record.of(StepDone)[1].metrics
         assert m["kl"] > 0 and m["grad_norm"] > 0
+        assert (m["filtered_groups"], m["groups"]) == (1, B + 1)  # the flat group, counted
+        assert m["tokens"] == B * G * NEW
     finally:
         standin.close()
 
