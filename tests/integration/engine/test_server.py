@@ -348,3 +348,15 @@ async def test_bad_prompts_are_400(server: EngineServer) -> None:
     assert (await post(url, {"prompt": [1] * 3000, "max_tokens": 1}))[0] == 400
     status, body, _ = await post(url, {"prompt": [1, 2], "request_id": "dup", "max_tokens": 1})
     assert status == 200, body
+
+
+async def test_client_errors_map_to_dora_errors(server: EngineServer, client: EngineClient) -> None:
+    from dora.errors import ServerTimeout, ServerUnavailable
+
+    await client.pause()
+    with pytest.raises(ServerTimeout):
+        await client.generate([1, 2], SamplingParams(max_tokens=2), request_id="t", timeout_s=0.3)
+    await client.resume()
+    async with EngineClient("http://127.0.0.1:9") as nowhere:
+        with pytest.raises(ServerUnavailable):
+            await nowhere.health()
