@@ -127,6 +127,8 @@ class Batcher:
         kv_heads = int(getattr(hf_config, "num_key_value_heads", None) or heads)
         head_dim = int(getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads)
         itemsize = next(model.parameters()).element_size()
+        self.kv_layout = (int(hf_config.num_hidden_layers), 2, kv_heads, head_dim)
+        self.kv_dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
         self.kv_bytes_per_token = (
             2 * int(hf_config.num_hidden_layers) * kv_heads * head_dim * itemsize
         )
@@ -422,6 +424,15 @@ class Batcher:
         self.reserved_tokens = len(self.running) * self._longest
         if seq.params.stop:
             self._stop_rows -= 1
+
+    def kv_layout_problem(self, shape: list[int], dtype: str, tokens: int) -> str | None:
+        """Why an exported KV tensor cannot continue here (None if it can)."""
+        layers, two, heads, dim = self.kv_layout
+        if dtype != self.kv_dtype:
+            return f"dtype {dtype}, this engine caches {self.kv_dtype}"
+        if shape != [layers, two, heads, tokens, dim]:
+            return f"shape {shape}, this model needs {[layers, two, heads, tokens, dim]}"
+        return None
 
     def _reservation(self, seq: Sequence) -> int:
         return min(len(seq.prompt_ids) + seq.params.max_tokens, self.max_model_len)

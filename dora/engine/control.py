@@ -177,6 +177,11 @@ class ControlRoutes:
             versions=list(req.versions),
         )
         if req.kv:
+            problem = self.server.worker.batcher.kv_layout_problem(
+                req.kv_shape, req.kv_dtype, len(req.prompt_ids) + len(req.token_ids) - 1
+            )
+            if problem:
+                return self.server.error(400, f"cannot import this KV cache: {problem}")
             kv = torch.frombuffer(bytearray(req.kv), dtype=torch.uint8).view(_DTYPES[req.kv_dtype])
             seq.kv_import = kv.reshape(req.kv_shape)
         elif req.token_ids:
@@ -218,7 +223,8 @@ def _tensor_source(req: api.LoadWeightsRequest) -> render.TensorSource:
         raise ValueError(
             "give either path or names, dtypes, shapes and data of equal, non-zero length"
         )
-    unknown = sorted({d for d in req.dtypes if d not in _DTYPES})
+    dtypes = [d.removeprefix("torch.") for d in req.dtypes]  # "torch.float32" works too
+    unknown = sorted({d for d in dtypes if d not in _DTYPES})
     if unknown:
         raise ValueError(f"unsupported dtypes {unknown}; use one of {sorted(_DTYPES)}")
 
@@ -226,7 +232,7 @@ def _tensor_source(req: api.LoadWeightsRequest) -> render.TensorSource:
         return {
             name: torch.frombuffer(bytearray(data), dtype=_DTYPES[dtype]).reshape(shape)
             for name, dtype, shape, data in zip(
-                req.names, req.dtypes, req.shapes, req.data, strict=True
+                req.names, dtypes, req.shapes, req.data, strict=True
             )
         }
 

@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import aiohttp
+import msgspec
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -251,6 +252,9 @@ async def test_migration_continues_bit_identically(tiny_model: Path) -> None:
         assert 10 <= len(exported.token_ids) < 80 and exported.kv
         chunks = await asyncio.wait_for(streaming, 20)
         assert chunks[-1]["choices"][0]["finish_reason"] == "abort"
+        bad = msgspec.structs.replace(exported, kv_shape=[1, *exported.kv_shape[1:]])
+        with pytest.raises(RequestError, match="cannot import"):
+            await cb.import_request(bad)
         moved: Completion = await cb.import_request(exported)
         assert moved.token_ids == reference.token_ids
         assert moved.finish_reason == "length"
