@@ -51,6 +51,7 @@ from dora.learn.checkpoint import (
     start_incarnation,
 )
 from dora.learn.loss import LossSettings, policy_loss, token_entropy, token_logprobs
+from dora.learn.metrics import SUMS, step_metrics
 from dora.learn.publish import inline_chunks, publish_filesystem
 from dora.learn.receiver import RECV_TIMEOUT_S, Receiver
 from dora.protocol import (
@@ -62,18 +63,6 @@ from dora.protocol import (
     StepClosed,
     StepDone,
     WeightsReady,
-)
-
-_SUMS = (
-    "loss",
-    "tokens",
-    "clipped",
-    "ratio_sum",
-    "is_weight_sum",
-    "is_capped",
-    "kl_sum",
-    "mismatch_sum",
-    "entropy_sum",
 )
 
 
@@ -90,7 +79,6 @@ class _Update:
 
 @dataclass
 class _Step:
-    groups: list[Group] = field(default_factory=list)
     prepared: list[PreparedGroup] = field(default_factory=list)
     duplicates: int = 0
     wait_s: float = 0.0
@@ -239,8 +227,7 @@ class Trainer:
             max_tokens=self.config.rollout.max_tokens,
             filter_zero_variance=self.cfg.filter_zero_variance,
         )
-        index = len(state.groups)
-        state.groups.append(group)
+        index = len(state.prepared)
         state.prepared.append(prepared)
         if not prepared.items:
             return
@@ -307,7 +294,7 @@ class Trainer:
         active = (mb.weights > 0).float()
         update.sums["loss"] += float(terms.loss_sum.detach())
         update.sums["entropy_sum"] += float((token_entropy(logits) * active).sum())
-        for key in _SUMS[1:-1]:
+        for key in SUMS[1:-1]:
             update.sums[key] += terms.stats[key]
         if terms.stats["tokens"]:
             update.ratio_max = max(update.ratio_max, terms.stats["ratio_max"])
@@ -376,7 +363,7 @@ class Trainer:
     def _metrics(
         self, step: int, state: _Step, updates: list[_Update], grad_norms: list[float]
     ) -> dict[str, float]:
-        sums = torch.tensor([[u.sums[k] for k in _SUMS] for u in updates], dtype=torch.float64)
+        sums = torch.tensor([[u.sums[k] for k in SUMS] for u in updates], dtype=torch.float64)
         extremes = torch.tensor(
             [max(u.ratio_max for u in updates), -min(u.ratio_min for u in updates)],
             dtype=torch.float64,
@@ -384,36 +371,17 @@ class Trainer:
         if self.world > 1:
             dist.all_reduce(sums, group=self._group)
             dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=self._group)
-        per_update = {k: sums[:, i] for i, k in enumerate(_SUMS)}
-        norms = torch.tensor([u.norm for u in updates], dtype=torch.float64).clamp_min(1e-12)
-        tokens = max(float(per_update["tokens"].sum()), 1.0)
-        total = {k: float(v.sum()) for k, v in per_update.items()}
-        rewards = [s.reward for g in state.groups for s in g.samples if not s.masked]
-        staleness = [step - g.version for g in state.groups] or [0]
-        ratio_min = -float(extremes[1])
-        return {
-            "loss": float((per_update["loss"] / norms).mean()),
-            "reward_mean": sum(rewards) / len(rewards) if rewards else 0.0,
-            "entropy": total["entropy_sum"] / tokens,
-            "clip_fraction": total["clipped"] / tokens,
-            "ratio_mean": total["ratio_sum"] / tokens,
-            "ratio_max": float(extremes[0]),
-            "ratio_min": ratio_min if ratio_min != float("inf") else 0.0,
-            "is_weight_mean": total["is_weight_sum"] / tokens,
-            "is_capped_fraction": total["is_capped"] / tokens,
-            "kl": total["kl_sum"] / tokens,
-            "mismatch_k1": total["mismatch_sum"] / tokens,
-            "tokens": total["tokens"],
-            "groups": float(len(state.groups)),
-            "filtered_groups": float(sum(p.filtered for p in state.prepared)),
-            "duplicate_groups": float(state.duplicates),
-            "masked_samples": float(sum(p.masked_samples for p in state.prepared)),
-            "staleness_mean": sum(staleness) / len(staleness),
-            "staleness_max": float(max(staleness)),
-            "grad_norm": sum(grad_norms) / len(grad_norms),
-            "version": float(step + 1),
-            "ranks": float(self.world),
-        }
+        return step_metrics(
+            step=step,
+            prepared=state.prepared,
+            duplicates=state.duplicates,
+            sums=sums.tolist(),
+            norms=[u.norm for u in updates],
+            ratio_max=float(extremes[0]),
+            ratio_min=-float(extremes[1]),
+            grad_norms=grad_norms,
+            ranks=self.world,
+        )
 
     def _broadcast_int(self, value: int) -> int:
         if self.world == 1:
