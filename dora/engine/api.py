@@ -20,6 +20,7 @@ import msgspec
 from dora.protocol import SamplingParams
 
 PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
+SampleCount = Annotated[int, msgspec.Meta(ge=1, le=256)]
 NonNegInt = Annotated[int, msgspec.Meta(ge=0)]
 Temperature = Annotated[float, msgspec.Meta(ge=0.0)]
 TopP = Annotated[float, msgspec.Meta(gt=0.0, le=1.0)]
@@ -31,7 +32,7 @@ class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
 
 class _Sampling(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     model: str | None = None
-    n: PositiveInt = 1
+    n: SampleCount = 1
     max_tokens: PositiveInt | None = None
     min_tokens: NonNegInt = 0
     ignore_eos: bool = False
