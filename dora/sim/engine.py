@@ -258,6 +258,8 @@ class _Sim:
                 for o in self.orchs:
                     self.apply(o.rebalance())
                 self.pump()
+                if not self.events:
+                    break  # nothing can happen any more: a deadlock, reported below
                 self.at(self.now + _POLL_S, _POLL, None)
         if not self.done:
             raise SchedulingError(f"{self.p.name}: the run stalled at step {self.q.step}")

@@ -89,7 +89,7 @@ def summarize(run: Run) -> dict[str, Any]:
         "rollout_only_share": (last[4] - base[4]) / window,
         "instance_utilisation": (last[1] - base[1]) / (inst * window),
         "slot_use": (last[2] - base[2]) / (inst * s.max_seqs * window),
-        "trainer_idle_share": 1.0 - (last[3] - base[3]) / window,
+        "trainer_idle_share": max(0.0, 1.0 - (last[3] - base[3]) / window),
         "staleness_histogram": hist,
         "max_staleness": max(run.staleness),
         "version_span_histogram": {str(k): v for k, v in sorted(run.spans.items())},
