@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING
 from dora.config import DoraConfig
 from dora.core.transfer_queue import Admitted, RefusalReason
 from dora.env import Env, PromptStream, Task, load_object
-from dora.errors import ConfigError, DataError, ServerTimeout
+from dora.errors import ConfigError, DataError, SchedulingError, ServerTimeout
 from dora.protocol import Group, Sample, SamplingParams
 from dora.serve.episode import ChatRenderer, EpisodeLimits, run_episode
 
@@ -133,7 +133,9 @@ class Dispatcher:
 
     async def run(self) -> None:
         r, q, g = self._r, self._r.queue, self._r.group_size
-        while not q.finished:
+        # No exit when every step is filled: a trainer restart may roll the queue back. The run
+        # ends when the rollout's task group does.
+        while True:
             r.changed.clear()
             reason = q.admission_blocker()
             version = q.newest_version
@@ -153,7 +155,7 @@ class Dispatcher:
             assert isinstance(admitted, Admitted) and admitted.version == version
             task = self._tasks.next()
             self._place(gid, version)
-            r.spawn(self._run_group(gid, task, version), name=f"group-{gid}")
+            r.group_tasks[gid] = r.spawn(self._run_group(gid, task, version), name=f"group-{gid}")
 
     async def _wait(self, reason: RefusalReason) -> None:
         """Wait for a state change; only a wait for the trainer's weights has a deadline (it is
@@ -188,6 +190,12 @@ class Dispatcher:
         return leases
 
     async def _run_group(self, gid: str, task: Task, version: int) -> None:
+        try:
+            await self._run_group_once(gid, task, version)
+        finally:
+            self._r.group_tasks.pop(gid, None)
+
+    async def _run_group_once(self, gid: str, task: Task, version: int) -> None:
         r = self._r
         leases = [f"{gid}/{i}" for i in range(r.group_size)]
         while True:
@@ -246,8 +254,13 @@ class Dispatcher:
             )
         finally:
             # The lease ends with the episode (also on error or cancellation): its slot is free.
-            r.router.close(lease_id)
-            actions = r.orchestrator.finish(lease_id)
-            task_now = asyncio.current_task()
-            if task_now is None or not task_now.cancelling():  # no new tasks while stopping
-                r.apply(actions)
+            if r.router.close(lease_id):  # else a roll-back removed it everywhere already
+                try:
+                    actions = r.orchestrator.finish(lease_id)
+                except SchedulingError:
+                    # partial mode: a roll-back forgot a request that had moved on to a ghost
+                    # version while its group (older) stays; nothing is left to release.
+                    actions = []
+                task_now = asyncio.current_task()
+                if task_now is None or not task_now.cancelling():  # no new tasks while stopping
+                    r.apply(actions)

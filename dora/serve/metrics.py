@@ -8,7 +8,8 @@ Records (one JSON object per line, `kind` first):
   admission waits by reason (seconds), and event-loop lag (how late the tick woke, in ms);
 - `step`, when a step's last group is sent: its groups' versions and staleness, and how long the
   step took to fill; the trainer's metrics are added by a `trained` record at `StepDone`;
-- `weight_load`, per load: instance, version, seconds;
+- `weight_load`, per load: instance, version, seconds; `drain`, `instance_failed`, `rollback`
+  as they happen;
 - `summary`, once at the end (also written as `summary.json`).
 
 The ticker is the only periodic timer in `dora serve`; it measures, it never decides anything.
@@ -19,14 +20,19 @@ one); the display redraws from the same snapshot.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO
+from typing import IO, TYPE_CHECKING
 
 import msgspec
 
-__all__ = ["MetricsLog", "Progress", "Ticker"]
+if TYPE_CHECKING:
+    from dora.serve.rollout import Rollout
+
+__all__ = ["MetricsLog", "Progress", "RolloutReport", "Snapshots", "Ticker"]
 
 Record = dict[str, object]
 
@@ -134,3 +140,134 @@ class Ticker:
         if self._progress is not None:
             self._progress.update(snap)
         return snap
+
+
+@dataclass(kw_only=True)
+class RolloutReport:
+    """What a finished run did (also the `summary` record)."""
+
+    mode: str
+    steps: int
+    groups_sent: int
+    wall_s: float
+    max_versions_serving: int
+    """Most distinct versions with calls in flight at the same moment (exact, from the router)."""
+    utilisation: dict[str, float]
+    """Per instance: the fraction of the run with at least one call running."""
+    staleness_histogram: list[int]
+    migrations: int
+    kv_migrations: int
+    resubmissions: int
+    parks: int
+    missed_interrupts: int
+    failed_calls: int
+    instances_failed: list[str]
+    weight_loads: int
+    weight_load_s: float
+    admission_wait_s: dict[str, float]
+    trainer_wait_s: float
+    max_loop_lag_ms: float
+    steps_trained: int
+    tick_versions_serving: int = 0
+    """Most versions with calls in flight seen by a metrics tick (coarser than the router's)."""
+    extra: dict[str, float] = field(default_factory=dict)
+
+
+class Snapshots:
+    """Reads a running `Rollout` into `tick` records and the final report."""
+
+    def __init__(self, rollout: Rollout) -> None:
+        self._r = rollout
+        self._last_busy: dict[str, tuple[float, float]] = {}
+        self._tick_versions_serving = 0
+
+    def take(self, lag_ms: float) -> Record:
+        r = self._r
+        now = time.monotonic()
+        instances = []
+        for view in r.orchestrator.instances():
+            state = r.router.instances[view.id]
+            busy = state.busy_until(now)
+            last_t, last_busy = self._last_busy.get(view.id, (r.started_at, 0.0))
+            util = (busy - last_busy) / (now - last_t) if now > last_t else 0.0
+            self._last_busy[view.id] = (now, busy)
+            instances.append(
+                {
+                    "id": view.id,
+                    "version": view.version,
+                    "ready": view.ready,
+                    "draining": view.draining,
+                    "leases": view.load,
+                    "capacity": view.capacity,
+                    "inflight": state.inflight,
+                    "util": round(min(1.0, util), 4),
+                    "tokens": state.tokens,
+                }
+            )
+        serving = r.router.versions_serving()
+        self._tick_versions_serving = max(self._tick_versions_serving, len(serving))
+        acct = r.queue.accounting()
+        return {
+            "step": r.queue.step,
+            "trained": r.trained_step,
+            "newest": r.queue.newest_version,
+            "published": r.queue.published_version,
+            "instances": instances,
+            "live_per_version": r.orchestrator.live(),
+            "serving_versions": serving,
+            "queue_per_version": {
+                w: dataclasses.asdict(c) for w, c in r.queue.version_counts().items()
+            },
+            "staleness_histogram": r.queue.staleness_histogram(),
+            "admitted": acct.admitted,
+            "completed": r.completed,
+            "assigned": acct.consumed,
+            "masked": acct.masked,
+            "retried": acct.retried,
+            "rolled_back": acct.rolled_back,
+            "migrations": r.router.migrations,
+            "kv_migrations": r.router.kv_migrations,
+            "resubmissions": r.router.resubmissions,
+            "parks": r.router.parks,
+            "missed_interrupts": r.router.missed_interrupts,
+            "failed_calls": r.router.failed_calls,
+            "instances_failed": sorted(r.dead),
+            "weight_loads": r.weight_loads,
+            "weight_load_s": round(r.weight_load_s, 4),
+            "weights_held": r.store.versions(),
+            "admission_wait_s": {k: round(v, 4) for k, v in r.admission_wait_s.items() if v},
+            "trainer_wait_s": round(r.trainer_wait_s, 4),
+            "loop_lag_ms": round(lag_ms, 3),
+        }
+
+    def report(self) -> RolloutReport:
+        r = self._r
+        now = time.monotonic()
+        wall = now - r.started_at
+        util = {
+            i.id: round(i.busy_until(now) / wall, 4) if wall > 0 else 0.0
+            for i in r.router.instances.values()
+        }
+        return RolloutReport(
+            mode=r.mode.value,
+            steps=r.queue.step,
+            groups_sent=sum(r.sent_per_step.values()),
+            wall_s=round(wall, 3),
+            max_versions_serving=r.router.max_versions_serving,
+            utilisation=util,
+            staleness_histogram=r.queue.staleness_histogram(),
+            migrations=r.router.migrations,
+            kv_migrations=r.router.kv_migrations,
+            resubmissions=r.router.resubmissions,
+            parks=r.router.parks,
+            missed_interrupts=r.router.missed_interrupts,
+            failed_calls=r.router.failed_calls,
+            instances_failed=sorted(r.dead),
+            weight_loads=r.weight_loads,
+            weight_load_s=round(r.weight_load_s, 4),
+            admission_wait_s={k: round(v, 4) for k, v in r.admission_wait_s.items()},
+            trainer_wait_s=round(r.trainer_wait_s, 4),
+            max_loop_lag_ms=round(r.ticker.max_lag_ms, 3),
+            steps_trained=r.trained_step + 1,
+            tick_versions_serving=self._tick_versions_serving,
+        )

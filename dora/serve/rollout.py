@@ -20,6 +20,13 @@ weights are complete in the store; instances load it as the orchestrator says, a
 queue learns of it (`on_version_loaded`) when the first instance holds it: admission binds groups
 to the newest *loaded* version (bind late).
 
+A trainer restarted from its checkpoint says `Hello` with a new incarnation and the step it resumes
+at: the queue rolls back (`TransferQueue.rollback`), running groups of ghost versions are stopped
+and removed, unsent assignments of the lost run are dropped, instances holding ghosts load the real
+version, and filling resumes (DESIGN §4). The store keeps every version newer than the last durable
+step for this, because a resumed trainer does not publish its starting version again. A trainer
+that goes away is waited for (bounded) before anything more is sent.
+
 The run ends when every step is filled and sent, the trainer acknowledged the last step (bounded
 wait), and `Shutdown` is sent. Every wait on the trainer that blocks progress has a deadline
 (`serve.request_timeout_s`), and says what it waited for.
@@ -29,11 +36,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import logging
 import time
 from collections.abc import Callable, Coroutine
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -58,7 +63,7 @@ from dora.protocol import (
     WeightsReady,
 )
 from dora.serve.instances import InstanceHandle
-from dora.serve.metrics import MetricsLog, Progress, Record, Ticker
+from dora.serve.metrics import MetricsLog, Progress, RolloutReport, Snapshots, Ticker
 from dora.serve.router import Router
 from dora.serve.weights import WeightStore, read_folder
 
@@ -69,35 +74,6 @@ log = logging.getLogger("dora.serve")
 
 class _RunComplete(Exception):
     """Raised inside the task group to end the run normally."""
-
-
-@dataclass(kw_only=True)
-class RolloutReport:
-    """What a finished run did (also the `summary` record)."""
-
-    mode: str
-    steps: int
-    groups_sent: int
-    wall_s: float
-    max_versions_serving: int
-    utilisation: dict[str, float]
-    staleness_histogram: list[int]
-    migrations: int
-    kv_migrations: int
-    resubmissions: int
-    parks: int
-    missed_interrupts: int
-    failed_calls: int
-    instances_failed: list[str]
-    weight_loads: int
-    weight_load_s: float
-    admission_wait_s: dict[str, float]
-    trainer_wait_s: float
-    max_loop_lag_ms: float
-    steps_trained: int
-    tick_versions_serving: int = 0
-    """Most versions with calls in flight seen by a metrics tick (coarser than the router's)."""
-    extra: dict[str, float] = field(default_factory=dict)
 
 
 class Rollout:
@@ -144,28 +120,31 @@ class Rollout:
         self.weight_loads = 0
         self.weight_load_s = 0.0
         self._instances = instances
-        self._outbox: asyncio.Queue[Assigned] = asyncio.Queue(
+        self._outbox: asyncio.Queue[tuple[int, Assigned]] = asyncio.Queue(
             maxsize=(r.staleness + 3) * r.batch_size
         )
-        self._sent_per_step: dict[int, int] = {}
+        self.sent_per_step: dict[int, int] = {}
         self._step_versions: dict[int, list[int]] = {}
         self._step_started = time.monotonic()
-        self._trained = -1
+        self.trained_step = -1
         self._trained_event = asyncio.Event()
         self._trained_at: dict[int, float] = {}
         self._trainer_stopped = False
-        self._dead: set[str] = set()
+        self.dead: set[str] = set()
+        self._hello_seen = asyncio.Event()
+        self._durable = -1
+        self.group_tasks: dict[str, asyncio.Task[None]] = {}
+        """Running groups (to stop them when a roll-back removes them)."""
         self._all_sent = asyncio.Event()
         self._load_locks: dict[str, asyncio.Lock] = {}
         self._tg: asyncio.TaskGroup | None = None
-        self._start = time.monotonic()
-        self._last_busy: dict[str, tuple[float, float]] = {}
-        self._tick_versions_serving = 0
+        self.started_at = time.monotonic()
         self.metrics = MetricsLog(run_dir)
         self._progress = Progress(total_steps=self.num_steps) if progress else None
+        self._snapshots = Snapshots(self)
         self.ticker = Ticker(
             self.metrics,
-            self.snapshot,
+            self._snapshots.take,
             every_s=config.log.metrics_every_s,
             progress=self._progress,
         )
@@ -174,7 +153,7 @@ class Rollout:
     # --- lifetime ----------------------------------------------------------------------------
 
     async def run(self) -> RolloutReport:
-        self._start = time.monotonic()
+        self.started_at = time.monotonic()
         try:
             async with asyncio.TaskGroup() as tg:
                 self._tg = tg
@@ -196,27 +175,30 @@ class Rollout:
             self._tg = None
             if self._progress is not None:
                 self._progress.close()
-            report = self.report()
+            report = self._snapshots.report()
             self.metrics.write("summary", msgspec.to_builtins(report))
             self.metrics.close()
         return report
 
-    def spawn(self, coro: Coroutine[Any, Any, None], *, name: str) -> None:
+    def spawn(self, coro: Coroutine[Any, Any, None], *, name: str) -> asyncio.Task[None]:
         """Run `coro` in the run's task group (one crash stops the run)."""
         assert self._tg is not None, "the rollout is not running"
-        self._tg.create_task(coro, name=name)
+        return self._tg.create_task(coro, name=name)
 
     async def _finish(self) -> None:
-        await self._all_sent.wait()
         last = self.num_steps - 1
         timeout_s = self.config.serve.request_timeout_s
-        try:
-            async with asyncio.timeout(timeout_s):
-                while self._trained < last:
-                    self._trained_event.clear()
-                    await self._trained_event.wait()
-        except TimeoutError:
-            log.warning("the trainer did not acknowledge step %d within %g s", last, timeout_s)
+        while self.trained_step < last:
+            await self._all_sent.wait()
+            try:
+                async with asyncio.timeout(timeout_s):
+                    # A roll-back clears `_all_sent` (and wakes this): the steps go out again.
+                    while self.trained_step < last and self._all_sent.is_set():
+                        self._trained_event.clear()
+                        await self._trained_event.wait()
+            except TimeoutError:
+                log.warning("the trainer did not acknowledge step %d within %g s", last, timeout_s)
+                break
         if not self._trainer_stopped:
             # The trainer may have finished and closed its end first: nothing left to tell it.
             with contextlib.suppress(ServerUnavailable):
@@ -259,9 +241,9 @@ class Rollout:
     def instance_failed(self, instance: str) -> None:
         """An instance is unreachable: its leases continue on instances of their version (or are
         parked until one has room); it gets no more work."""
-        if instance in self._dead:
+        if instance in self.dead:
             return
-        self._dead.add(instance)
+        self.dead.add(instance)
         log.warning("instance %s is unreachable; moving its requests", instance)
         self.metrics.write("instance_failed", {"instance": instance})
         self.apply(self.orchestrator.remove_instance(instance))
@@ -269,6 +251,8 @@ class Rollout:
             raise ServerUnavailable("every inference instance is gone")
 
     def _loaded(self, instance: str, version: int) -> None:
+        if self._target(instance) != version:
+            return  # the orchestrator changed its mind (or rolled back) during the load
         self.queue.on_version_loaded(version)
         self.apply(self.orchestrator.on_loaded(instance, version))
 
@@ -289,6 +273,7 @@ class Rollout:
                 return  # changed while we waited (the store may have dropped `version` since)
             weights = self.store.get(version)
             started = time.monotonic()
+            incarnation = self.queue.incarnation
             client = self.router.instances[instance].client
             tensors = None
             if not weights.path:
@@ -306,6 +291,10 @@ class Rollout:
                 self.instance_failed(instance)
                 return
             seconds = time.monotonic() - started
+            if incarnation != self.queue.incarnation:
+                # A roll-back happened during the load: `version` may now name other weights.
+                self.router.instances[instance].version = -1
+                return
             self.router.instances[instance].version = version
             self.weight_loads += 1
             self.weight_load_s += seconds
@@ -335,7 +324,7 @@ class Rollout:
                         self._maybe_publish()
                 case StepDone(step=step, incarnation=inc, metrics=m):
                     if self.queue.on_step_done(step, incarnation=inc):
-                        self._trained = max(self._trained, step)
+                        self.trained_step = max(self.trained_step, step)
                         self._trained_at[step] = time.monotonic()
                         self._trained_event.set()
                         self.metrics.write("trained", {"step": step, "metrics": m})
@@ -344,23 +333,71 @@ class Rollout:
                 case Durable(step=step, incarnation=inc):
                     for gid in self.queue.on_durable(step, incarnation=inc):
                         self.groups.pop(gid, None)
+                    if inc == self.queue.incarnation:
+                        self._durable = max(self._durable, step)
                     self._retain_weights()
                 case Shutdown(reason=reason):
-                    if not self.queue.finished or self._trained < self.num_steps - 1:
+                    if not self.queue.finished or self.trained_step < self.num_steps - 1:
                         raise ProtocolError(f"the trainer shut down before the run ended: {reason}")
                     self._trainer_stopped = True
 
     async def _hello(self, hello: Hello) -> None:
-        if hello.incarnation != self.queue.incarnation:
-            # Trainer restarts (rollback to a checkpoint) are not wired into serve yet.
-            raise ProtocolError(
-                f"trainer incarnation {hello.incarnation} at step {hello.step}, serve is at "
-                f"incarnation {self.queue.incarnation}: restarting a trainer is not supported yet"
-            )
+        q = self.queue
+        if hello.incarnation < q.incarnation:
+            log.warning("ignoring a hello from old trainer incarnation %d", hello.incarnation)
+            return
+        if hello.incarnation > q.incarnation:
+            self._rollback(hello)
         log.info("trainer connected (incarnation %d, step %d)", hello.incarnation, hello.step)
-        await self.link.send(
-            Hello(role="serve", incarnation=self.queue.incarnation, step=self.queue.step)
+        self._hello_seen.set()
+        await self.link.send(Hello(role="serve", incarnation=q.incarnation, step=q.step))
+
+    def _rollback(self, hello: Hello) -> None:
+        """A restarted trainer resumes at `hello.step` from the checkpoint of the step before
+        (DESIGN §4): groups of versions it will not reproduce ("ghosts", newer than
+        `hello.step`) are stopped and removed, the others are offered again, instances holding
+        ghosts load the real version, and filling resumes at `hello.step`."""
+        q, c = self.queue, hello.step - 1
+        if c >= q.step:
+            raise ProtocolError(
+                f"the trainer resumes at step {hello.step}, but serve only filled {q.step} steps"
+            )
+        log.warning(
+            "trainer restarted (incarnation %d) from the checkpoint of step %d; rolling back",
+            hello.incarnation,
+            c,
         )
+        rolled_back: list[str] = []
+        assigned: list[Assigned] = []
+        while q.incarnation < hello.incarnation:
+            report = q.rollback(c)
+            rolled_back += report.rolled_back
+            assigned = list(report.assigned)  # a later roll-back voids earlier ones
+        for gid in rolled_back:
+            self.groups.pop(gid, None)
+            task = self.group_tasks.pop(gid, None)
+            if task is not None:  # still running: stop its episodes, their leases go first
+                for i in range(self.group_size):
+                    self.router.close(f"{gid}/{i}")
+                task.cancel()
+        while not self._outbox.empty():  # assignments of the lost run that were not sent yet
+            self._outbox.get_nowait()
+        self.sent_per_step = {s: n for s, n in self.sent_per_step.items() if s <= c}
+        self._step_versions = {s: v for s, v in self._step_versions.items() if s <= c}
+        self.trained_step = c
+        self._all_sent.clear()
+        self._trained_event.set()
+        for inst in self.router.instances.values():
+            if inst.version > c + 1:
+                inst.version = -1  # holds a ghost: whatever it holds must be loaded again
+        self.store.set_incarnation(hello.incarnation)
+        self.store.retain({v for v in self.store.versions() if v <= c + 1})
+        self.metrics.write(
+            "rollback",
+            {"incarnation": q.incarnation, "step": c, "rolled_back": len(rolled_back)},
+        )
+        self.apply(self.orchestrator.rollback(c + 1))
+        self.assigned(assigned)
 
     def _maybe_publish(self) -> None:
         """Hand the newest published version whose weights are complete to the orchestrator."""
@@ -373,6 +410,9 @@ class Rollout:
 
     def _retain_weights(self) -> None:
         keep = {0, self.orchestrator.newest, self.queue.published_version}
+        # A trainer restarted from its last checkpoint (step >= durable) resumes with version
+        # durable + 1 or later and does not publish it again: keep those versions.
+        keep |= {v for v in self.store.versions() if v > self._durable}
         keep |= set(self.queue.version_counts())
         keep |= set(self.orchestrator.live())
         keep |= {i.version for i in self.orchestrator.instances() if i.version is not None}
@@ -392,127 +432,68 @@ class Rollout:
         for a in assigned:
             # Bounded by the queue's invariant: at most (K + 2) * B groups are assigned and not
             # yet trained, so a full outbox is a bug, not backpressure.
-            self._outbox.put_nowait(a)
+            self._outbox.put_nowait((self.queue.incarnation, a))
         self.changed.set()
 
     async def _send(self) -> None:
-        timeout_s = self.config.serve.request_timeout_s
         while True:
-            a = await self._outbox.get()
+            incarnation, a = await self._outbox.get()
+            if incarnation != self.queue.incarnation:
+                continue  # assigned by a run the trainer rolled back
             group = self.groups[a.group_id]
-            await self.link.send(AssignedMessage(step=a.step, group=group), timeout_s=timeout_s)
-            n = self._sent_per_step[a.step] = self._sent_per_step.get(a.step, 0) + 1
+            if group.incarnation != self.queue.incarnation:  # offered again after a roll-back
+                group = msgspec.structs.replace(group, incarnation=self.queue.incarnation)
+            if not await self._deliver(AssignedMessage(step=a.step, group=group), incarnation):
+                continue
+            n = self.sent_per_step[a.step] = self.sent_per_step.get(a.step, 0) + 1
             self._step_versions.setdefault(a.step, []).append(a.version)
             if n == self.batch_size:
-                await self.link.send(StepClosed(step=a.step, num_groups=n), timeout_s=timeout_s)
-                now = time.monotonic()
-                # The trainer waited for this step if it had finished the previous one (or, for
-                # step 0, since the start) before the step's last group went out.
-                ready_at = self._start if a.step == 0 else self._trained_at.get(a.step - 1)
-                if ready_at is not None:
-                    self.trainer_wait_s += max(0.0, now - ready_at)
-                versions = self._step_versions.pop(a.step)
-                self.metrics.write(
-                    "step",
-                    {
-                        "step": a.step,
-                        "versions": versions,
-                        "staleness": [a.step - v for v in versions],
-                        "fill_s": now - self._step_started,
-                    },
-                )
-                self._step_started = now
-                if a.step == self.num_steps - 1:
-                    self._all_sent.set()
+                if not await self._deliver(StepClosed(step=a.step, num_groups=n), incarnation):
+                    continue
+                self._step_sent(a.step)
 
-    # --- metrics -------------------------------------------------------------------------------
+    async def _deliver(self, message: AssignedMessage | StepClosed, incarnation: int) -> bool:
+        """Send to the trainer. If it is gone, wait (bounded) for a trainer to say hello again:
+        the same incarnation (it reconnected) gets the message; a new one (restarted) does not,
+        its roll-back re-offers what it needs. False if the message was dropped."""
+        timeout_s = self.config.serve.request_timeout_s
+        while True:
+            if incarnation != self.queue.incarnation:
+                return False
+            try:
+                await self.link.send(message, timeout_s=timeout_s)
+                return True
+            except ServerUnavailable:
+                log.warning("the trainer is gone; waiting up to %g s for it to return", timeout_s)
+                self._hello_seen.clear()
+                try:
+                    async with asyncio.timeout(timeout_s):
+                        await self._hello_seen.wait()
+                except TimeoutError:
+                    raise ServerTimeout(
+                        f"the trainer left and no trainer said hello within {timeout_s:g} s"
+                    ) from None
 
-    def snapshot(self, lag_ms: float) -> Record:
+    def _step_sent(self, step: int) -> None:
         now = time.monotonic()
-        instances = []
-        for view in self.orchestrator.instances():
-            state = self.router.instances[view.id]
-            busy = state.busy_until(now)
-            last_t, last_busy = self._last_busy.get(view.id, (self._start, 0.0))
-            util = (busy - last_busy) / (now - last_t) if now > last_t else 0.0
-            self._last_busy[view.id] = (now, busy)
-            instances.append(
-                {
-                    "id": view.id,
-                    "version": view.version,
-                    "ready": view.ready,
-                    "draining": view.draining,
-                    "leases": view.load,
-                    "capacity": view.capacity,
-                    "inflight": state.inflight,
-                    "util": round(min(1.0, util), 4),
-                    "tokens": state.tokens,
-                }
-            )
-        serving = self.router.versions_serving()
-        self._tick_versions_serving = max(self._tick_versions_serving, len(serving))
-        acct = self.queue.accounting()
-        return {
-            "step": self.queue.step,
-            "trained": self._trained,
-            "newest": self.queue.newest_version,
-            "published": self.queue.published_version,
-            "instances": instances,
-            "live_per_version": self.orchestrator.live(),
-            "serving_versions": serving,
-            "queue_per_version": {
-                w: dataclasses.asdict(c) for w, c in self.queue.version_counts().items()
+        # The trainer waited for this step if it had finished the previous one (or, for step 0,
+        # since the start) before the step's last group went out.
+        ready_at = self.started_at if step == 0 else self._trained_at.get(step - 1)
+        if ready_at is not None:
+            self.trainer_wait_s += max(0.0, now - ready_at)
+        versions = self._step_versions.pop(step)
+        self.metrics.write(
+            "step",
+            {
+                "step": step,
+                "versions": versions,
+                "staleness": [step - v for v in versions],
+                "fill_s": now - self._step_started,
             },
-            "staleness_histogram": self.queue.staleness_histogram(),
-            "admitted": acct.admitted,
-            "completed": self.completed,
-            "assigned": acct.consumed,
-            "masked": acct.masked,
-            "retried": acct.retried,
-            "migrations": self.router.migrations,
-            "kv_migrations": self.router.kv_migrations,
-            "resubmissions": self.router.resubmissions,
-            "parks": self.router.parks,
-            "missed_interrupts": self.router.missed_interrupts,
-            "failed_calls": self.router.failed_calls,
-            "instances_failed": sorted(self._dead),
-            "weight_loads": self.weight_loads,
-            "weight_load_s": round(self.weight_load_s, 4),
-            "weights_held": self.store.versions(),
-            "admission_wait_s": {k: round(v, 4) for k, v in self.admission_wait_s.items() if v},
-            "trainer_wait_s": round(self.trainer_wait_s, 4),
-            "loop_lag_ms": round(lag_ms, 3),
-        }
-
-    def report(self) -> RolloutReport:
-        wall = time.monotonic() - self._start
-        util = {
-            i.id: round(i.busy_until(time.monotonic()) / wall, 4) if wall > 0 else 0.0
-            for i in self.router.instances.values()
-        }
-        return RolloutReport(
-            mode=self.mode.value,
-            steps=self.queue.step,
-            groups_sent=sum(self._sent_per_step.values()),
-            wall_s=round(wall, 3),
-            max_versions_serving=self.router.max_versions_serving,
-            utilisation=util,
-            staleness_histogram=self.queue.staleness_histogram(),
-            migrations=self.router.migrations,
-            kv_migrations=self.router.kv_migrations,
-            resubmissions=self.router.resubmissions,
-            parks=self.router.parks,
-            missed_interrupts=self.router.missed_interrupts,
-            failed_calls=self.router.failed_calls,
-            instances_failed=sorted(self._dead),
-            weight_loads=self.weight_loads,
-            weight_load_s=round(self.weight_load_s, 4),
-            admission_wait_s={k: round(v, 4) for k, v in self.admission_wait_s.items()},
-            trainer_wait_s=round(self.trainer_wait_s, 4),
-            max_loop_lag_ms=round(self.ticker.max_lag_ms, 3),
-            steps_trained=self._trained + 1,
-            tick_versions_serving=self._tick_versions_serving,
         )
+        self._step_started = now
+        if step == self.num_steps - 1:
+            self._all_sent.set()
 
 
 def v_max(versions: set[int]) -> int:

@@ -126,8 +126,9 @@ class Router:
         self.leases[lease_id] = lease
         return lease
 
-    def close(self, lease_id: str) -> None:
-        self.leases.pop(lease_id, None)
+    def close(self, lease_id: str) -> bool:
+        """End a lease; False if it was already gone (closed by a roll-back)."""
+        return self.leases.pop(lease_id, None) is not None
 
     def sampler(self, lease_id: str) -> LeaseSampler:
         return LeaseSampler(self, lease_id)

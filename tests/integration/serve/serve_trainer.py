@@ -20,6 +20,7 @@ from safetensors.torch import load_file
 from dora.link import LearnLink
 from dora.protocol import (
     Assigned,
+    Durable,
     Group,
     Hello,
     Shutdown,
@@ -42,6 +43,10 @@ class ToyTrainer:
         noise: float = 0.01,
         timeout_s: float = 60.0,
         on_trained: Callable[[int], None] | None = None,
+        incarnation: int = 0,
+        start_step: int = 0,
+        durable_every: int | None = None,
+        crash_after: int | None = None,
     ) -> None:
         self.address = address
         self.steps = steps
@@ -50,6 +55,10 @@ class ToyTrainer:
         self.noise = noise
         self.timeout_s = timeout_s
         self.on_trained = on_trained
+        self.incarnation = incarnation
+        self.start_step = start_step
+        self.durable_every = durable_every
+        self.crash_after = crash_after
         self.base = load_file(str(next(model_dir.glob("*.safetensors"))))
         self.received: list[tuple[int, Group]] = []
         self.by_step: dict[int, list[Group]] = defaultdict(list)
@@ -70,7 +79,7 @@ class ToyTrainer:
             raise self.error
 
     def weights(self, version: int) -> dict[str, torch.Tensor]:
-        gen = torch.Generator().manual_seed(version)
+        gen = torch.Generator().manual_seed(version + 1000 * self.incarnation)
         return {
             name: t + self.noise * torch.randn(t.shape, generator=gen, dtype=t.dtype)
             for name, t in self.base.items()
@@ -85,8 +94,8 @@ class ToyTrainer:
     def _run(self) -> None:
         link = LearnLink(self.address)
         try:
-            link.send(Hello(role="learn", incarnation=0, step=0))
-            step = 0
+            link.send(Hello(role="learn", incarnation=self.incarnation, step=self.start_step))
+            step = self.start_step
             while not self.shutdown:
                 msg = link.recv(timeout_s=self.timeout_s, waiting_for=f"groups of step {step}")
                 match msg:
@@ -96,6 +105,7 @@ class ToyTrainer:
                         self.by_step[s].append(g)
                     case StepClosed(step=s, num_groups=n):
                         assert n == self.batch_size == len(self.by_step[s]), (s, n)
+                        assert len({g.id for g in self.by_step[s]}) == n, "a group twice"
                         self.closed.append(s)
                     case Shutdown():
                         self.shutdown = True
@@ -104,10 +114,16 @@ class ToyTrainer:
                 while step in self.closed and step < self.steps:
                     time.sleep(self.step_time_s)
                     self._publish(link, step + 1)
-                    link.send(StepDone(step=step, incarnation=0, metrics={"groups": 1.0}))
+                    link.send(
+                        StepDone(step=step, incarnation=self.incarnation, metrics={"groups": 1.0})
+                    )
+                    if self.durable_every and (step + 1) % self.durable_every == 0:
+                        link.send(Durable(step=step, incarnation=self.incarnation))
                     self.trained.append(step)
                     if self.on_trained is not None:
                         self.on_trained(step)
+                    if step == self.crash_after:
+                        return  # a crash: no Shutdown, the socket just goes away
                     step += 1
         finally:
             link.close()
@@ -129,4 +145,4 @@ class ToyTrainer:
                     ],
                 )
             )
-        link.send(WeightsReady(version=version, incarnation=0, num_chunks=2))
+        link.send(WeightsReady(version=version, incarnation=self.incarnation, num_chunks=2))
