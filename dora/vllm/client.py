@@ -1,0 +1,283 @@
+"""`VllmClient`: the instance interface of DESIGN §5 over one vLLM OpenAI server.
+
+Same methods and signatures as `dora.engine.EngineClient` (it reuses that client's transport and
+error mapping), so the rollout side drives either backend. What differs is what vLLM lacks:
+
+- **Versions.** vLLM's completions carry no weight version, so the client is the authority on the
+  version its instance holds: it sets it after each successful load (and mirrors it into vLLM's
+  `/update_weight_version` label, so `attach` can read it back). A `generate` pinned to another
+  version fails with `VersionMismatch` without reaching the server, as the engine's 409 does.
+  This holds because exactly one client (one `dora serve`) drives each instance.
+- **Loads.** pause (`wait`: finish what runs; `abort`: stop it with its tokens so far) → the worker
+  extension loads the tensors (`collective_rpc`, see `worker_ext.py`) → prefix cache reset (stale
+  KV of the old weights otherwise breaks C1 silently) → version label → resume. New generates are
+  held in the client for the whole load, so a request is never sent under one version and sampled
+  under another. A load that fails leaves the instance at version -1: every pinned generate is
+  refused until a load succeeds, because the weights may be half-updated.
+- **Abort.** `POST /abort_requests` for `cmpl-<request_id>-0`; the in-flight `generate` then
+  returns with `finish_reason = "abort"` and the tokens so far, and `abort` returns that same
+  completion. The abort is repeated while the request has not returned, which covers the race of an
+  abort that reaches vLLM before the request does.
+- **Behaviour logprobs** are what the server reports; start it with
+  `--logprobs-mode processed_logprobs` (the launcher does) to get `log_softmax(logits / T)`.
+- **No KV migration.** `export_request` aborts the request (the router then resubmits the prompt and
+  the tokens so far) and raises `RequestError`; `import_request` always raises.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+from collections.abc import Mapping
+from typing import Literal
+
+import aiohttp
+import msgspec
+
+from dora.engine.api import ExportedRequest
+from dora.engine.client import EngineClient
+from dora.errors import RequestError, ServerError, VersionMismatch
+from dora.protocol import Completion, FinishReason, SamplingParams
+
+__all__ = ["VllmClient"]
+
+Json = dict[str, object]
+_FINISH: dict[str, FinishReason] = {"stop": "stop", "length": "length", "abort": "abort"}
+_ABORT_RETRY_S = 0.5
+_PAUSE_MODE = {"drain": "wait", "abort": "abort"}
+# Prometheus gauge -> key of the engine's /metrics answer
+_GAUGES = {
+    "vllm:num_requests_running": "running",
+    "vllm:num_requests_waiting": "waiting",
+    "vllm:kv_cache_usage_perc": "kv_usage",
+}
+
+
+class VllmClient(EngineClient):
+    """Talks to one vLLM server at `base_url`, which holds `version` when the client is made."""
+
+    supports_kv_migration = False
+
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        version: int = 0,
+        timeout_s: float = 600.0,
+        control_timeout_s: float = 120.0,
+        token: str | None = None,
+        session: aiohttp.ClientSession | None = None,
+    ) -> None:
+        super().__init__(
+            base_url,
+            timeout_s=timeout_s,
+            control_timeout_s=control_timeout_s,
+            token=token,
+            session=session,
+        )
+        self.version = version
+        self.loads = 0
+        self._ready = asyncio.Event()
+        self._ready.set()
+        self._load_lock = asyncio.Lock()
+        self._inflight: dict[str, asyncio.Future[Completion]] = {}
+
+    # -- the instance interface --------------------------------------------------------------------
+
+    async def generate(
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        *,
+        request_id: str,
+        version: int | None = None,
+        timeout_s: float | None = None,
+    ) -> Completion:
+        """Sample one completion of `prompt_ids`; `version` pins it (else VersionMismatch)."""
+        if request_id in self._inflight:
+            raise RequestError(f"generate: request_id {request_id!r} is already in flight")
+        await self._ready.wait()  # a load in progress decides which version this request gets
+        held = self.version
+        if version is not None and version != held:
+            raise VersionMismatch(
+                f"generate: {self.base_url} holds version {held}, the request needs {version}"
+            )
+        body: Json = {
+            "prompt": prompt_ids,
+            "request_id": request_id,
+            **msgspec.structs.asdict(params),  # its fields are vLLM's sampling fields, same names
+            "logprobs": 0,
+            "return_token_ids": True,
+            # Without it, ids whose text is empty collide in top_logprobs (research note §1).
+            "return_tokens_as_token_ids": True,
+            "skip_special_tokens": False,
+        }
+        done: asyncio.Future[Completion] = asyncio.get_running_loop().create_future()
+        self._inflight[request_id] = done
+        try:
+            out = await self._post("/v1/completions", body, timeout_s or self.timeout_s, "generate")
+            completion = _completion(out, request_id, len(prompt_ids), held)
+        except BaseException:
+            done.cancel()  # an abort waiting on it learns that no completion came back
+            raise
+        finally:
+            del self._inflight[request_id]
+        done.set_result(completion)
+        return completion
+
+    async def load_weights(
+        self,
+        version: int,
+        *,
+        path: str | None = None,
+        tensors: Mapping[str, tuple[str, list[int], bytes]] | None = None,
+        mode: Literal["drain", "abort", "keep"] = "drain",
+        timeout_s: float | None = None,
+    ) -> Json:
+        """Load `version` from a safetensors folder or file `path` (as seen by the server's host),
+        or from raw `tensors` (name -> dtype, shape, bytes). Returns {"version",
+        "previous_version", "aborted", "load_s", "worker"}."""
+        if (path is None) == (tensors is None):
+            raise RequestError("load_weights: give exactly one of path and tensors")
+        if mode not in _PAUSE_MODE:
+            # vLLM's keep mode works, but /v1/completions cannot say which tokens each version
+            # sampled; dora's partial mode resumes by resubmission instead.
+            raise RequestError(f"load_weights: mode {mode!r} is not supported by vLLM instances")
+        deadline = timeout_s or self.control_timeout_s
+        loop = asyncio.get_running_loop()
+        async with self._load_lock:
+            self._ready.clear()
+            started = loop.time()
+            previous = self.version
+            try:
+                async with asyncio.timeout(deadline):
+                    running = len(self._inflight)
+                    await self._control(f"/pause?mode={_PAUSE_MODE[mode]}", None, "pause")
+                    self.version = -1  # the weights are in between until the load succeeds
+                    if path is not None:
+                        rpc: Json = {"method": "dora_load_path", "args": [path]}
+                    else:
+                        assert tensors is not None
+                        rpc = {"method": "dora_load_tensors", "args": [_encode(tensors)]}
+                    out = await self._control("/collective_rpc", rpc, "load")
+                    reset = await self._control(
+                        "/reset_prefix_cache?reset_running_requests=true", None, "prefix reset"
+                    )
+                    if isinstance(reset, dict) and reset.get("success") is False:
+                        raise ServerError(f"load: {self.base_url} did not reset its prefix cache")
+                    await self._control(
+                        "/update_weight_version", {"new_version": str(version)}, "label"
+                    )
+                    self.version = version
+                    self.loads += 1
+                    await self._control("/resume", None, "resume")
+            finally:
+                self._ready.set()
+        return {
+            "version": version,
+            "previous_version": previous,
+            "aborted": running if mode == "abort" else 0,
+            "load_s": loop.time() - started,
+            "worker": out.get("results", []) if isinstance(out, dict) else [],
+        }
+
+    async def abort(self, request_id: str, *, timeout_s: float | None = None) -> Completion:
+        """Stop a request; return what it sampled so far (the whole completion if it finished
+        meanwhile). A request this client is not running gets `RequestError`."""
+        done = self._inflight.get(request_id)
+        if done is None:
+            raise RequestError(f"abort: request_id {request_id!r} is not in flight")
+        body: Json = {"request_ids": [f"cmpl-{request_id}-0"]}
+        async with asyncio.timeout(timeout_s or self.control_timeout_s):
+            while not done.done():
+                await self._control("/abort_requests", body, "abort")
+                await asyncio.wait([done], timeout=_ABORT_RETRY_S)
+        if done.cancelled():
+            raise RequestError(f"abort: request {request_id!r} ended without a completion")
+        return done.result()
+
+    async def pause(self, *, timeout_s: float | None = None) -> None:
+        """Hold new requests on the server; running ones finish first."""
+        async with asyncio.timeout(timeout_s or self.control_timeout_s):
+            await self._control("/pause?mode=wait", None, "pause")
+
+    async def resume(self, *, timeout_s: float | None = None) -> None:
+        async with asyncio.timeout(timeout_s or self.control_timeout_s):
+            await self._control("/resume", None, "resume")
+
+    async def export_request(
+        self, request_id: str, *, timeout_s: float | None = None
+    ) -> ExportedRequest:
+        """vLLM cannot export a request's KV cache: abort it (so the caller resubmits its tokens
+        so far) and say so."""
+        with contextlib.suppress(RequestError):  # not in flight: nothing to stop
+            await self.abort(request_id, timeout_s=timeout_s)
+        raise RequestError("export: vLLM instances cannot export the KV cache; resubmit instead")
+
+    async def import_request(
+        self, exported: ExportedRequest, *, timeout_s: float | None = None
+    ) -> Completion:
+        raise RequestError("import: vLLM instances cannot import a KV cache; resubmit instead")
+
+    async def health(self, *, timeout_s: float = 5.0) -> Json:
+        await self._call("GET", "/health", None, None, timeout_s, "health")
+        return {"status": "ok", "version": self.version, "paused": not self._ready.is_set()}
+
+    async def metrics(self, *, timeout_s: float = 5.0) -> Json:
+        """The engine's keys (running, waiting, kv_usage, version) from vLLM's Prometheus text."""
+        raw = await self._call("GET", "/metrics", None, None, timeout_s, "metrics")
+        out: Json = {"version": self.version, "paused": not self._ready.is_set()}
+        for line in raw.decode(errors="replace").splitlines():
+            name, _, rest = line.partition("{")
+            key = _GAUGES.get(name.strip())
+            if key is not None and rest:
+                with contextlib.suppress(ValueError):
+                    value = float(rest.rsplit(" ", 1)[-1])
+                    out[key] = float(out.get(key, 0.0)) + value  # type: ignore[arg-type]
+        return out
+
+    async def read_version(self, *, timeout_s: float = 5.0) -> int | None:
+        """The version label the server holds (`/weight_info`), if dora set it; None otherwise."""
+        raw = await self._call("GET", "/weight_info", None, None, timeout_s, "weight info")
+        label = msgspec.json.decode(raw).get("weight_version")
+        try:
+            return int(label)
+        except (TypeError, ValueError):
+            return None
+
+    # -- transport ---------------------------------------------------------------------------------
+
+    async def _control(self, path: str, body: Json | None, what: str) -> object:
+        data = None if body is None else msgspec.json.encode(body)
+        raw = await self._call("POST", path, data, "application/json", self.control_timeout_s, what)
+        return msgspec.json.decode(raw) if raw.strip() else None
+
+
+def _completion(out: Json, request_id: str, prompt_tokens: int, version: int) -> Completion:
+    choice = out["choices"][0]  # type: ignore[index]
+    token_ids: list[int] = choice.get("token_ids") or []
+    logprobs: list[float] = (choice.get("logprobs") or {}).get("token_logprobs") or []
+    if len(logprobs) != len(token_ids):
+        raise ServerError(
+            f"generate: {len(token_ids)} tokens but {len(logprobs)} logprobs from vLLM "
+            "(was the server started with logprobs enabled?)"
+        )
+    return Completion(
+        request_id=request_id,
+        token_ids=token_ids,
+        logprobs=logprobs,
+        versions=[version] * len(token_ids),
+        finish_reason=_FINISH.get(choice.get("finish_reason") or "abort", "stop"),
+        prompt_tokens=prompt_tokens,
+    )
+
+
+def _encode(tensors: Mapping[str, tuple[str, list[int], bytes]]) -> Json:
+    """Raw tensors as JSON for `collective_rpc`: names, dtypes, shapes and base64 bytes."""
+    return {
+        "names": list(tensors),
+        "dtypes": [t[0] for t in tensors.values()],
+        "shapes": [t[1] for t in tensors.values()],
+        "data": [base64.b64encode(t[2]).decode("ascii") for t in tensors.values()],
+    }

@@ -1,0 +1,49 @@
+"""Fixtures for the vLLM backend tests: the tiny model, two perturbed versions of its weights, and
+two vLLM servers of it, started once per session (a start costs 25-60 s on two cores) and stopped
+through their handles at the end, also when a test fails. Tests that use the servers run in the
+session's event loop (`loop_scope="session"`), the loop the servers' clients belong to."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+import pytest_asyncio
+from vllm_helpers import perturbed
+
+from dora.models.tiny import TinyModelSpec, build_tiny_model
+from dora.serve.instances import InstanceHandle
+from dora.vllm.launcher import VllmSpec, start_vllm
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_model(tmp_path_factory.mktemp("vllm") / "tiny", TinyModelSpec(seed=0))
+
+
+@pytest.fixture(scope="session")
+def weights_v1(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return perturbed(tiny_model, tmp_path_factory.mktemp("vllm") / "v1", scale=0.5, seed=1)
+
+
+@pytest.fixture(scope="session")
+def weights_v2(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return perturbed(tiny_model, tmp_path_factory.mktemp("vllm") / "v2", scale=0.5, seed=2)
+
+
+@pytest_asyncio.fixture(scope="session", loop_scope="session")
+async def vllm_servers(
+    tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
+) -> AsyncIterator[list[InstanceHandle]]:
+    spec = VllmSpec(
+        model_dir=str(tiny_model),
+        max_model_len=512,
+        max_num_seqs=16,
+        log_dir=str(tmp_path_factory.mktemp("vllm-logs")),
+        start_timeout_s=180,
+        request_timeout_s=60,
+        control_timeout_s=60,
+    )
+    async with start_vllm(spec, 2) as handles:
+        yield handles
