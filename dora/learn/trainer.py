@@ -89,9 +89,6 @@ class Trainer:
 
     def __init__(self, config: DoraConfig, *, run_dir: Path, address: str, resume: bool) -> None:
         from accelerate import Accelerator, InitProcessGroupKwargs
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
-        from dora.learn.main import initial_model_path
 
         self.config = config
         self.cfg = config.learn
@@ -106,9 +103,41 @@ class Trainer:
         self.receiver = Receiver(address=address, rank=self.rank, world=self.world, group=group)
         self._group = group
 
+        try:
+            self._load(config, run_dir, resume=resume)
+        except BaseException:
+            self.receiver.close()
+            raise
+        self.settings = LossSettings(
+            loss=self.cfg.loss,
+            clip_low=self.cfg.clip_low,
+            clip_high=self.cfg.clip_high,
+            off_policy=self.cfg.off_policy,
+            tis_cap=self.cfg.tis_cap,
+            kl_coef=self.cfg.kl_coef,
+        )
+        self._seen: set[str] = set()
+
+    def _load(self, config: DoraConfig, run_dir: Path, *, resume: bool) -> None:
+        """Incarnation, start step, `Hello`, then the model and optimizer (from the checkpoint)."""
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        from dora.learn.main import initial_model_path
+
         incarnation = start_incarnation(run_dir, resume=resume) if self.rank == 0 else 0
         self.incarnation = self._broadcast_int(incarnation)
         checkpoint: CheckpointInfo | None = latest_checkpoint(run_dir) if resume else None
+        self.start_step = checkpoint.step + 1 if checkpoint else 0
+        # Hello before loading the model: serve starts generating while the weights load (its
+        # groups wait in the link's bounded queue).
+        self.receiver.send(
+            Hello(
+                role="learn",
+                incarnation=self.incarnation,
+                step=self.start_step,
+                token=config.serve.token,
+            )
+        )
         init_path = initial_model_path(config, run_dir) if self.rank == 0 else None
         self.accelerator.wait_for_everyone()
         init_path = init_path or initial_model_path(config, run_dir, build=False)
@@ -128,27 +157,12 @@ class Trainer:
             optimizer.load_state_dict(load_optimizer_state(checkpoint))
         self.model, self.optimizer = self.accelerator.prepare(model, optimizer)
         self.raw = self.accelerator.unwrap_model(self.model)
-        self.start_step = checkpoint.step + 1 if checkpoint else 0
-        self.settings = LossSettings(
-            loss=self.cfg.loss,
-            clip_low=self.cfg.clip_low,
-            clip_high=self.cfg.clip_high,
-            off_policy=self.cfg.off_policy,
-            tis_cap=self.cfg.tis_cap,
-            kl_coef=self.cfg.kl_coef,
-        )
-        self._seen: set[str] = set()
 
     # --- the loop ---------------------------------------------------------------------------
 
     def run(self) -> int:
         """Train until `learn.steps` steps are done or serve says `Shutdown`; 0 on success."""
         step = self.start_step
-        self.receiver.send(
-            Hello(
-                role="learn", incarnation=self.incarnation, step=step, token=self.config.serve.token
-            )
-        )
         durable = step - 1
         finished = step >= self.cfg.steps
         try:
