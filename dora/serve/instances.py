@@ -3,7 +3,8 @@
 `dora serve` starts each embedded instance as its own process (`python -m dora.engine`), so the
 instances decode in parallel and a crashing model cannot take the rollout loop down. Tests may start
 them in this process (`EngineServer`) to save the seconds a process costs; both give the same
-`InstanceHandle`s, and nothing above this module knows which kind it got.
+`InstanceHandle`s, and nothing above this module knows which kind it got. `attach` uses engines
+that are already running (`serve.urls`).
 
 Every instance starts with version 0 (the model folder) loaded. Stopping goes through the handle
 that started the instance (the process object, or the in-process server's context): SIGTERM, a
@@ -30,6 +31,7 @@ __all__ = [
     "InstanceClient",
     "InstanceHandle",
     "InstanceSpec",
+    "attach",
     "start_in_process",
     "start_processes",
 ]
@@ -198,6 +200,26 @@ async def start_in_process(spec: InstanceSpec, count: int) -> AsyncIterator[list
                 InstanceHandle(id=f"i{i}", url=server.url, client=client, stop=_noop_stop)
             )
         yield handles
+
+
+@contextlib.asynccontextmanager
+async def attach(spec: InstanceSpec, urls: list[str]) -> AsyncIterator[list[InstanceHandle]]:
+    """Use engines already running at `urls` (started by hand or on other nodes). They may hold
+    any version, so each loads version 0 (`spec.model_dir`) first; they are not stopped on exit."""
+    handles = [
+        InstanceHandle(id=f"i{i}", url=url, client=_client(url, spec), stop=_noop_stop)
+        for i, url in enumerate(urls)
+    ]
+    try:
+        async with asyncio.TaskGroup() as tg:
+            for h in handles:
+                tg.create_task(
+                    h.client.load_weights(0, path=spec.model_dir, timeout_s=spec.control_timeout_s)
+                )
+        yield handles
+    finally:
+        for h in handles:
+            await h.client.close()
 
 
 async def _noop_stop() -> None:

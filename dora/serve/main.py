@@ -28,7 +28,13 @@ import msgspec
 
 from dora.config import DoraConfig, load_config
 from dora.errors import ConfigError
-from dora.serve.instances import InstanceHandle, InstanceSpec, start_in_process, start_processes
+from dora.serve.instances import (
+    InstanceHandle,
+    InstanceSpec,
+    attach,
+    start_in_process,
+    start_processes,
+)
 
 __all__ = ["main", "prepare_model", "run_serve"]
 
@@ -72,16 +78,19 @@ def prepare_model(config: DoraConfig, run_dir: Path) -> Path:
 
 @contextlib.asynccontextmanager
 async def _instances(
-    config: DoraConfig, model_dir: Path, *, in_process: bool
+    config: DoraConfig, model_dir: Path, *, in_process: bool, run_dir: Path
 ) -> AsyncIterator[list[InstanceHandle]]:
-
-    if config.serve.backend != "embedded":
-        raise ConfigError(
-            f"serve.backend = {config.serve.backend!r} is not available in dora serve yet; "
-            "use 'embedded'"
-        )
-    if config.serve.urls:
-        raise ConfigError("serve.urls (attaching to running instances) is not supported yet")
+    """The instances of the configured backend: started here, or attached at `serve.urls`."""
+    if config.serve.backend == "vllm":
+        try:
+            from dora.vllm.launcher import vllm_instances
+        except ImportError as exc:
+            raise ConfigError(
+                f"serve.backend = 'vllm' is not available in dora serve yet ({exc}); use 'embedded'"
+            ) from exc
+        async with vllm_instances(config, str(model_dir), log_dir=str(run_dir / "vllm")) as vh:
+            yield list(vh)
+        return
     spec = InstanceSpec(
         model_dir=str(model_dir),
         host=config.serve.host,
@@ -92,6 +101,10 @@ async def _instances(
         control_timeout_s=config.serve.weight_load_timeout_s,
         start_timeout_s=config.serve.weight_load_timeout_s,
     )
+    if config.serve.urls:
+        async with attach(spec, config.serve.urls) as handles:
+            yield handles
+        return
     start = start_in_process if in_process else start_processes
     async with start(spec, config.serve.instances) as handles:
         yield list(handles)
@@ -131,7 +144,7 @@ async def run_serve(
         progress = config.log.progress and sys.stderr.isatty()
     try:
         print(f"dora serve: trainer link on {serve_link.address}", flush=True)
-        async with _instances(config, model_dir, in_process=in_process) as handles:
+        async with _instances(config, model_dir, in_process=in_process, run_dir=run_dir) as handles:
             rollout = Rollout(
                 config,
                 instances=handles,

@@ -1,10 +1,14 @@
-"""A trainer that crashes and restarts from its checkpoint (DESIGN §4): `dora serve` rolls back.
+"""Things outside `dora serve` that restart or were started elsewhere.
+
+A trainer that crashes and restarts from its checkpoint (DESIGN §4): `dora serve` rolls back.
 
 The first trainer trains steps 0..4, makes steps 1 and 3 durable, and dies without a word before
 step 4's checkpoint. A second trainer (incarnation 1) resumes at step 4 from the checkpoint of
 step 3. Serve must offer it every step from 4 on with exactly B groups; groups of the version the
 new trainer will not reproduce (5, published by the lost step 4) are removed, never sent; the
 durable steps 0..3 are not sent again; C1 and C3 hold for everything the new trainer trains.
+
+Engines already running (`serve.urls`) are attached, reset to version 0, and left running.
 """
 
 from __future__ import annotations
@@ -94,3 +98,46 @@ async def test_trainer_restart_rolls_back(tmp_path: Path, long_tail_model: Path)
     assert len(rollbacks) == 1 and rollbacks[0]["step"] == 3
     assert rollbacks[0]["rolled_back"] > 0, "groups of the ghost version were removed"
     assert report.steps == STEPS  # type: ignore[attr-defined]
+
+
+async def test_attach_to_running_engines(tmp_path: Path, long_tail_model: Path) -> None:
+    """`serve.urls`: engines started elsewhere (here: in this process, left at another version)
+    are attached, reset to version 0, used, and left running."""
+    from dora.serve.instances import InstanceSpec, start_in_process
+
+    spec = InstanceSpec(model_dir=str(long_tail_model), max_running=8, max_model_len=256)
+    async with start_in_process(spec, 2) as engines:
+        for h in engines:
+            await h.client.load_weights(7, path=str(long_tail_model))
+        steps = 3
+        config = load_config(
+            None,
+            [
+                f"model.path={json.dumps(str(long_tail_model))}",
+                "model.max_model_len=256",
+                f"serve.urls={json.dumps([h.url for h in engines])}",
+                "serve.max_running=8",
+                "rollout.group_size=2",
+                f"rollout.batch_size={B}",
+                "rollout.max_tokens=24",
+                "rollout.max_turns=1",
+                f"learn.steps={steps}",
+                f"log.run_dir={json.dumps(str(tmp_path))}",
+                "log.progress=false",
+            ],
+        )
+        link = ServeLink()
+        trainer = ToyTrainer(link.address, model_dir=long_tail_model, steps=steps, batch_size=B)
+        trainer.start()
+        try:
+            await asyncio.wait_for(run_serve(config, run_dir=tmp_path, link=link), 120)
+        finally:
+            link.close()
+        await asyncio.to_thread(trainer.join)
+        assert sorted(trainer.by_step) == list(range(steps))
+        for step, group in trainer.received:
+            assert 0 <= step - group.version <= K
+            for s in group.samples:
+                assert (s.token_versions()[s.mask() == 1] == group.version).all()
+        for h in engines:  # still running, not stopped by dora serve
+            assert (await h.client.health())["status"] == "ok"
