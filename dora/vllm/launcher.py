@@ -85,7 +85,10 @@ class VllmSpec:
     extra_args: Sequence[str] = ()
     """More `api_server` flags, appended last (e.g. `--gpu-memory-utilization 0.85`)."""
     env: Mapping[str, str] = field(default_factory=dict)
-    """More environment for the server, over dora's defaults (e.g. `CUDA_VISIBLE_DEVICES`)."""
+    """More environment for every server, over dora's defaults."""
+    devices: Sequence[str] = ()
+    """`CUDA_VISIBLE_DEVICES` of each instance in turn (e.g. `("0,1", "2,3")` for two instances
+    with tensor parallelism 2); empty: every server sees what this process sees."""
     cpu_kvcache_gib: int = 1
     """`VLLM_CPU_KVCACHE_SPACE` for the CPU build (ignored on GPU)."""
     log_dir: str | None = None
@@ -133,8 +136,9 @@ def server_command(spec: VllmSpec, port: int, *, bootstrap: bool = False) -> lis
     return [*args, *spec.extra_args]
 
 
-def server_env(spec: VllmSpec) -> dict[str, str]:
-    """The server's environment: this one, plus what dora needs, plus `spec.env`."""
+def server_env(spec: VllmSpec, index: int = 0) -> dict[str, str]:
+    """Server `index`'s environment: this one, plus what dora needs, plus `spec.env`, plus its
+    devices."""
     env = dict(os.environ)
     python_path = [str(_REPO), *filter(None, env.get("PYTHONPATH", "").split(os.pathsep))]
     env.update(
@@ -145,6 +149,8 @@ def server_env(spec: VllmSpec) -> dict[str, str]:
         PYTHONUNBUFFERED="1",
     )
     env.update(spec.env)
+    if spec.devices:
+        env["CUDA_VISIBLE_DEVICES"] = spec.devices[index % len(spec.devices)]
     return env
 
 
@@ -190,7 +196,9 @@ def _signal_group(pgid: int, sig: signal.Signals) -> None:
         os.killpg(pgid, sig)
 
 
-async def start_server(spec: VllmSpec, instance_id: str, *, port: int = 0) -> VllmServer:
+async def start_server(
+    spec: VllmSpec, instance_id: str, *, port: int = 0, index: int = 0
+) -> VllmServer:
     """Start one server and wait until `/health` answers; on failure stop it and raise with the
     tail of its log."""
     port = port or free_port(spec.host)
@@ -204,7 +212,7 @@ async def start_server(spec: VllmSpec, instance_id: str, *, port: int = 0) -> Vl
             stdin=asyncio.subprocess.DEVNULL,
             stdout=out,
             stderr=asyncio.subprocess.STDOUT,
-            env=server_env(spec),
+            env=server_env(spec, index),
             start_new_session=True,  # its own process group, stopped as a whole
         )
     host = "127.0.0.1" if spec.host in ("0.0.0.0", "") else spec.host
@@ -266,7 +274,7 @@ async def start_vllm(spec: VllmSpec, count: int) -> AsyncIterator[list[InstanceH
     handles: list[InstanceHandle] = []
 
     async def one(i: int) -> None:
-        server = await start_server(spec, f"i{i}")
+        server = await start_server(spec, f"i{i}", index=i)
         servers.append(server)
 
     try:

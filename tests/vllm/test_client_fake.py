@@ -1,0 +1,222 @@
+"""`VllmClient` against a fake vLLM server (aiohttp on 127.0.0.1:0) that records the routes it is
+called on: runs without vLLM, in the main test job.
+
+Covers what the real-server tests cannot force: the order of a load (pause, worker extension,
+prefix-cache reset, version label, resume), a load that fails half-way (the instance is marked
+unusable, not left at the old version), requests held during a load, an abort that reaches the
+server before its request does (it is repeated), the mapping of vLLM's answer to a `Completion`,
+and launcher errors that need no server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import pytest
+from aiohttp import web
+
+from dora.errors import RequestError, ServerError, ServerUnavailable, VersionMismatch
+from dora.protocol import SamplingParams
+from dora.vllm.client import VllmClient
+from dora.vllm.launcher import VllmSpec, server_command, server_env
+
+pytestmark = pytest.mark.timeout(30)
+
+
+@dataclass
+class FakeVllm:
+    """Completions return one token per 10 ms until max_tokens or an abort of their id."""
+
+    calls: list[str] = field(default_factory=list)
+    bodies: list[dict[str, object]] = field(default_factory=list)
+    aborted: set[str] = field(default_factory=set)
+    fail_load: bool = False
+    registered: asyncio.Event = field(default_factory=asyncio.Event)
+    ignore_first_abort: bool = False
+
+    def app(self) -> web.Application:
+        app = web.Application()
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/collective_rpc", self.rpc)
+        for route in ("/pause", "/resume", "/reset_prefix_cache", "/update_weight_version"):
+            app.router.add_post(route, self.ok)
+        app.router.add_post("/abort_requests", self.abort)
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/weight_info", self.weight_info)
+        return app
+
+    async def health(self, request: web.Request) -> web.Response:
+        return web.Response()
+
+    async def weight_info(self, request: web.Request) -> web.Response:
+        return web.json_response({"weight_version": "7"})
+
+    async def ok(self, request: web.Request) -> web.Response:
+        self.calls.append(request.path_qs)
+        return web.json_response({"success": True})
+
+    async def rpc(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        self.calls.append(f"rpc:{body['method']}")
+        if self.fail_load:
+            return web.json_response({"error": {"message": "boom"}}, status=500)
+        return web.json_response({"results": [{"tensors": 1}]})
+
+    async def abort(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        self.calls.append("abort")
+        if self.ignore_first_abort:
+            self.ignore_first_abort = False  # this one arrived before its request was known
+        else:
+            self.aborted.update(body["request_ids"])
+        return web.json_response({"aborted": 1})
+
+    async def completions(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        self.bodies.append(body)
+        self.calls.append(f"gen:{body['request_id']}")
+        internal = f"cmpl-{body['request_id']}-0"
+        tokens: list[int] = []
+        self.registered.set()
+        finish = "length"
+        while len(tokens) < int(body["max_tokens"]):
+            if internal in self.aborted:
+                finish = "abort"
+                break
+            tokens.append(len(tokens) + 5)
+            await asyncio.sleep(0.01)
+        choice = {
+            "token_ids": tokens,
+            "logprobs": {"token_logprobs": [-1.0] * len(tokens)},
+            "finish_reason": finish,
+        }
+        return web.json_response({"choices": [choice]})
+
+
+@pytest.fixture
+async def fake() -> AsyncIterator[tuple[FakeVllm, VllmClient]]:
+    server = FakeVllm()
+    runner = web.AppRunner(server.app())
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    client = VllmClient(f"http://127.0.0.1:{port}", control_timeout_s=5, timeout_s=10)
+    try:
+        yield server, client
+    finally:
+        await client.close()
+        await runner.cleanup()
+
+
+async def test_generate_body_and_completion(fake: tuple[FakeVllm, VllmClient]) -> None:
+    server, client = fake
+    params = SamplingParams(max_tokens=3, temperature=0.5, top_k=4, seed=9, stop=["x"])
+    out = await client.generate([1, 2], params, request_id="r", version=0)
+    assert out.token_ids == [5, 6, 7] and out.logprobs == [-1.0] * 3 and out.versions == [0] * 3
+    assert out.finish_reason == "length" and out.prompt_tokens == 2
+    body = server.bodies[0]
+    assert body["prompt"] == [1, 2] and body["request_id"] == "r"
+    assert (body["temperature"], body["top_k"], body["seed"], body["stop"]) == (0.5, 4, 9, ["x"])
+    assert body["return_token_ids"] and body["return_tokens_as_token_ids"]
+    with pytest.raises(VersionMismatch):
+        await client.generate([1], params, request_id="r2", version=3)
+
+
+async def test_load_order_and_version(fake: tuple[FakeVllm, VllmClient]) -> None:
+    server, client = fake
+    out = await client.load_weights(4, tensors={"w": ("float32", [1], b"\0\0\0\0")})
+    assert out["version"] == 4 and out["previous_version"] == 0
+    assert server.calls == [
+        "/pause?mode=wait",
+        "rpc:dora_load_tensors",
+        "/reset_prefix_cache?reset_running_requests=true",
+        "/update_weight_version",
+        "/resume",
+    ]
+    assert client.version == 4 and (await client.health())["version"] == 4
+    await client.load_weights(5, path="/x", mode="abort")
+    assert "/pause?mode=abort" in server.calls and "rpc:dora_load_path" in server.calls
+    with pytest.raises(RequestError):
+        await client.load_weights(6, path="/x", mode="keep")
+    with pytest.raises(RequestError):
+        await client.load_weights(6)
+    assert await client.read_version() == 7
+
+
+async def test_failed_load_leaves_instance_unusable(fake: tuple[FakeVllm, VllmClient]) -> None:
+    server, client = fake
+    server.fail_load = True
+    with pytest.raises(ServerError):
+        await client.load_weights(1, path="/x")
+    assert client.version == -1, "half-loaded weights must not pass for version 0"
+    with pytest.raises(VersionMismatch):
+        await client.generate([1], SamplingParams(max_tokens=1), request_id="r", version=0)
+    server.fail_load = False
+    await client.load_weights(1, path="/x")
+    assert client.version == 1
+
+
+async def test_generate_waits_for_a_load(fake: tuple[FakeVllm, VllmClient]) -> None:
+    server, client = fake
+    params = SamplingParams(max_tokens=20)
+    running = asyncio.create_task(client.generate([1], params, request_id="old", version=0))
+    await server.registered.wait()
+    load = asyncio.create_task(client.load_weights(1, path="/x"))
+    await asyncio.sleep(0)
+    queued = asyncio.create_task(client.generate([1], params, request_id="new", version=1))
+    old, _, new = await asyncio.gather(running, load, queued)
+    assert old.versions == [0] * 20 and new.versions == [1] * 20
+    assert server.calls.index("gen:new") > server.calls.index("/resume")
+
+
+async def test_abort_returns_tokens_so_far_and_repeats(fake: tuple[FakeVllm, VllmClient]) -> None:
+    server, client = fake
+    server.ignore_first_abort = True
+    call = asyncio.create_task(
+        client.generate([1], SamplingParams(max_tokens=1000), request_id="a", version=0)
+    )
+    await server.registered.wait()
+    aborted = await client.abort("a")
+    assert aborted.finish_reason == "abort" and 0 < len(aborted.token_ids) < 1000
+    assert server.calls.count("abort") == 2, "the first abort missed; it was repeated"
+    assert (await call) == aborted
+    with pytest.raises(RequestError):
+        await client.abort("a")
+    with pytest.raises(RequestError):  # no KV export; it aborts instead
+        await client.export_request("a")
+
+
+async def test_unreachable_server() -> None:
+    async with VllmClient("http://127.0.0.1:9", control_timeout_s=2) as client:
+        with pytest.raises(ServerUnavailable):
+            await client.health()
+
+
+def test_server_command_and_env() -> None:
+    spec = VllmSpec(
+        model_dir="/m",
+        python="/venv/bin/python",
+        max_model_len=256,
+        tensor_parallel_size=2,
+        extra_args=("--gpu-memory-utilization", "0.8"),
+    )
+    cmd = server_command(spec, 8000)
+    assert cmd[:3] == ["/venv/bin/python", "-m", "vllm.entrypoints.openai.api_server"]
+    joined = " ".join(cmd)
+    for flag in (
+        "--logprobs-mode processed_logprobs",
+        "--worker-extension-cls dora.vllm.worker_ext.WeightLoaderExt",
+        "--port 8000",
+        "--max-model-len 256",
+        "--tensor-parallel-size 2",
+    ):
+        assert flag in joined
+    assert cmd[-2:] == ["--gpu-memory-utilization", "0.8"]
+    assert server_command(spec, 8000, bootstrap=True)[1] == "-c"
+    gpus = VllmSpec(model_dir="/m", devices=("0,1", "2,3"), env={"X": "1"})
+    env = server_env(gpus, 1)
+    assert env["CUDA_VISIBLE_DEVICES"] == "2,3" and env["X"] == "1"
+    assert env["VLLM_SERVER_DEV_MODE"] == "1"
