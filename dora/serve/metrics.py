@@ -3,7 +3,8 @@
 Records (one JSON object per line, `kind` first):
 - `tick`, every `log.metrics_every_s`: per instance its version, leases and capacity, calls in
   flight and utilisation (the fraction of the last interval with at least one call running);
-  live episodes per version, calls in flight per version, the transfer queue's groups per version
+  live episodes per version (in an LLM call, in the environment, parked), calls in flight per
+  version, the transfer queue's groups per version
   and state, the staleness histogram, admitted/completed/assigned counts, migrations, weight loads,
   admission waits by reason (seconds), and event-loop lag (how late the tick woke, in ms);
 - `step`, when a step's last group is sent: its groups' versions and staleness, and how long the
@@ -206,6 +207,12 @@ class Snapshots:
             )
         serving = r.router.versions_serving()
         self._tick_versions_serving = max(self._tick_versions_serving, len(serving))
+        # Episodes per version: in an LLM call, between calls (env step, tool, reward), parked.
+        episodes: dict[int, dict[str, int]] = {}
+        for lease in r.router.leases.values():
+            where = "parked" if lease.instance is None else "calling" if lease.call_id else "env"
+            counts = episodes.setdefault(lease.version, {"calling": 0, "env": 0, "parked": 0})
+            counts[where] += 1
         acct = r.queue.accounting()
         return {
             "step": r.queue.step,
@@ -215,6 +222,7 @@ class Snapshots:
             "instances": instances,
             "live_per_version": r.orchestrator.live(),
             "serving_versions": serving,
+            "episodes_per_version": dict(sorted(episodes.items())),
             "queue_per_version": {
                 w: dataclasses.asdict(c) for w, c in r.queue.version_counts().items()
             },
