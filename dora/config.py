@@ -156,6 +156,9 @@ class LearnConfig(_Section):
     micro_batch_tokens: Annotated[
         int, M(ge=16, description="Token budget of one packed micro-batch")
     ] = 8192
+    recv_timeout_s: Annotated[
+        float, M(gt=0, description="Deadline for dora serve's next message to the trainer")
+    ] = 600.0
     checkpoint_every: Annotated[
         int, M(ge=1, description="Steps between checkpoints (one is always written at the end)")
     ] = 10

@@ -46,22 +46,6 @@ def resolve_run_dir(config: DoraConfig, *, resume: bool) -> Path:
     return Path("runs", f"{config.log.name}-{stamp}").resolve()
 
 
-def initial_model_path(config: DoraConfig, run_dir: Path, *, build: bool = True) -> Path:
-    """The weights of version 0: `model.path`, or the tiny model built (deterministically, seed 0)
-    into `{run_dir}/initial-model` when `model.path = "tiny"`."""
-    if config.model.path != "tiny":
-        return Path(config.model.path)
-    out = run_dir / "initial-model"
-    if build and not (out / "config.json").exists():
-        from dora.models import TinyModelSpec, build_tiny_model
-
-        spec = TinyModelSpec(
-            hidden_size=config.model.tiny_hidden_size, num_layers=config.model.tiny_layers
-        )
-        build_tiny_model(out, spec)
-    return out
-
-
 def _in_distributed_env() -> bool:
     return "LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ
 

@@ -13,8 +13,6 @@ on another rank is torchrun's to handle: it stops every worker.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.distributed as dist
 
@@ -22,10 +20,6 @@ from dora.errors import DoraError
 from dora.link import LearnLink
 from dora.protocol import LearnMessage, ServeMessage, Shutdown, decode_from_serve, encode
 
-# How long the trainer waits for dora serve's next message. Groups take as long as generation
-# does, so this is generous. A config field (learn.recv_timeout_s) has been requested from the lead;
-# until then DORA_LEARN_RECV_TIMEOUT_S overrides it.
-RECV_TIMEOUT_S = float(os.environ.get("DORA_LEARN_RECV_TIMEOUT_S", "600"))
 ABORT_PREFIX = "abort: "
 
 
@@ -33,9 +27,16 @@ class Receiver:
     """The trainer's side of the link, as every rank sees it."""
 
     def __init__(
-        self, *, address: str, rank: int, world: int, group: dist.ProcessGroup | None
+        self,
+        *,
+        address: str,
+        rank: int,
+        world: int,
+        group: dist.ProcessGroup | None,
+        recv_timeout_s: float,
     ) -> None:
         self.address = address
+        self.recv_timeout_s = recv_timeout_s  # learn.recv_timeout_s: generous, groups take long
         self.rank = rank
         self.world = world
         self._group = group
@@ -55,7 +56,7 @@ class Receiver:
                 raise DoraError(f"rank 0 stopped the trainer: {message.reason}")
             return message
         try:
-            message = self._link.recv(timeout_s=RECV_TIMEOUT_S, waiting_for=waiting_for)
+            message = self._link.recv(timeout_s=self.recv_timeout_s, waiting_for=waiting_for)
         except BaseException as exc:
             self.abort(f"rank 0 failed: {exc}")
             raise

@@ -53,7 +53,7 @@ from dora.learn.checkpoint import (
 from dora.learn.loss import LossSettings, policy_loss, token_entropy, token_logprobs
 from dora.learn.metrics import SUMS, step_metrics
 from dora.learn.publish import inline_chunks, publish_filesystem
-from dora.learn.receiver import RECV_TIMEOUT_S, Receiver
+from dora.learn.receiver import Receiver
 from dora.protocol import (
     Assigned,
     Durable,
@@ -95,12 +95,18 @@ class Trainer:
         self.run_dir = run_dir
         torch.set_num_threads(self.cfg.threads)
         torch.manual_seed(self.cfg.seed)
-        timeout = InitProcessGroupKwargs(timeout=timedelta(seconds=RECV_TIMEOUT_S + 300))
+        timeout = InitProcessGroupKwargs(timeout=timedelta(seconds=self.cfg.recv_timeout_s + 300))
         self.accelerator = Accelerator(cpu=not torch.cuda.is_available(), kwargs_handlers=[timeout])
         self.rank = self.accelerator.process_index
         self.world = self.accelerator.num_processes
         group = dist.new_group(backend="gloo") if self.world > 1 else None
-        self.receiver = Receiver(address=address, rank=self.rank, world=self.world, group=group)
+        self.receiver = Receiver(
+            address=address,
+            rank=self.rank,
+            world=self.world,
+            group=group,
+            recv_timeout_s=self.cfg.recv_timeout_s,
+        )
         self._group = group
 
         try:
@@ -122,7 +128,7 @@ class Trainer:
         """Incarnation, start step, `Hello`, then the model and optimizer (from the checkpoint)."""
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        from dora.learn.main import initial_model_path
+        from dora.models.prepare import prepare_model
 
         incarnation = start_incarnation(run_dir, resume=resume) if self.rank == 0 else 0
         self.incarnation = self._broadcast_int(incarnation)
@@ -138,9 +144,8 @@ class Trainer:
                 token=config.serve.token,
             )
         )
-        init_path = initial_model_path(config, run_dir) if self.rank == 0 else None
-        self.accelerator.wait_for_everyone()
-        init_path = init_path or initial_model_path(config, run_dir, build=False)
+        # every rank asks; the first builds under a file lock, the others find it ready
+        init_path = prepare_model(config, log=self.rank == 0)
         model_path = checkpoint.model_dir if checkpoint else init_path
         dtype = getattr(torch, config.model.dtype)
         model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)

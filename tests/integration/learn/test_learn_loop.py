@@ -301,13 +301,13 @@ async def test_two_gloo_ranks_match_one_process(tmp_path: Path, tiny_dir: Path) 
 @pytest.mark.slow
 async def test_rank_zero_timeout_stops_every_rank(tmp_path: Path, tiny_dir: Path) -> None:
     """Serve goes quiet: rank 0's deadline expires and rank 1 stops too, well before any
-    collective timeout (which is RECV_TIMEOUT_S + 300 s)."""
+    collective timeout (which is learn.recv_timeout_s + 300 s)."""
     config = write_config(tmp_path, tiny_dir, steps=2, processes=2)
+    overrides = ["learn.recv_timeout_s=3"]
     standin = StandIn(tiny_dir)
     env = {
         **os.environ,
         "DORA_SERVE_ADDRESS": standin.link.address,
-        "DORA_LEARN_RECV_TIMEOUT_S": "3",
     }
     try:
         proc = await asyncio.create_subprocess_exec(
@@ -316,6 +316,7 @@ async def test_rank_zero_timeout_stops_every_rank(tmp_path: Path, tiny_dir: Path
             "dora.cli",
             "learn",
             str(config),
+            *overrides,
             env=env,
             stderr=asyncio.subprocess.PIPE,
         )
