@@ -89,17 +89,26 @@ class ServeLink:
 class LearnLink:
     """The trainer's end: connects, says hello, receives groups, sends acks and weights."""
 
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str, *, send_timeout_s: float = 120.0) -> None:
         self.address = address
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 1000)
         self._sock.setsockopt(zmq.SNDHWM, _HWM)
         self._sock.setsockopt(zmq.RCVHWM, _HWM)
+        # a full send queue (serve gone, weights still streaming) fails instead of hanging
+        self._sock.setsockopt(zmq.SNDTIMEO, int(send_timeout_s * 1000))
+        self._send_timeout_s = send_timeout_s
         self._sock.connect(address)
 
     def send(self, message: LearnMessage) -> None:
-        self._sock.send(encode(message))
+        try:
+            self._sock.send(encode(message))
+        except zmq.Again:
+            raise ServerTimeout(
+                f"could not send {type(message).__name__} to {self.address} within "
+                f"{self._send_timeout_s:.0f} s: dora serve is not reading; is it up?"
+            ) from None
 
     def recv(self, *, timeout_s: float, waiting_for: str) -> ServeMessage:
         """The next message from serve; `ServerTimeout` names `waiting_for` when none comes."""

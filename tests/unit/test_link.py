@@ -65,3 +65,20 @@ async def test_send_without_trainer_times_out_with_the_address() -> None:
             await serve.send(Assigned(step=0, group=make_group(samples=1, tokens=8)), timeout_s=0.2)
     finally:
         serve.close()
+
+
+def test_learn_send_fails_instead_of_hanging_when_serve_is_gone() -> None:
+    import zmq
+
+    ctx = zmq.Context()
+    port = ctx.socket(zmq.ROUTER)
+    number = port.bind_to_random_port("tcp://127.0.0.1")
+    port.close(linger=0)  # nobody listens there any more
+    ctx.term()
+    learn = LearnLink(f"tcp://127.0.0.1:{number}", send_timeout_s=0.2)
+    try:
+        with pytest.raises(ServerTimeout, match="StepDone"):
+            for _ in range(5000):  # more than the send queue holds
+                learn.send(StepDone(step=0, incarnation=0))
+    finally:
+        learn.close()
