@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import sys
+from collections import Counter
 from typing import Any
 
 from dora.sim.costs import Setup
@@ -58,6 +59,28 @@ def bound_s(setup: Setup, run: Run, tokens_per_step: float) -> tuple[float, floa
     if plan.colocated:
         return train + gen + s.weight_sync_s, train, gen
     return max(train, gen), train, gen
+
+
+def versions_per_step(run: Run) -> list[int]:
+    """For each step, the most versions instances held at once while it was being produced."""
+    ends = run.step_end_s
+    out: list[int] = []
+    segs = sorted((a, b, v) for _, a, b, v in run.segments if v >= 0)
+    for i, end in enumerate(ends):
+        start = ends[i - 1] if i else 0.0
+        points = sorted(
+            [(max(a, start), 1, v) for a, b, v in segs if a < end and b > start]
+            + [(min(b, end), -1, v) for a, b, v in segs if a < end and b > start]
+        )
+        held: Counter[int] = Counter()
+        best = 0
+        for _, delta, v in points:  # ends sort before starts at the same instant
+            held[v] += delta
+            if held[v] == 0:
+                del held[v]
+            best = max(best, len(held))
+        out.append(best)
+    return out
 
 
 def summarize(run: Run) -> dict[str, Any]:
@@ -101,7 +124,8 @@ def summarize(run: Run) -> dict[str, Any]:
             }
             for i, (e, d) in enumerate(zip(ends, run.versions, strict=True))
         ],
-        "max_versions_loaded": max(len(d) for d in run.versions),
+        "versions_held_per_step": versions_per_step(run),
+        "max_versions_loaded": 0,
         "bound_min": bound / 60.0,
         "bound_train_min": train / 60.0,
         "bound_generation_min": gen / 60.0,
@@ -115,6 +139,7 @@ def summarize(run: Run) -> dict[str, Any]:
         "accounting": run.accounting,
         "events": run.events,
     }
+    out["max_versions_loaded"] = max(out["versions_held_per_step"])
     paper = PAPER.get(s.name, {}).get(run.mode)
     if paper is not None:
         out["paper"] = paper
@@ -158,7 +183,12 @@ def _rows(m: dict[str, Any]) -> list[tuple[str, str, str]]:
         ),
         ("trainer idle share", f"{m['trainer_idle_share']:.0%}", ""),
         ("staleness histogram", _hist(m["staleness_histogram"]), f"K = {m['staleness_bound']}"),
-        ("versions loaded (last steps)", _versions(m), f"max {m['max_versions_loaded']}"),
+        ("versions at step ends (last 4)", _versions(m), ""),
+        (
+            "versions held at once, per step",
+            " ".join(str(n) for n in m["versions_held_per_step"]),
+            f"max {m['max_versions_loaded']}",
+        ),
         (
             "bound per step (min)",
             f"{m['bound_min']:.2f} (train {m['bound_train_min']:.2f},"

@@ -113,7 +113,11 @@ def versions_at_once(run: Run) -> int:
 
 def test_dora_holds_several_versions_at_once_and_one_step_off_one() -> None:
     setup = small()
-    assert versions_at_once(simulate(setup, plan("dora", setup), seed=5)) >= 2
+    dora = simulate(setup, plan("dora", setup), seed=5)
+    assert versions_at_once(dora) >= 2
+    per_step = summarize(dora)["versions_held_per_step"]
+    assert len(per_step) == setup.steps and max(per_step) == versions_at_once(dora)
+    assert max(per_step) <= setup.staleness + 1  # versions t-K .. t
     assert versions_at_once(simulate(setup, plan("one_step_off", setup), seed=5)) == 1
 
 
