@@ -63,3 +63,14 @@ def test_bad_input_is_a_clear_error(
 ) -> None:
     assert main(["simulate", *argv]) == 1
     assert message in capsys.readouterr().err
+
+
+def test_terminal_output_uses_rich_tables() -> None:
+    from dora.sim import plan, simulate, summarize
+    from dora.sim.cli import build_setup
+    from dora.sim.report import render
+
+    setup = build_setup("paper-64", ["groups_per_step=16"], steps=2, instances=4)
+    m = summarize(simulate(setup, plan("partial", setup), seed=0))
+    text = render([m], title="t", rich_ok=True)
+    assert "version span per trajectory" in text and "\x1b[" in text
