@@ -1,0 +1,84 @@
+"""Environment errors under both group policies: `mask` keeps the group whole with masked samples;
+`retry` regenerates the whole group at its version, then masks once retries run out (C2 either
+way: every step still gets exactly B whole groups)."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+from pathlib import Path
+
+import pytest
+from serve_trainer import ToyTrainer
+
+from dora.config import load_config
+from dora.env import Episode, Task
+from dora.link import ServeLink
+from dora.serve.main import run_serve
+from envs.math import ChainArithmeticEnv, chain_arithmetic_tasks
+
+pytestmark = pytest.mark.timeout(120)
+
+STEPS, B, G = 4, 2, 2
+_calls = itertools.count()
+
+
+class FlakyEnv(ChainArithmeticEnv):
+    """Every third reward raises (a scorer that crashes now and then)."""
+
+    def reward(self, episode: Episode) -> float:
+        if next(_calls) % 3 == 2:
+            raise RuntimeError("scorer crashed")
+        return 0.0
+
+
+def short_tasks(seed: int) -> list[Task]:
+    return chain_arithmetic_tasks(50, seed=seed, max_terms=6)
+
+
+@pytest.mark.parametrize("policy", ["mask", "retry"])
+async def test_env_errors(tmp_path: Path, long_tail_model: Path, policy: str) -> None:
+    config = load_config(
+        None,
+        [
+            f"model.path={json.dumps(str(long_tail_model))}",
+            "model.max_model_len=256",
+            "serve.instances=2",
+            "serve.max_running=8",
+            f"rollout.group_size={G}",
+            f"rollout.batch_size={B}",
+            "rollout.max_tokens=16",
+            "rollout.max_turns=1",
+            f"rollout.on_env_error={policy}",
+            "rollout.max_retries=1",
+            f"learn.steps={STEPS}",
+            "env.cls=test_serve_env_errors:FlakyEnv",
+            "data.source=test_serve_env_errors:short_tasks",
+            f"log.run_dir={json.dumps(str(tmp_path))}",
+            "log.metrics_every_s=0.2",
+            "log.progress=false",
+        ],
+    )
+    link = ServeLink()
+    trainer = ToyTrainer(link.address, model_dir=long_tail_model, steps=STEPS, batch_size=B)
+    trainer.start()
+    try:
+        await asyncio.wait_for(run_serve(config, run_dir=tmp_path, in_process=True, link=link), 90)
+    finally:
+        link.close()
+    await asyncio.to_thread(trainer.join)
+    assert all(len(trainer.by_step[s]) == B for s in range(STEPS))
+    samples = [s for _, g in trainer.received for s in g.samples]
+    assert all(len(g.samples) == G for _, g in trainer.received), "groups stay whole"
+    masked = [s for s in samples if s.masked]
+    assert all("scorer crashed" in s.metadata["error"] for s in masked)
+    ticks = [json.loads(x) for x in (tmp_path / "rollout.jsonl").read_text().splitlines()]
+    last = [t for t in ticks if t["kind"] == "tick"][-1]
+    if policy == "mask":
+        assert masked and last["retried"] == 0
+    else:
+        assert last["retried"] > 0, "failed groups were regenerated"
+        # a group is sent with masked samples only once its retry failed too
+        with_masked = {g.id for _, g in trainer.received if any(s.masked for s in g.samples)}
+        assert last["masked"] == len(with_masked)
