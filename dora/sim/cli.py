@@ -10,7 +10,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import multiprocessing
+import os
 import time
+from concurrent.futures import ProcessPoolExecutor
 
 from dora.errors import ConfigError
 from dora.sim.costs import Setup, apply_overrides, preset, validate
@@ -40,6 +43,23 @@ def build_setup(
     return s
 
 
+def _timed(setup: Setup, mode: str, seed: int) -> tuple[Run, float]:
+    t = time.perf_counter()
+    return simulate(setup, plan(mode, setup), seed=seed), time.perf_counter() - t
+
+
+def run_modes(setup: Setup, modes: list[str], *, seed: int) -> list[tuple[Run, float]]:
+    """Each mode is independent and deterministic: run them in parallel processes when there
+    is more than one core (the results do not depend on it)."""
+    workers = min(len(modes), os.cpu_count() or 1)
+    if workers < 2:
+        return [_timed(setup, m, seed) for m in modes]
+    ctx = multiprocessing.get_context("spawn")  # no fork of a process that may hold threads
+    with ProcessPoolExecutor(max_workers=workers, mp_context=ctx) as pool:
+        futures = [pool.submit(_timed, setup, m, seed) for m in modes]
+        return [f.result() for f in futures]
+
+
 def main(args: argparse.Namespace) -> int:
     modes = [m.strip() for m in str(args.modes).split(",") if m.strip()]
     if not modes:
@@ -50,15 +70,12 @@ def main(args: argparse.Namespace) -> int:
     setup = build_setup(
         args.preset, list(args.overrides or []), steps=args.steps, instances=args.instances
     )
-    runs: list[Run] = []
-    summaries = []
     started = time.perf_counter()
-    for m in modes:
-        t = time.perf_counter()
-        run = simulate(setup, plan(m, setup), seed=args.seed)
+    runs = run_modes(setup, modes, seed=args.seed)
+    summaries = []
+    for run, wall in runs:
         summary = summarize(run)
-        summary["wall_s"] = time.perf_counter() - t
-        runs.append(run)
+        summary["wall_s"] = wall
         summaries.append(summary)
     title = f"{setup.name} ({setup.gpus} GPUs, {setup.steps} steps, seed {args.seed})"
     print(render(summaries, title=title), end="")
@@ -79,7 +96,7 @@ def main(args: argparse.Namespace) -> int:
             json.dump(doc, f, indent=1)
             f.write("\n")
     if args.plot:
-        write_plot(runs, args.plot)
+        write_plot([run for run, _ in runs], args.plot)
     if len(summaries) > 1:
         print(
             "step time (min): " + ", ".join(f"{s['mode']} {s['step_min']:.2f}" for s in summaries)
