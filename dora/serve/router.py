@@ -24,7 +24,10 @@ Invariants:
 - an instance that becomes unreachable (`ServerUnavailable`) is reported to `on_failure` (the
   rollout removes it from the orchestrator, which migrates or parks its leases); the calls it was
   running are resubmitted with the tokens their episodes had before the call (the lost call's
-  tokens are gone with the instance; it is the same version, so C1 holds).
+  tokens are gone with the instance; it is the same version, so C1 holds);
+- a request the instance refuses as malformed (`RequestError`, HTTP 4xx) ends its episode with
+  finish reason "error" (the runner masks the sample, the group stays whole); any other server
+  error propagates and stops the run.
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ from dataclasses import dataclass, field
 import msgspec
 
 from dora.engine.api import ExportedRequest
-from dora.errors import ServerError, ServerUnavailable
+from dora.errors import RequestError, ServerError, ServerUnavailable
 from dora.protocol import Completion, FinishReason, SamplingParams
 from dora.serve.instances import InstanceClient
 
@@ -298,12 +301,19 @@ class LeaseSampler:
             if left <= 0:
                 finish: FinishReason = "length"
                 break
-            part, exported, interrupted = await self._router.call(
-                lease,
-                prompt_ids + tokens,
-                msgspec.structs.replace(params, max_tokens=left),
-                imported=imported,
-            )
+            try:
+                part, exported, interrupted = await self._router.call(
+                    lease,
+                    prompt_ids + tokens,
+                    msgspec.structs.replace(params, max_tokens=left),
+                    imported=imported,
+                )
+            except RequestError as exc:
+                # The instance refused this request as malformed (e.g. too long for it): the
+                # episode ends with "error" and the runner masks its sample; the run goes on.
+                log.warning("request of episode %s refused: %s", lease.id, exc)
+                finish = "error"
+                break
             done = len(imported.token_ids) if imported is not None else 0
             imported = None
             if exported is not None and exported.kv and exported.version == lease.version:

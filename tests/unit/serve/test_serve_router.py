@@ -234,3 +234,17 @@ async def test_an_unreachable_instance_is_reported_and_the_call_resubmitted() ->
     router.on_failure = on_failure
     done = await router.sampler("g0/0").generate(PROMPT, PARAMS)
     assert failed == ["a"] and done.token_ids == [4, 5] and router.failed_calls == 1
+
+
+class RefusingInstance(FakeInstance):
+    async def generate(
+        self, prompt_ids: list[int], params: SamplingParams, *, request_id: str, version: int | None
+    ) -> Completion:
+        raise RequestError("generate: HTTP 400: prompt does not fit max_model_len")
+
+
+async def test_a_refused_request_ends_the_episode_with_error() -> None:
+    router = _router(False, a=RefusingInstance("a", 0))
+    router.open("g0/0", version=0, instance="a")
+    done = await router.sampler("g0/0").generate(PROMPT, PARAMS)
+    assert done.finish_reason == "error" and done.token_ids == []
