@@ -128,6 +128,13 @@ async def run_serve(
     from dora.serve.episode import ChatRenderer
     from dora.serve.rollout import Rollout
 
+    if config.rollout.group_size > config.serve.max_running:
+        # Workaround until config.py checks it: a group starts on one instance (bind late).
+        raise ConfigError(
+            f"rollout.group_size = {config.rollout.group_size} is invalid: it must be at most "
+            f"serve.max_running = {config.serve.max_running}, because a group's samples start "
+            "together on one instance"
+        )
     model_dir = prepare_model(config, run_dir)
     env_factory = load_env(config.env.cls, **config.env.kwargs)
     tasks = PromptStream(load_tasks(config), seed=config.data.seed)

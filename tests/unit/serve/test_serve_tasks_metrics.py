@@ -61,3 +61,11 @@ async def test_metrics_log_and_ticker(tmp_path: Path) -> None:
     assert len(lines) >= 3 and lines[0]["kind"] == "tick" and lines[0]["n"] == 1
     assert lines[-1] == {"kind": "summary", "time_s": lines[-1]["time_s"], "ok": True}
     assert all(lag >= 0 for lag in seen)
+
+
+async def test_a_group_must_fit_one_instance(tmp_path: Path) -> None:
+    from dora.serve.main import run_serve
+
+    config = load_config(None, ["rollout.group_size=16", "serve.max_running=8"])
+    with pytest.raises(ConfigError, match=r"group_size = 16 .* serve.max_running = 8"):
+        await run_serve(config, run_dir=tmp_path)
