@@ -24,6 +24,10 @@ A sample of an agentic episode holds its slot (its lease) while it waits for a t
 goes to host memory meanwhile (as the production system does) and only the tool's tokens are
 prefilled on return.
 
+The module is longer than 600 lines on purpose: the instances, the orchestrator's actions and the
+trainer share one clock, one event heap and the time integrals; split apart they would pass the
+whole state around.
+
 Workaround, not a core change: the orchestrator does not report when it quietly lifts a drain, so
 after `place` refuses, the driver retries on the next load, publish or periodic tick.
 """
