@@ -57,7 +57,16 @@ def main(args: argparse.Namespace) -> int:
     config = load_config(args.config, args.overrides)
     run_dir = make_run_dir(config)
     port = config.serve.port or free_port(config.serve.host)
-    overrides = [*args.overrides, f"serve.port={port}", f"log.run_dir={run_dir}"]
+    from dora.models.prepare import prepare_model
+
+    model_dir = prepare_model(config)  # both sides then start from these exact weights
+    overrides = [
+        *args.overrides,
+        f"serve.port={port}",
+        f"log.run_dir={run_dir}",
+        f"model.path={model_dir}",
+        "model.warmup_steps=0",
+    ]
     (run_dir / "config.toml").write_text(render_toml(load_config(args.config, overrides)))
     print(f"dora run: run directory {run_dir}", flush=True)
 
