@@ -185,11 +185,11 @@ class DataConfig(_Section):
 
     source: Annotated[
         str, M(description="Tasks: a .jsonl/.json/.parquet file, or 'module:function'")
-    ] = ""
+    ] = "envs.math:chain_arithmetic_tasks"
     kwargs: Annotated[
         dict[str, str | int | float | bool | list[str | int | float]],
         M(description="Keyword arguments when source is a function"),
-    ] = msgspec.field(default_factory=dict)
+    ] = msgspec.field(default_factory=lambda: {"n": 4096})
     seed: Annotated[int, M(description="Seed of the prompt stream (reshuffled every epoch)")] = 0
     eval_source: Annotated[
         str, M(description="Held-out tasks, like source; '' turns evaluation off")

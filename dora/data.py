@@ -11,6 +11,7 @@ The held-out set for evaluation comes the same way from `data.eval_source` and
 from __future__ import annotations
 
 import inspect
+import json
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -63,6 +64,8 @@ def load_tasks(
 def _read_file(path: Path, *, key: str) -> list[Task]:
     if not path.is_file():
         raise ConfigError(f"{key}: no such file {path}")
+    if path.suffix == ".jsonl":
+        return _read_jsonl(path)
     import datasets
 
     datasets.disable_progress_bars()
@@ -78,6 +81,25 @@ def _read_file(path: Path, *, key: str) -> list[Task]:
             raise DataError(f"{path}, row {i}: expected an object, got {type(row).__name__}")
         prompt_id = str(row["id"]) if row.get("id") is not None else f"{path.stem}-{i}"
         tasks.append(Task(prompt_id, row))
+    if not tasks:
+        raise DataError(f"{path}: no rows")
+    return tasks
+
+
+def _read_jsonl(path: Path) -> list[Task]:
+    """JSON lines, read here rather than through `datasets` so a bad row is named by number."""
+    tasks = []
+    with path.open() as f:
+        for i, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise DataError(f"{path}, row {i}: not valid JSON: {exc}") from None
+            if not isinstance(row, dict):
+                raise DataError(f"{path}, row {i}: expected a JSON object")
+            tasks.append(Task(str(row.get("id", f"{path.stem}-{i}")), row))
     if not tasks:
         raise DataError(f"{path}: no rows")
     return tasks

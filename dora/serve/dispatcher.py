@@ -16,88 +16,30 @@ same: `mask` keeps masked samples in the group (C2); `retry` regenerates the who
 version through `TransferQueue.fail`, at most `max_retries` times, while an instance of that
 version has room, and masks it otherwise.
 
-The prompt stream is `PromptStream` (cycles, reshuffled each epoch). Tasks come from
-`data.source`: a JSONL file, a `module:function` returning tasks, or (empty) the env's own
-generator.
+The prompt stream is `PromptStream` (cycles, reshuffled each epoch) over the tasks that
+`dora.data.load_tasks` reads from `data.source`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import inspect
-import json
 import logging
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import TYPE_CHECKING
 
-from dora.config import DoraConfig
 from dora.core.transfer_queue import Admitted, RefusalReason
-from dora.env import Env, PromptStream, Task, load_object
-from dora.errors import ConfigError, DataError, SchedulingError, ServerTimeout
+from dora.env import Env, PromptStream, Task
+from dora.errors import SchedulingError, ServerTimeout
 from dora.protocol import Group, Sample, SamplingParams
 from dora.serve.episode import ChatRenderer, EpisodeLimits, run_episode
 
 if TYPE_CHECKING:
     from dora.serve.rollout import Rollout
 
-__all__ = ["Dispatcher", "load_tasks"]
+__all__ = ["Dispatcher"]
 
 log = logging.getLogger("dora.serve")
-
-# Environments whose own task generator serves `data.source = ""`. Workaround: the env API has no
-# hook for "the env's default tasks" yet (reported to the lead); this table lives here until then.
-_DEFAULT_TASKS = {
-    "envs.math:ChainArithmeticEnv": ("envs.math:chain_arithmetic_tasks", 4096),
-}
-
-
-def load_tasks(config: DoraConfig) -> list[Task]:
-    """The task list `data.source` names (see the module docstring)."""
-    source, seed = config.data.source, config.data.seed
-    if not source:
-        default = _DEFAULT_TASKS.get(config.env.cls)
-        if default is None:
-            raise ConfigError(
-                f"data.source is empty and {config.env.cls!r} has no built-in task generator; "
-                "set data.source to a JSONL file or to 'module:function' returning tasks"
-            )
-        source, count = default
-        fn = load_object(source)
-        assert callable(fn)
-        return list(fn(count, seed=seed))
-    if ":" in source and not Path(source).exists():
-        fn = load_object(source)
-        if not callable(fn):
-            raise ConfigError(f"data.source {source!r} is not callable")
-        takes_seed = "seed" in inspect.signature(fn).parameters
-        try:
-            tasks = fn(seed=seed) if takes_seed else fn()
-        except TypeError as exc:
-            raise ConfigError(
-                f"data.source {source!r} must be callable with no arguments (or seed= only): {exc}"
-            ) from exc
-        return list(tasks)
-    return _read_jsonl(Path(source))
-
-
-def _read_jsonl(path: Path) -> list[Task]:
-    if not path.is_file():
-        raise ConfigError(f"data.source: no such file {path}")
-    tasks = []
-    with path.open() as f:
-        for i, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise DataError(f"{path}, row {i}: not valid JSON: {exc}") from None
-            if not isinstance(row, dict):
-                raise DataError(f"{path}, row {i}: expected a JSON object")
-            tasks.append(Task(str(row.get("id", f"{path.stem}-{i}")), row))
-    return tasks
 
 
 class Dispatcher:

@@ -122,9 +122,10 @@ async def run_serve(
     in this process) and their own `ServeLink` (to know its address before the run starts)."""
     from transformers import AutoTokenizer
 
+    from dora.data import load_tasks
     from dora.env import PromptStream, load_env
     from dora.link import ServeLink
-    from dora.serve.dispatcher import Dispatcher, load_tasks
+    from dora.serve.dispatcher import Dispatcher
     from dora.serve.episode import ChatRenderer
     from dora.serve.rollout import Rollout
 
@@ -137,7 +138,10 @@ async def run_serve(
         )
     model_dir = prepare_model(config, run_dir)
     env_factory = load_env(config.env.cls, **config.env.kwargs)
-    tasks = PromptStream(load_tasks(config), seed=config.data.seed)
+    tasks = PromptStream(
+        load_tasks(config.data.source, kwargs=config.data.kwargs, seed=config.data.seed),
+        seed=config.data.seed,
+    )
     tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, str(model_dir))
     renderer = ChatRenderer(tokenizer)
     own_link = link is None

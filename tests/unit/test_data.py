@@ -33,6 +33,26 @@ def test_jsonl_rows_become_tasks(tmp_path: Path) -> None:
     assert tasks[1]["question"] == "2+2?"
 
 
+def test_jsonl_bad_rows_name_file_and_row(tmp_path: Path) -> None:
+    path = tmp_path / "rows.jsonl"
+    path.write_text(
+        '{"id": "a", "question": "1+1", "gold": "2"}\n\n{"question": "2+2"}\nnot json\n'
+    )
+    with pytest.raises(DataError, match=r"rows\.jsonl, row 4: not valid JSON"):
+        load_tasks(str(path))
+    path.write_text('{"id": "a"}\n[1, 2]\n')
+    with pytest.raises(DataError, match=r"rows\.jsonl, row 2: expected a JSON object"):
+        load_tasks(str(path))
+
+
+def test_the_default_config_names_a_working_source() -> None:
+    from dora.config import load_config
+
+    config = load_config(None, ["data.seed=3"])
+    tasks = load_tasks(config.data.source, kwargs=config.data.kwargs, seed=config.data.seed)
+    assert len(tasks) == 4096 and tasks[0].prompt_id.startswith("chain-3-")
+
+
 def test_parquet_rows_become_tasks(tmp_path: Path) -> None:
     import pyarrow as pa
     import pyarrow.parquet as pq

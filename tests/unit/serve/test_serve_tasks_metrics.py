@@ -1,4 +1,4 @@
-"""Where the dispatcher's tasks come from, and the metrics log and ticker."""
+"""The metrics log and ticker."""
 
 from __future__ import annotations
 
@@ -9,36 +9,8 @@ from pathlib import Path
 import pytest
 
 from dora.config import load_config
-from dora.errors import ConfigError, DataError
-from dora.serve.dispatcher import load_tasks
+from dora.errors import ConfigError
 from dora.serve.metrics import MetricsLog, Ticker
-
-
-def test_tasks_from_jsonl(tmp_path: Path) -> None:
-    path = tmp_path / "rows.jsonl"
-    path.write_text('{"id": "a", "question": "1+1", "gold": "2"}\n\n{"question": "2+2"}\n')
-    tasks = load_tasks(load_config(None, [f"data.source={json.dumps(str(path))}"]))
-    assert [t.prompt_id for t in tasks] == ["a", "rows-3"]
-    assert tasks[0]["gold"] == "2"
-
-
-def test_bad_rows_name_file_and_row(tmp_path: Path) -> None:
-    path = tmp_path / "rows.jsonl"
-    path.write_text('{"id": "a"}\nnot json\n')
-    with pytest.raises(DataError, match=r"rows.jsonl, row 2"):
-        load_tasks(load_config(None, [f"data.source={json.dumps(str(path))}"]))
-    with pytest.raises(ConfigError, match="no such file"):
-        load_tasks(load_config(None, ['data.source="missing.jsonl"']))
-
-
-def test_tasks_from_a_function_and_the_env_default() -> None:
-    config = load_config(None, ['data.source="envs.math:chain_arithmetic_tasks"'])
-    with pytest.raises(ConfigError, match="no arguments"):
-        load_tasks(config)  # it needs a count: a function named here may take only a seed
-    tasks = load_tasks(load_config(None, ["data.seed=3"]))  # ChainArithmeticEnv's own generator
-    assert len(tasks) == 4096 and tasks[0].prompt_id.startswith("chain-3-")
-    with pytest.raises(ConfigError, match="no built-in task generator"):
-        load_tasks(load_config(None, ['env.cls="envs.math:GSM8KEnv"']))
 
 
 async def test_metrics_log_and_ticker(tmp_path: Path) -> None:
