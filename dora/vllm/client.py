@@ -29,6 +29,10 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import json
+import os
+import struct
+import uuid
 from collections.abc import Mapping
 from typing import Literal
 
@@ -37,7 +41,7 @@ import msgspec
 
 from dora.engine.api import ExportedRequest
 from dora.engine.client import EngineClient
-from dora.errors import RequestError, ServerError, VersionMismatch
+from dora.errors import RequestError, ServerError, ServerTimeout, VersionMismatch
 from dora.protocol import Completion, FinishReason, SamplingParams
 
 __all__ = ["VllmClient"]
@@ -68,7 +72,11 @@ class VllmClient(EngineClient):
         control_timeout_s: float = 120.0,
         token: str | None = None,
         session: aiohttp.ClientSession | None = None,
+        stage_dir: str | None = None,
     ) -> None:
+        """`stage_dir`: a folder this process writes and the server reads (the same host, or a
+        shared file system); raw tensors are loaded through a safetensors file there instead of
+        base64 JSON over HTTP (which costs a third more bytes and a JSON parse)."""
         super().__init__(
             base_url,
             timeout_s=timeout_s,
@@ -77,6 +85,7 @@ class VllmClient(EngineClient):
             session=session,
         )
         self.version = version
+        self.stage_dir = stage_dir
         self.loads = 0
         self._ready = asyncio.Event()
         self._ready.set()
@@ -145,11 +154,34 @@ class VllmClient(EngineClient):
             # sampled; dora's partial mode resumes by resubmission instead.
             raise RequestError(f"load_weights: mode {mode!r} is not supported by vLLM instances")
         deadline = timeout_s or self.control_timeout_s
+        staged: str | None = None
+        if tensors is not None and self.stage_dir is not None:
+            staged = os.path.join(
+                self.stage_dir, f"dora-v{version}-{uuid.uuid4().hex[:8]}.safetensors"
+            )
+            await asyncio.to_thread(_write_safetensors, staged, tensors)
+            path, tensors = staged, None
+        try:
+            return await self._load(version, path, tensors, mode, deadline)
+        finally:
+            if staged is not None:
+                await asyncio.to_thread(_remove, staged)
+
+    async def _load(
+        self,
+        version: int,
+        path: str | None,
+        tensors: Mapping[str, tuple[str, list[int], bytes]] | None,
+        mode: str,
+        deadline: float,
+    ) -> Json:
         loop = asyncio.get_running_loop()
         async with self._load_lock:
             self._ready.clear()
             started = loop.time()
             previous = self.version
+            # A failed load leaves the server paused on purpose: its weights may be half-updated,
+            # and only the next successful load resumes it.
             try:
                 async with asyncio.timeout(deadline):
                     running = len(self._inflight)
@@ -172,6 +204,10 @@ class VllmClient(EngineClient):
                     self.version = version
                     self.loads += 1
                     await self._control("/resume", None, "resume")
+            except TimeoutError:
+                raise ServerTimeout(
+                    f"load: {self.base_url} did not load version {version} within {deadline:g} s"
+                ) from None
             finally:
                 self._ready.set()
         return {
@@ -271,6 +307,39 @@ def _completion(out: Json, request_id: str, prompt_tokens: int, version: int) ->
         finish_reason=_FINISH.get(choice.get("finish_reason") or "abort", "stop"),
         prompt_tokens=prompt_tokens,
     )
+
+
+_SAFETENSORS_DTYPES = {
+    "float32": "F32", "float16": "F16", "bfloat16": "BF16", "float64": "F64", "int64": "I64",
+    "int32": "I32", "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL",
+}  # fmt: skip
+
+
+def _write_safetensors(path: str, tensors: Mapping[str, tuple[str, list[int], bytes]]) -> None:
+    """Raw little-endian tensors as a safetensors file (the format is a JSON header and the
+    bytes; no torch needed here)."""
+    header: dict[str, object] = {}
+    offset = 0
+    for name, (dtype, shape, data) in tensors.items():
+        header[name] = {
+            "dtype": _SAFETENSORS_DTYPES[dtype],
+            "shape": shape,
+            "data_offsets": [offset, offset + len(data)],
+        }
+        offset += len(data)
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    with open(path + ".tmp", "wb") as f:
+        f.write(struct.pack("<Q", len(raw)))
+        f.write(raw)
+        for _, _, data in tensors.values():
+            f.write(data)
+    os.replace(path + ".tmp", path)
+
+
+def _remove(path: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.remove(path)
 
 
 def _encode(tensors: Mapping[str, tuple[str, list[int], bytes]]) -> Json:

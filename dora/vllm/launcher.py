@@ -93,6 +93,10 @@ class VllmSpec:
     """`VLLM_CPU_KVCACHE_SPACE` for the CPU build (ignored on GPU)."""
     log_dir: str | None = None
     """Where `vllm-<id>.log` goes; None: a temporary folder."""
+    stage_dir: str | None = None
+    """A folder dora writes and the servers read, through which raw tensors are loaded (a shared
+    file system for servers on other nodes); None: the log folder for servers dora started, and
+    base64 over HTTP for attached ones."""
     start_timeout_s: float = 300.0
     request_timeout_s: float = 600.0
     control_timeout_s: float = 120.0
@@ -255,8 +259,14 @@ async def _wait_healthy(server: VllmServer, timeout_s: float) -> None:
 
 
 def _handle(server_id: str, url: str, spec: VllmSpec, stop: VllmServer | None) -> InstanceHandle:
+    stage_dir = spec.stage_dir
+    if stage_dir is None and stop is not None:
+        stage_dir = str(stop.log_path.parent)  # a server dora started runs on this host
     client = VllmClient(
-        url, timeout_s=spec.request_timeout_s, control_timeout_s=spec.control_timeout_s
+        url,
+        timeout_s=spec.request_timeout_s,
+        control_timeout_s=spec.control_timeout_s,
+        stage_dir=stage_dir,
     )
 
     async def _stop() -> None:

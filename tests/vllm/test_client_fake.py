@@ -11,8 +11,10 @@ and launcher errors that need no server.
 from __future__ import annotations
 
 import asyncio
+import os
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import pytest
 from aiohttp import web
@@ -144,6 +146,31 @@ async def test_load_order_and_version(fake: tuple[FakeVllm, VllmClient]) -> None
     with pytest.raises(RequestError):
         await client.load_weights(6)
     assert await client.read_version() == 7
+
+
+async def test_tensors_staged_as_safetensors(
+    fake: tuple[FakeVllm, VllmClient], tmp_path: Path
+) -> None:
+    import torch
+    from safetensors.torch import load_file
+
+    from dora.vllm.client import _write_safetensors
+
+    server, client = fake
+    client.stage_dir = str(tmp_path)
+    w = torch.arange(6, dtype=torch.bfloat16).reshape(2, 3)
+    b = torch.tensor([1.5, -2.0])
+    tensors = {
+        "w": ("bfloat16", [2, 3], w.view(torch.uint8).numpy().tobytes()),
+        "b": ("float32", [2], b.numpy().tobytes()),
+    }
+    path = str(tmp_path / "check.safetensors")
+    _write_safetensors(path, tensors)
+    back = load_file(path)
+    assert torch.equal(back["w"], w) and torch.equal(back["b"], b)
+    await client.load_weights(1, tensors=tensors)
+    assert "rpc:dora_load_path" in server.calls
+    assert os.listdir(tmp_path) == ["check.safetensors"], "the staged file is removed"
 
 
 async def test_failed_load_leaves_instance_unusable(fake: tuple[FakeVllm, VllmClient]) -> None:

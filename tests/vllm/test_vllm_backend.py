@@ -125,9 +125,13 @@ async def test_load_changes_version_and_logprobs(
         n: (str(t.dtype).removeprefix("torch."), list(t.shape), t.numpy().tobytes())
         for n, t in load_file(str(v1 / "model.safetensors")).items()
     }
-    loaded_b = await b.load_weights(1, tensors=raw)
+    b.stage_dir, stage_dir = None, b.stage_dir  # this load: base64 over HTTP, not a staged file
+    try:
+        loaded_b = await b.load_weights(1, tensors=raw)
+    finally:
+        b.stage_dir = stage_dir
     print(
-        f"\nload (folder) {loaded['load_s']:.3f} s, load (tensors over HTTP) "
+        f"\nload (folder) {loaded['load_s']:.3f} s, load (tensors, base64 over HTTP) "
         f"{loaded_b['load_s']:.3f} s; worker {loaded['worker']}"
     )
     assert loaded["version"] == 1 and loaded["previous_version"] == 0
@@ -183,7 +187,15 @@ async def test_abort_then_resubmit_to_same_version(
     vllm: list[InstanceHandle], tiny_model: Path
 ) -> None:
     a, b = _clients(vllm)
-    await b.load_weights(2, path=str(tiny_model))  # any weights; both must hold one version
+    # Both hold one version again (the initial weights); b's arrive as tensors staged in a file.
+    from safetensors.torch import load_file
+
+    raw = {
+        n: (str(t.dtype).removeprefix("torch."), list(t.shape), t.numpy().tobytes())
+        for n, t in load_file(str(tiny_model / "model.safetensors")).items()
+    }
+    assert b.stage_dir is not None
+    await b.load_weights(2, tensors=raw)
     await a.load_weights(2, path=str(tiny_model))
     params = SamplingParams(max_tokens=470, temperature=1.0, ignore_eos=True, seed=5)
     call = asyncio.create_task(b.generate(PROMPT, params, request_id="long", version=2))
@@ -196,6 +208,8 @@ async def test_abort_then_resubmit_to_same_version(
     assert 0 < n < 470 and len(aborted.logprobs) == n and aborted.versions == [2] * n
     with pytest.raises(RequestError):
         await b.abort("long")
+    ref = await asyncio.to_thread(reference_logprobs, tiny_model, PROMPT, aborted.token_ids, 1.0)
+    assert max_abs_diff(aborted.logprobs, ref) < TOL
 
     rest = SamplingParams(max_tokens=470 - n, temperature=1.0, ignore_eos=True, seed=6)
     tail = await a.generate(PROMPT + aborted.token_ids, rest, request_id="long-2", version=2)
