@@ -55,6 +55,7 @@ async def test_env_errors(tmp_path: Path, long_tail_model: Path, policy: str) ->
             f"learn.steps={STEPS}",
             "env.cls=test_serve_env_errors:FlakyEnv",
             "data.source=test_serve_env_errors:short_tasks",
+            "data.kwargs={}",
             f"log.run_dir={json.dumps(str(tmp_path))}",
             "log.metrics_every_s=0.2",
             "log.progress=false",

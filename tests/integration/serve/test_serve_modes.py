@@ -50,6 +50,7 @@ def _config(mode: str, run_dir: Path, model: Path, **extra: object) -> object:
         f"learn.steps={STEPS}",
         "env.cls=envs.math:ChainArithmeticEnv",
         f"data.source={json.dumps(str(_tasks_file(run_dir.parent)))}",
+        "data.kwargs={}",
         f"log.run_dir={json.dumps(str(run_dir))}",
         "log.metrics_every_s=0.25",
         "log.progress=false",
