@@ -315,7 +315,7 @@ class Rollout:
                 case WeightChunk():
                     if self.store.on_chunk(message):
                         self._maybe_publish()
-                case WeightsReady(path=path) if path:
+                case WeightsReady(path=path) if path and not self.store.has(message.version):
                     chunk = await asyncio.to_thread(read_folder, path, message.version)
                     ready = msgspec.structs.replace(message, path="", num_chunks=1)
                     if self.store.on_chunk(chunk) or self.store.on_ready(ready):

@@ -10,7 +10,8 @@ to the instances once (DESIGN §5, "Weight transport").
 Invariants:
 - a version is `complete` once its `WeightsReady` arrived and all `num_chunks` chunks with it;
   chunks may arrive before or after the `WeightsReady` that announces them;
-- messages of an older trainer incarnation are ignored (a ghost version never enters the store);
+- messages of an older trainer incarnation are ignored (a ghost version never enters the store),
+  and so is a version announced again while the store holds it;
 - `retain(keep)` drops every version outside `keep`; the caller keeps the versions that still have
   an unassigned group, a live request, an instance holding them, or that are the newest. Version 0
   is the model folder on disk, so keeping it costs no memory.
@@ -88,7 +89,10 @@ class WeightStore:
             self.ignored += 1
             return False
         if chunk.version in self._complete:
-            raise ProtocolError(f"chunk {chunk.index} of version {chunk.version}, already complete")
+            # Published again (a restarted trainer re-announcing the version it resumes with):
+            # the same weights, already here.
+            self.ignored += 1
+            return False
         if not (len(chunk.names) == len(chunk.dtypes) == len(chunk.shapes) == len(chunk.data)):
             raise ProtocolError(
                 f"chunk {chunk.index} of version {chunk.version}: names, dtypes, shapes and data "

@@ -36,6 +36,10 @@ def test_chunks_then_ready_and_ready_then_chunks() -> None:
     assert store.on_chunk(_chunk(2, 0, "a"))
     assert store.get(2).names == ["a", "b"], "chunks are joined in index order"
     assert store.versions() == [1, 2] and store.nbytes() == 32
+    # announced again (a restarted trainer): ignored, the weights stay
+    assert not store.on_chunk(_chunk(2, 0, "a"))
+    assert not store.on_ready(WeightsReady(version=2, incarnation=0, num_chunks=2))
+    assert store.get(2).names == ["a", "b"] and store.ignored == 1
 
 
 def test_bad_chunks_are_protocol_errors() -> None:
