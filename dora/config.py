@@ -189,7 +189,7 @@ class DataConfig(_Section):
     kwargs: Annotated[
         dict[str, str | int | float | bool | list[str | int | float]],
         M(description="Keyword arguments when source is a function"),
-    ] = msgspec.field(default_factory=lambda: {"n": 4096})
+    ] = msgspec.field(default_factory=dict)
     seed: Annotated[int, M(description="Seed of the prompt stream (reshuffled every epoch)")] = 0
     eval_source: Annotated[
         str, M(description="Held-out tasks, like source; '' turns evaluation off")

@@ -43,7 +43,7 @@ def chain_problem(terms: list[int], ops: list[str]) -> tuple[str, str, int]:
 
 
 def chain_arithmetic_tasks(
-    n: int,
+    n: int = 4096,
     *,
     seed: int = 0,
     alpha: float = 1.3,
