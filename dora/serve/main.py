@@ -1,10 +1,11 @@
 """`dora serve CONFIG [key=value ...]`: the rollout side of a run.
 
-Starts `serve.instances` embedded engine processes (version 0 = `model.path`, or the tiny model
-built into `{run_dir}/initial-model`), binds the trainer link on `serve.host:serve.port`, and runs
-the rollout loop (`rollout.py`) until every step of `learn.steps` is filled, sent and acknowledged.
-Metrics go to `{run_dir}/rollout.jsonl` and `{run_dir}/summary.json`; the live display goes to the
-terminal when `log.progress` is on and stderr is a terminal.
+Starts `serve.instances` embedded engine processes (version 0 is the run's initial model from
+`dora.models.prepare`: `model.path`, or the tiny model, warmed up if asked), binds the trainer
+link on `serve.host:serve.port`, and runs the rollout loop (`rollout.py`) until every step of
+`learn.steps` is filled, sent and acknowledged. Metrics go to `{run_dir}/rollout.jsonl` and
+`{run_dir}/summary.json`; the live display goes to the terminal when `log.progress` is on and
+stderr is a terminal.
 
 The trainer connects to the address printed at start (`dora run` chooses the port and passes it to
 both sides). Stopping (Ctrl-C, SIGTERM, or an error) cancels the task group and stops every
@@ -17,10 +18,8 @@ import argparse
 import asyncio
 import contextlib
 import logging
-import os
 import signal
 import sys
-import tempfile
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -36,7 +35,7 @@ from dora.serve.instances import (
     start_processes,
 )
 
-__all__ = ["main", "prepare_model", "run_serve"]
+__all__ = ["main", "run_serve"]
 
 log = logging.getLogger("dora.serve")
 
@@ -45,35 +44,6 @@ def resolve_run_dir(config: DoraConfig) -> Path:
     from dora.learn.main import resolve_run_dir as learn_run_dir
 
     return learn_run_dir(config, resume=False)
-
-
-def prepare_model(config: DoraConfig, run_dir: Path) -> Path:
-    """The folder of version 0. The tiny model is built (seed 0, as `dora learn` builds it) into a
-    temporary folder and renamed into place, so a trainer building it at the same moment never
-    reads half of ours."""
-    if config.model.path != "tiny":
-        path = Path(config.model.path)
-        if not (path / "config.json").is_file():
-            raise ConfigError(f"model.path = {str(path)!r} is not a Hugging Face model folder")
-        return path
-    out = run_dir / "initial-model"
-    if (out / "config.json").is_file():
-        return out
-    from dora.models import TinyModelSpec, build_tiny_model
-
-    spec = TinyModelSpec(
-        hidden_size=config.model.tiny_hidden_size, num_layers=config.model.tiny_layers
-    )
-    run_dir.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".initial-model-", dir=run_dir))
-    build_tiny_model(tmp, spec)
-    try:
-        os.rename(tmp, out)
-    except OSError:  # somebody else (the trainer) put it there first: theirs is identical
-        import shutil
-
-        shutil.rmtree(tmp, ignore_errors=True)
-    return out
 
 
 @contextlib.asynccontextmanager
@@ -136,7 +106,11 @@ async def run_serve(
             f"serve.max_running = {config.serve.max_running}, because a group's samples start "
             "together on one instance"
         )
-    model_dir = prepare_model(config, run_dir)
+    from dora.models.prepare import prepare_model
+
+    # The initial weights the trainer starts from too (built, warmed up and cached once, under a
+    # lock, by whichever side comes first): version 0 must be the same on both sides.
+    model_dir = await asyncio.to_thread(prepare_model, config)
     env_factory = load_env(config.env.cls, **config.env.kwargs)
     tasks = PromptStream(
         load_tasks(config.data.source, kwargs=config.data.kwargs, seed=config.data.seed),
