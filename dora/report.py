@@ -1,0 +1,362 @@
+"""`dora report RUN_DIR [--out DIR]`: one self-contained HTML page of a run, finished or running.
+
+It reads the run directory only: `rollout.jsonl` (serve's `tick`, `step`, `trained`, `weight_load`
+records), `learn-metrics.jsonl` (the trainer's per-step metrics) and `summary.json` when the run has
+ended. A line that is not complete JSON (the last one of a file being written) is skipped, so the
+report works while a run is going. It draws, with matplotlib's Agg backend, four PNGs written beside
+`report.html` and embedded in it as base64 data URIs (the page needs nothing else):
+
+- `reward.png`: reward mean per step, and accuracy when the records carry one (`accuracy` or
+  `eval_*` keys); with 0/1 rewards (exact match) the reward mean is the training accuracy;
+- `throughput.png`: trained tokens/s per step (trainer) and generated tokens/s (instances);
+- `staleness.png`: how many groups trained at each staleness `t - w`;
+- `timeline.png`: instance x time, each instance coloured by the version it holds, light where it
+  was idle and full where it was generating (tick utilisation), hatched while loading weights, with
+  the trainer's steps marked. This is the picture that explains DORA: old versions finish their
+  long tails on a few instances while the others already serve the newest.
+
+The version an instance holds comes from `weight_load` records (exact: end time and duration of
+each load); utilisation is per tick interval (`log.metrics_every_s`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import contextlib
+import html
+import itertools
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+__all__ = ["RunData", "load_run", "main", "read_jsonl", "write_report"]
+
+Record = dict[str, Any]
+
+
+def read_jsonl(path: Path) -> list[Record]:
+    """Every complete JSON object of a file; partial or broken lines are skipped."""
+    if not path.is_file():
+        return []
+    out = []
+    for line in path.read_bytes().splitlines():
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(rec, dict):
+            out.append(rec)
+    return out
+
+
+@dataclass(kw_only=True)
+class RunData:
+    """The records of one run directory, by kind."""
+
+    run_dir: Path
+    ticks: list[Record] = field(default_factory=list)
+    steps: list[Record] = field(default_factory=list)
+    trained: list[Record] = field(default_factory=list)
+    weight_loads: list[Record] = field(default_factory=list)
+    learn: list[Record] = field(default_factory=list)
+    summary: Record = field(default_factory=dict)
+
+    @property
+    def finished(self) -> bool:
+        return bool(self.summary)
+
+    def step_metrics(self) -> list[Record]:
+        """Per trained step, the trainer's metrics with `step` (learn-metrics.jsonl, else the
+        `trained` records of rollout.jsonl)."""
+        if self.learn:
+            return sorted(self.learn, key=lambda r: r.get("step", 0))
+        return [{"step": r["step"], **r["metrics"]} for r in self.trained]
+
+
+def load_run(run_dir: Path) -> RunData:
+    run_dir = Path(run_dir)
+    data = RunData(run_dir=run_dir, learn=read_jsonl(run_dir / "learn-metrics.jsonl"))
+    by_kind = {"tick": data.ticks, "step": data.steps, "trained": data.trained}
+    by_kind["weight_load"] = data.weight_loads
+    for rec in read_jsonl(run_dir / "rollout.jsonl"):
+        kind = rec.get("kind")
+        if kind in by_kind:
+            by_kind[kind].append(rec)
+        elif kind == "summary":
+            data.summary = rec
+    summary = run_dir / "summary.json"
+    if summary.is_file():
+        with contextlib.suppress(ValueError):
+            data.summary = json.loads(summary.read_text())
+    return data
+
+
+# --- figures -------------------------------------------------------------------------------------
+
+
+def _plt() -> Any:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_reward(run: RunData, path: Path) -> str:
+    plt = _plt()
+    metrics = run.step_metrics()
+    steps = [m["step"] for m in metrics]
+    acc_keys = sorted({k for m in metrics for k in m if k == "accuracy" or k.startswith("eval_")})
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.2))
+    axes[0].plot(steps, [m.get("reward_mean", float("nan")) for m in metrics], marker=".")
+    axes[0].set(title="reward mean (training samples)", xlabel="step", ylabel="reward")
+    note = ""
+    if acc_keys:
+        for k in acc_keys:
+            pts = [(m["step"], m[k]) for m in metrics if k in m]
+            axes[1].plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=k)
+        axes[1].legend()
+        axes[1].set(title="accuracy", xlabel="step")
+    else:
+        axes[1].text(
+            0.5,
+            0.5,
+            "no accuracy or eval records",
+            ha="center",
+            va="center",
+            transform=axes[1].transAxes,
+        )
+        axes[1].set(title="accuracy", xlabel="step")
+        note = (
+            "No held-out accuracy is recorded (no `accuracy`/`eval_*` metric); with 0/1 rewards "
+            "the reward mean is the training accuracy."
+        )
+    _save(fig, path)
+    return note
+
+
+def plot_throughput(run: RunData, path: Path) -> None:
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(10, 3.2))
+    trained = sorted(run.trained, key=lambda r: r["time_s"])
+    if len(trained) >= 2:
+        xs, ys = [], []
+        for a, b in itertools.pairwise(trained):
+            dt = b["time_s"] - a["time_s"]
+            if dt > 0:
+                xs.append(b["time_s"])
+                ys.append(b["metrics"].get("tokens", 0.0) / dt)
+        ax.step(xs, ys, where="pre", label="trained tokens/s (per step)")
+    gen_x, gen_y = [], []
+    for a, b in zip(run.ticks, run.ticks[1:], strict=False):
+        dt = b["time_s"] - a["time_s"]
+        if dt > 0:
+            before = sum(i["tokens"] for i in a["instances"])
+            after = sum(i["tokens"] for i in b["instances"])
+            gen_x.append(b["time_s"])
+            gen_y.append(max(0, after - before) / dt)
+    if gen_x:
+        ax.plot(gen_x, gen_y, alpha=0.6, label="generated tokens/s (all instances)")
+    ax.set(title="throughput", xlabel="time (s)", ylabel="tokens/s")
+    if gen_x or len(trained) >= 2:
+        ax.legend()
+    _save(fig, path)
+
+
+def staleness_histogram(run: RunData) -> list[int]:
+    if run.summary.get("staleness_histogram"):
+        return [int(n) for n in run.summary["staleness_histogram"]]
+    counts: dict[int, int] = {}
+    for rec in run.steps:
+        for s in rec.get("staleness", []):
+            counts[s] = counts.get(s, 0) + 1
+    return [counts.get(s, 0) for s in range(max(counts, default=-1) + 1)]
+
+
+def plot_staleness(run: RunData, path: Path) -> None:
+    plt = _plt()
+    hist = staleness_histogram(run)
+    fig, ax = plt.subplots(figsize=(5, 3.2))
+    ax.bar(range(len(hist)), hist, color="#4c72b0")
+    ax.set(title="staleness of trained groups", xlabel="t - w (versions)", ylabel="groups")
+    ax.set_xticks(range(len(hist)))
+    _save(fig, path)
+
+
+def version_segments(run: RunData) -> dict[str, list[tuple[float, float, int, bool]]]:
+    """Per instance: (start, end, version, loading) segments, from the weight loads."""
+    names = sorted({i["id"] for t in run.ticks for i in t["instances"]}) or sorted(
+        {w["instance"] for w in run.weight_loads}
+    )
+    end = max(
+        [r["time_s"] for r in (*run.ticks, *run.steps, *run.trained, *run.weight_loads)],
+        default=0.0,
+    )
+    out: dict[str, list[tuple[float, float, int, bool]]] = {}
+    for name in names:
+        loads = sorted(
+            (w for w in run.weight_loads if w["instance"] == name), key=lambda w: w["time_s"]
+        )
+        segs, t, version = [], 0.0, 0
+        for w in loads:
+            begin = max(t, w["time_s"] - w["seconds"])
+            if begin > t:
+                segs.append((t, begin, version, False))
+            segs.append((begin, w["time_s"], w["version"], True))
+            t, version = w["time_s"], w["version"]
+        if end > t:
+            segs.append((t, end, version, False))
+        out[name] = segs
+    return out
+
+
+def plot_timeline(run: RunData, path: Path) -> None:
+    plt = _plt()
+    segments = version_segments(run)
+    names = list(segments)
+    versions = sorted({s[2] for segs in segments.values() for s in segs}) or [0]
+    cmap = plt.get_cmap("tab10")  # neighbouring versions must differ; labels name each block
+
+    def colour(v: int) -> Any:
+        return cmap(v % 10)
+
+    fig, ax = plt.subplots(figsize=(12, 0.6 * len(names) + 1.8))
+    util: dict[str, list[tuple[float, float, float]]] = {n: [] for n in names}
+    for a, b in zip([{"time_s": 0.0, "instances": []}, *run.ticks], run.ticks, strict=False):
+        for inst in b["instances"]:
+            if inst["id"] in util:
+                util[inst["id"]].append((a["time_s"], b["time_s"], float(inst["util"])))
+    for y, name in enumerate(names):
+        for start, stop, v, loading in segments[name]:
+            ax.broken_barh(
+                [(start, stop - start)],
+                (y - 0.4, 0.8),
+                facecolors=colour(v),
+                alpha=0.35,
+                hatch="////" if loading else None,
+                edgecolor="black" if loading else None,
+                linewidth=0,
+            )
+        for start, stop, u in util[name]:  # the busy part of each interval, drawn solid
+            for s0, s1, v, _ in segments[name] if u > 0 else []:
+                lo, hi = max(start, s0), min(stop, s1)
+                if hi > lo:
+                    ax.broken_barh([(lo, hi - lo)], (y - 0.4 * u, 0.8 * u), facecolors=colour(v))
+    end = max((seg[1] for segs in segments.values() for seg in segs), default=1.0)
+    for y, name in enumerate(names):  # name the version of every block wide enough for a label
+        for start, stop, v, loading in segments[name]:
+            if not loading and stop - start > 0.025 * end:
+                ax.text((start + stop) / 2, y, f"v{v}", ha="center", va="center", fontsize=7)
+    for rec in run.trained:
+        ax.axvline(rec["time_s"], color="black", alpha=0.25, linewidth=0.8)
+    ax.set_yticks(range(len(names)), names)
+    ax.set_xlabel(
+        "time (s); bar height: utilisation (pale: idle); hatched: loading; grey: a step trained"
+    )
+    mode = run.summary.get("mode", "")
+    ax.set_title(f"{mode} instances x time, coloured by the version each holds".strip())
+    from matplotlib.patches import Patch
+
+    handles = [Patch(color=colour(v), label=f"v{v}") for v in versions[:10]]
+    if len(versions) > 10:
+        handles = [Patch(color=colour(v), label=f"v{v}, v{v + 10}, ...") for v in range(10)]
+    handles.append(Patch(facecolor="white", edgecolor="black", hatch="////", label="loading"))
+    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize="small")
+    _save(fig, path)
+
+
+def _save(fig: Any, path: Path) -> None:
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    _plt().close(fig)
+
+
+# --- the page ------------------------------------------------------------------------------------
+
+SUMMARY_KEYS = (
+    "mode",
+    "steps",
+    "steps_trained",
+    "wall_s",
+    "max_versions_serving",
+    "utilisation",
+    "migrations",
+    "kv_migrations",
+    "resubmissions",
+    "parks",
+    "weight_loads",
+    "weight_load_s",
+    "admission_wait_s",
+    "trainer_wait_s",
+    "max_loop_lag_ms",
+)
+
+
+def _summary_rows(run: RunData) -> list[tuple[str, str]]:
+    if run.summary:
+        return [(k, json.dumps(run.summary[k])) for k in SUMMARY_KEYS if k in run.summary]
+    rows = [("state", "running (no summary yet)")]
+    if run.ticks:
+        last = run.ticks[-1]
+        rows += [(k, json.dumps(last[k])) for k in ("step", "trained", "newest") if k in last]
+    return rows
+
+
+def write_report(run_dir: Path, out: Path | None = None) -> Path:
+    """Write `report.html` and its PNGs into `out` (default: the run directory)."""
+    run = load_run(run_dir)
+    out = Path(out) if out is not None else Path(run_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    notes = []
+    images = [
+        ("reward.png", "Reward and accuracy"),
+        ("throughput.png", "Throughput"),
+        ("staleness.png", "Staleness"),
+        ("timeline.png", "Instances x time, by version"),
+    ]
+    note = plot_reward(run, out / "reward.png")
+    if note:
+        notes.append(note)
+    plot_throughput(run, out / "throughput.png")
+    plot_staleness(run, out / "staleness.png")
+    plot_timeline(run, out / "timeline.png")
+    if not run.weight_loads and run.ticks:
+        notes.append("No weight_load records: every instance is drawn at version 0.")
+    rows = "".join(
+        f"<tr><th>{html.escape(k)}</th><td>{html.escape(v)}</td></tr>"
+        for k, v in _summary_rows(run)
+    )
+    figures = "".join(
+        f"<h2>{html.escape(title)}</h2><img alt='{name}' src='data:image/png;base64,"
+        f"{base64.b64encode((out / name).read_bytes()).decode()}'>"
+        for name, title in images
+    )
+    page = (
+        "<!doctype html><html><head><meta charset='utf-8'>"
+        f"<title>dora report: {html.escape(str(run_dir))}</title>"
+        "<style>body{font-family:sans-serif;max-width:1400px;margin:1em auto}"
+        "img{max-width:100%}th{text-align:left;padding-right:1em}</style></head><body>"
+        f"<h1>dora report: {html.escape(str(run_dir))}</h1><table>{rows}</table>"
+        + "".join(f"<p><em>{html.escape(n)}</em></p>" for n in notes)
+        + figures
+        + "</body></html>"
+    )
+    path = out / "report.html"
+    path.write_text(page)
+    return path
+
+
+def main(args: argparse.Namespace) -> int:
+    run_dir = Path(args.run_dir)
+    if (
+        not (run_dir / "rollout.jsonl").is_file()
+        and not (run_dir / "learn-metrics.jsonl").is_file()
+    ):
+        print(f"dora report: {run_dir} has no rollout.jsonl or learn-metrics.jsonl")
+        return 1
+    path = write_report(run_dir, Path(args.out) if args.out else None)
+    print(f"dora report: wrote {path}")
+    return 0

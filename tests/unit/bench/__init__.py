@@ -1,0 +1,1 @@
+"""Tests of the modes benchmark's arithmetic and of the run report, on recorded run directories."""

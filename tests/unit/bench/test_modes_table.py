@@ -1,0 +1,107 @@
+"""The modes benchmark: placements, the numbers read from run directories, the table, the ratios."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from dora.bench.modes import plan, ratio_lines, summarise, table
+from tests.unit.bench.fixtures import write_run
+
+
+def test_sync_is_colocated_and_the_others_are_split() -> None:
+    placements = plan(
+        ["sync", "one_step_off", "partial", "dora", "sync_split"],
+        [0, 1],
+        instances=4,
+        trainer_cores=1,
+    )
+    sync, *split = placements
+    assert sync.colocated and sync.serve_cores == sync.trainer_cores == [0, 1]
+    assert sync.trainer_threads == 2 and sync.instance_threads == 1
+    for p in split:
+        assert not p.colocated
+        assert p.serve_cores == [0] and p.trainer_cores == [1]
+        assert p.trainer_threads == 1 and p.instance_threads == 1
+    assert split[-1].mode == "sync" and split[-1].name == "sync_split"
+    assert "colocated" in sync.describe() and "learn 1" in split[0].describe()
+
+
+def test_bigger_machines_split_the_cores_and_thread_the_instances() -> None:
+    [dora] = plan(["dora"], list(range(16)), instances=4, trainer_cores=4)
+    assert dora.serve_cores == list(range(12)) and dora.trainer_cores == [12, 13, 14, 15]
+    assert dora.instance_threads == 3 and dora.trainer_threads == 4
+
+
+@pytest.mark.parametrize(
+    ("modes", "cores", "trainer_cores"),
+    [(["dora"], [0], 1), (["dora"], [0, 1], 2), (["fast"], [0, 1], 1)],
+)
+def test_impossible_plans_are_refused(
+    modes: list[str], cores: list[int], trainer_cores: int
+) -> None:
+    with pytest.raises(ValueError):
+        plan(modes, cores, instances=4, trainer_cores=trainer_cores)
+
+
+def test_numbers_come_from_the_steady_window(tmp_path: Path) -> None:
+    run = write_run(
+        tmp_path / "dora",
+        mode="dora",
+        steps=5,
+        step_s=2.0,
+        tokens=400.0,
+        wait_s=0.5,
+        train_s=1.0,
+        staleness=2,
+        util=0.8,
+    )
+    (run / "bench-cpu.json").write_text(json.dumps({"window_cpu_s": 16.0, "load_avg": 3.0}))
+    r = summarise(run, name="dora", placement="serve 0 | learn 1")
+    # steps 1..4 trained between t=1 and t=9: 1600 tokens in 8 s
+    assert r.tokens == 1600.0 and r.window_s == pytest.approx(8.0)
+    assert r.tokens_per_s == pytest.approx(200.0)
+    assert r.step_s == pytest.approx(2.0)
+    assert r.cpu_s_per_token == pytest.approx(0.01)
+    assert r.rollout_only_share == pytest.approx(0.25)
+    assert r.trainer_idle_share == pytest.approx(0.5)
+    assert r.instance_util == pytest.approx(0.8)
+    assert r.staleness_max == 2 and 0 < r.staleness_mean < 2
+    assert r.load_avg == 3.0 and r.max_versions_serving == 3
+
+
+def test_table_and_ratio_lines_end_with_dora_over_sync(tmp_path: Path) -> None:
+    results = []
+    for name, step_s in (("sync", 4.0), ("one_step_off", 2.5), ("partial", 2.2), ("dora", 2.0)):
+        run = write_run(
+            tmp_path / name,
+            mode=name,
+            steps=4,
+            step_s=step_s,
+            tokens=300.0,
+            wait_s=1.0,
+            train_s=1.0,
+        )
+        results.append(summarise(run, name=name, placement="x"))
+    text = table(results)
+    assert text.splitlines()[0].split()[:3] == ["mode", "cores", "tokens/s"]
+    assert len(text.splitlines()) == 2 + 4
+    lines = ratio_lines(results)
+    assert lines == [
+        "dora/one_step_off throughput ratio: 1.25",
+        "dora/partial throughput ratio: 1.10",
+        "dora/sync throughput ratio: 2.00",
+    ]
+    assert re.fullmatch(r"dora/sync throughput ratio: \d+\.\d\d", lines[-1])
+    assert ratio_lines(results[:3]) == []  # no dora run, no ratio
+
+
+def test_a_run_with_one_trained_step_is_refused(tmp_path: Path) -> None:
+    run = write_run(
+        tmp_path / "r", mode="dora", steps=1, step_s=1.0, tokens=1.0, wait_s=0.0, train_s=1.0
+    )
+    with pytest.raises(ValueError, match="fewer than 2"):
+        summarise(run, name="dora", placement="x")

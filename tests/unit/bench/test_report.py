@@ -1,0 +1,86 @@
+"""`dora report` on recorded run directories: finished, running (a partial last line), empty."""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import re
+from pathlib import Path
+
+from dora.report import load_run, main, read_jsonl, version_segments, write_report
+from tests.unit.bench.fixtures import write_run
+
+PNG_MAGIC = b"\x89PNG"
+
+
+def test_partial_and_broken_lines_are_skipped(tmp_path: Path) -> None:
+    path = tmp_path / "x.jsonl"
+    path.write_text('{"a": 1}\nnot json\n[1, 2]\n{"b": 2}\n{"c": ')
+    assert read_jsonl(path) == [{"a": 1}, {"b": 2}]
+    assert read_jsonl(tmp_path / "missing.jsonl") == []
+
+
+def test_versions_per_instance_follow_the_weight_loads(tmp_path: Path) -> None:
+    run = load_run(
+        write_run(
+            tmp_path / "r", mode="dora", steps=3, step_s=2.0, tokens=10.0, wait_s=0.0, train_s=1.0
+        )
+    )
+    segs = version_segments(run)
+    assert list(segs) == ["i0", "i1"]
+    # v0 until the first load (1.0 .. 1.1), then v1 until the next (3.0 .. 3.1), ...
+    assert [(v, loading) for _, _, v, loading in segs["i0"]] == [
+        (0, False),
+        (1, True),
+        (1, False),
+        (2, True),
+        (2, False),
+        (3, True),
+    ]
+    starts = [s for s, _, _, _ in segs["i0"]]
+    assert starts == sorted(starts) and starts[0] == 0.0
+
+
+def test_report_embeds_every_image_and_writes_them_beside(tmp_path: Path) -> None:
+    run = write_run(
+        tmp_path / "r",
+        mode="dora",
+        steps=6,
+        step_s=1.5,
+        tokens=200.0,
+        wait_s=0.2,
+        train_s=1.0,
+        staleness=2,
+    )
+    page = write_report(run, tmp_path / "out")
+    text = page.read_text()
+    uris = re.findall(r"src='data:image/png;base64,([A-Za-z0-9+/=]+)'", text)
+    assert len(uris) == 4
+    assert all(base64.b64decode(u).startswith(PNG_MAGIC) for u in uris)
+    for name in ("reward.png", "throughput.png", "staleness.png", "timeline.png"):
+        assert (tmp_path / "out" / name).read_bytes().startswith(PNG_MAGIC)
+    assert "max_versions_serving" in text and "src='http" not in text
+
+
+def test_a_running_run_is_reported_from_what_is_there(tmp_path: Path) -> None:
+    run = write_run(
+        tmp_path / "r",
+        mode="dora",
+        steps=3,
+        step_s=1.0,
+        tokens=50.0,
+        wait_s=0.1,
+        train_s=0.5,
+        finished=False,
+        partial_last_line=True,
+    )
+    page = write_report(run)
+    assert page == run / "report.html"
+    text = page.read_text()
+    assert "running (no summary yet)" in text
+    assert text.count("data:image/png;base64,") == 4
+
+
+def test_main_refuses_a_folder_without_records(tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
+    assert main(argparse.Namespace(run_dir=str(tmp_path), out=None)) == 1
+    assert "no rollout.jsonl" in capsys.readouterr().out
