@@ -1,0 +1,464 @@
+"""`dora bench modes CONFIG`: sync, one-step-off, partial and dora on one workload, back to back.
+
+Each mode is a real run of the config (same model, tasks, seeds and steps; only `rollout.mode`
+differs), launched the way `dora run` launches one: the initial model prepared once, then
+`python -m dora.cli serve` and `python -m dora.cli learn` with the same overrides, a free port and a
+run directory of their own (`OUT/<mode>`). The benchmark then reads the run directories.
+
+Where the cores go (DESIGN §8), stated in the table:
+- `sync` is colocated, as the paper's synchronous baseline: no pinning, every process may use every
+  core; the instances get `cores // instances` threads each (at least 1) and the trainer `cores`
+  threads, since its phases and the rollout's do not overlap.
+- `one_step_off`, `partial`, `dora` (and `sync_split`, on request) are split, as separate GPU pools
+  would be: serve and its instance processes are pinned (`taskset -c`, inherited by children) to the
+  first `cores - trainer_cores` cores, the trainer to the rest, each with as many threads as cores.
+Every mode uses the same engine, the same fast paths and the same config otherwise.
+
+What is measured, all over the steady part of the run: from the `trained` record of step 0 to
+that of the last step (serve's clock), so process start-up and the first fill are left out of every
+mode alike. Trained tokens are the trainer's loss tokens of steps 1..T-1. CPU-seconds are those of
+every process of the run (utime + stime, reaped children included, from /proc), sampled every
+`POLL_S` and read at the two ends of that window. The last line is
+`dora/sync throughput ratio: X.XX`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+
+from dora.launch import _stop_all, free_port
+from dora.report import RunData, load_run
+
+__all__ = ["ModeResult", "Placement", "main", "plan", "ratio_lines", "summarise", "table"]
+
+MODES = ("sync", "one_step_off", "partial", "dora")
+KNOWN = (*MODES, "sync_split")
+POLL_S = 0.2
+TICKS_PER_S = os.sysconf("SC_CLK_TCK")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Placement:
+    """Where one mode's processes run and with how many threads."""
+
+    name: str
+    mode: str
+    colocated: bool
+    serve_cores: list[int]
+    trainer_cores: list[int]
+    instance_threads: int
+    trainer_threads: int
+
+    def describe(self) -> str:
+        if self.colocated:
+            return f"colocated {_cores(self.serve_cores)}, trainer {self.trainer_threads} thr"
+        return f"serve {_cores(self.serve_cores)} | learn {_cores(self.trainer_cores)}"
+
+
+def _cores(cores: list[int]) -> str:
+    return ",".join(map(str, cores))
+
+
+def plan(
+    modes: list[str],
+    cores: list[int],
+    *,
+    instances: int,
+    trainer_cores: int,
+    sync_trainer_threads: int | None = None,
+) -> list[Placement]:
+    """The placement of each mode on `cores` (pure)."""
+    if len(cores) < 2:
+        raise ValueError(f"a split needs at least 2 cores, this process may use {cores}")
+    if not 1 <= trainer_cores < len(cores):
+        raise ValueError(f"--trainer-cores must be in 1..{len(cores) - 1}, got {trainer_cores}")
+    serve, learn = cores[: len(cores) - trainer_cores], cores[len(cores) - trainer_cores :]
+    out = []
+    for name in modes:
+        if name not in KNOWN:
+            raise ValueError(f"unknown mode {name!r}; choose from {', '.join(KNOWN)}")
+        if name == "sync":
+            out.append(
+                Placement(
+                    name=name,
+                    mode="sync",
+                    colocated=True,
+                    serve_cores=list(cores),
+                    trainer_cores=list(cores),
+                    instance_threads=max(1, len(cores) // instances),
+                    trainer_threads=sync_trainer_threads or len(cores),
+                )
+            )
+        else:
+            out.append(
+                Placement(
+                    name=name,
+                    mode="sync" if name == "sync_split" else name,
+                    colocated=False,
+                    serve_cores=serve,
+                    trainer_cores=learn,
+                    instance_threads=max(1, len(serve) // instances),
+                    trainer_threads=len(learn),
+                )
+            )
+    return out
+
+
+# --- measuring one run ---------------------------------------------------------------------------
+
+
+@dataclass(kw_only=True)
+class ModeResult:
+    """One mode's numbers (steady window: trained step 0 to trained step T-1)."""
+
+    name: str
+    placement: str
+    steps: int
+    tokens: float
+    window_s: float
+    tokens_per_s: float
+    cpu_s: float | None
+    cpu_s_per_token: float | None
+    step_s: float
+    rollout_only_share: float
+    instance_util: float
+    trainer_idle_share: float
+    staleness_mean: float
+    staleness_max: int
+    max_versions_serving: int
+    reward_first: float
+    reward_last: float
+    load_avg: float | None = None
+
+
+def summarise(run_dir: Path, *, name: str, placement: str) -> ModeResult:
+    """The numbers of a finished run directory (pure over its files)."""
+    run = load_run(run_dir)
+    return _summarise(run, name=name, placement=placement, cpu=_read_cpu(run_dir))
+
+
+def _read_cpu(run_dir: Path) -> dict[str, float]:
+    path = run_dir / "bench-cpu.json"
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def _summarise(run: RunData, *, name: str, placement: str, cpu: dict[str, float]) -> ModeResult:
+    trained = sorted(run.trained, key=lambda r: r["step"])
+    if len(trained) < 2:
+        raise ValueError(f"{run.run_dir}: fewer than 2 trained steps, nothing to measure")
+    first, last = trained[0], trained[-1]
+    window = float(last["time_s"]) - float(first["time_s"])
+    later = [r["metrics"] for r in trained[1:]]
+    tokens = sum(float(m["tokens"]) for m in later)
+    step_time = sum(float(m["step_time_s"]) for m in later)
+    wait = sum(float(m["wait_s"]) for m in later)
+    train = sum(float(m["train_s"]) for m in later)
+    utils = [
+        float(inst["util"])
+        for tick in run.ticks
+        if float(first["time_s"]) < float(tick["time_s"]) <= float(last["time_s"])
+        for inst in tick["instances"]
+    ]
+    staleness = [s for rec in run.steps for s in rec["staleness"]]
+    cpu_s = cpu.get("window_cpu_s")
+    rewards = [float(r["metrics"]["reward_mean"]) for r in trained]
+    k = max(1, len(rewards) // 4)
+    return ModeResult(
+        name=name,
+        placement=placement,
+        steps=len(trained),
+        tokens=tokens,
+        window_s=window,
+        tokens_per_s=tokens / window if window > 0 else 0.0,
+        cpu_s=cpu_s,
+        cpu_s_per_token=cpu_s / tokens if cpu_s is not None and tokens else None,
+        step_s=window / len(later),
+        rollout_only_share=wait / step_time if step_time else 0.0,
+        instance_util=sum(utils) / len(utils) if utils else 0.0,
+        trainer_idle_share=max(0.0, 1.0 - train / window) if window > 0 else 0.0,
+        staleness_mean=sum(staleness) / len(staleness) if staleness else 0.0,
+        staleness_max=max(staleness, default=0),
+        max_versions_serving=int(run.summary.get("max_versions_serving", 0)),
+        reward_first=sum(rewards[:k]) / k,
+        reward_last=sum(rewards[-k:]) / k,
+        load_avg=cpu.get("load_avg"),
+    )
+
+
+def table(results: list[ModeResult]) -> str:
+    """The comparison table, one row per mode (plain text, fixed width)."""
+    head = (
+        "mode",
+        "cores",
+        "tokens/s",
+        "CPU-s/1k tok",
+        "step s",
+        "rollout-only",
+        "inst util",
+        "trainer idle",
+        "staleness",
+        "versions",
+    )
+    rows = [head]
+    for r in results:
+        cpu = f"{1000 * r.cpu_s_per_token:.2f}" if r.cpu_s_per_token is not None else "-"
+        rows.append(
+            (
+                r.name,
+                r.placement,
+                f"{r.tokens_per_s:.1f}",
+                cpu,
+                f"{r.step_s:.2f}",
+                f"{100 * r.rollout_only_share:.0f}%",
+                f"{100 * r.instance_util:.0f}%",
+                f"{100 * r.trainer_idle_share:.0f}%",
+                f"{r.staleness_mean:.2f} (max {r.staleness_max})",
+                str(r.max_versions_serving),
+            )
+        )
+    widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)) for row in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def ratio_lines(results: list[ModeResult]) -> list[str]:
+    """dora's throughput over each baseline's; `dora/sync` (colocated) last."""
+    by = {r.name: r for r in results}
+    if "dora" not in by:
+        return []
+    dora = by["dora"].tokens_per_s
+    order = [m for m in ("one_step_off", "partial", "sync_split", "sync") if m in by]
+    return [
+        f"dora/{m} throughput ratio: {dora / by[m].tokens_per_s:.2f}"
+        for m in order
+        if by[m].tokens_per_s > 0
+    ]
+
+
+# --- launching one run ---------------------------------------------------------------------------
+
+
+def _tree_cpu_s(roots: list[int]) -> float:
+    """CPU seconds of `roots` and every live descendant, reaped children included."""
+    children: dict[int, list[int]] = {}
+    stats: dict[int, list[str]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:  # exited while we looked
+            continue
+        pid = int(entry)
+        stats[pid] = fields
+        children.setdefault(int(fields[1]), []).append(pid)
+    total, todo = 0, list(roots)
+    while todo:
+        pid = todo.pop()
+        if pid in stats:
+            st = stats[pid]
+            total += int(st[11]) + int(st[12]) + int(st[13]) + int(st[14])
+        todo.extend(children.get(pid, []))
+    return total / TICKS_PER_S
+
+
+class _TrainedCounter:
+    """Counts `trained` records in a growing rollout.jsonl (whole lines only)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path, self.offset, self.count, self._rest = path, 0, 0, b""
+
+    def poll(self) -> int:
+        if self.path.is_file():
+            with self.path.open("rb") as f:
+                f.seek(self.offset)
+                data = f.read()
+            self.offset += len(data)
+            *lines, self._rest = (self._rest + data).split(b"\n")
+            self.count += sum(b'"kind":"trained"' in line for line in lines)
+        return self.count
+
+
+def run_mode(
+    config_path: str, overrides: list[str], run_dir: Path, placement: Placement, *, steps: int
+) -> int:
+    """Run one mode to the end; write `bench-cpu.json` beside its records. Returns the exit code."""
+    from dora.config import load_config, render_toml
+    from dora.models.prepare import prepare_model
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    settings = [
+        *overrides,
+        f"rollout.mode={placement.mode}",
+        f"serve.threads_per_instance={placement.instance_threads}",
+        f"learn.threads={placement.trainer_threads}",
+        "log.progress=false",
+    ]
+    config = load_config(config_path, settings)
+    model_dir = prepare_model(config)
+    port = free_port(config.serve.host)
+    settings += [
+        f"serve.port={port}",
+        f"log.run_dir={run_dir}",
+        f"model.path={model_dir}",
+        "model.warmup_steps=0",
+    ]
+    (run_dir / "config.toml").write_text(render_toml(load_config(config_path, settings)))
+    env = {**os.environ, "DORA_SERVE_ADDRESS": f"tcp://{config.serve.host}:{port}"}
+    cli = [sys.executable, "-m", "dora.cli"]
+
+    def pinned(cores: list[int]) -> list[str]:
+        return [] if placement.colocated else ["taskset", "-c", _cores(cores)]
+
+    counter = _TrainedCounter(run_dir / "rollout.jsonl")
+    sides = (("serve", placement.serve_cores), ("learn", placement.trainer_cores))
+    with contextlib.ExitStack() as stack:
+        procs: dict[str, subprocess.Popen[bytes]] = {}
+        for side, cores in sides:
+            log = stack.enter_context(open(run_dir / f"{side}.log", "ab"))
+            procs[side] = subprocess.Popen(
+                [*pinned(cores), *cli, side, config_path, *settings],
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        roots = [p.pid for p in procs.values()]
+        at_first: float | None = None
+        at_last: float | None = None
+        loads = []
+        try:
+            while any(p.poll() is None for p in procs.values()):
+                if any(p.returncode not in (None, 0) for p in procs.values()):
+                    break
+                cpu = _tree_cpu_s(roots)
+                n = counter.poll()
+                if n >= 1 and at_first is None:
+                    at_first = cpu
+                if n >= steps and at_last is None:
+                    at_last = cpu
+                if at_first is not None and at_last is None:
+                    loads.append(os.getloadavg()[0])
+                time.sleep(POLL_S)
+        finally:
+            _stop_all(procs)  # dora run's own stop: SIGINT, SIGTERM, SIGKILL, by process group
+    record: dict[str, float] = {}
+    if at_first is not None and at_last is not None:
+        record["window_cpu_s"] = at_last - at_first
+    if loads:
+        record["load_avg"] = sum(loads) / len(loads)
+    (run_dir / "bench-cpu.json").write_text(json.dumps(record))
+    codes = [p.returncode for p in procs.values()]
+    return next((c for c in codes if c), 0)
+
+
+# --- the command ---------------------------------------------------------------------------------
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="dora bench modes", description=__doc__.split("\n")[0])
+    p.add_argument("config", help="config file, e.g. examples/math/bench.toml")
+    p.add_argument("overrides", nargs="*", metavar="key=value", help="dotted config overrides")
+    p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated from {KNOWN}")
+    p.add_argument("--steps", type=int, default=None, help="learn.steps (default: the config's)")
+    p.add_argument("--out", default=None, help="output folder (default runs/bench-modes-<time>)")
+    p.add_argument("--trainer-cores", type=int, default=None, help="split: trainer's cores")
+    p.add_argument(
+        "--sync-trainer-threads",
+        type=int,
+        default=None,
+        help="colocated sync: the trainer's threads (default: every core)",
+    )
+    p.add_argument("--reuse", action="store_true", help="only summarise the run dirs in --out")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_intermixed_args(argv)
+    from dora.config import load_config
+
+    overrides = list(args.overrides) + ([f"learn.steps={args.steps}"] if args.steps else [])
+    config = load_config(args.config, overrides)
+    cores = sorted(os.sched_getaffinity(0))
+    placements = plan(
+        [m.strip() for m in args.modes.split(",") if m.strip()],
+        cores,
+        instances=config.serve.instances,
+        trainer_cores=args.trainer_cores or max(1, len(cores) // 2),
+        sync_trainer_threads=args.sync_trainer_threads,
+    )
+    stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
+    out = Path(args.out or f"runs/bench-modes-{stamp}")
+    out.mkdir(parents=True, exist_ok=True)
+    started = datetime.now(UTC).isoformat(timespec="seconds")
+    results = []
+    for pl in placements:
+        run_dir = out / pl.name
+        if not args.reuse:
+            t0 = time.monotonic()
+            code = run_mode(args.config, overrides, run_dir, pl, steps=config.learn.steps)
+            print(
+                f"{pl.name}: exit {code} in {time.monotonic() - t0:.0f} s ({run_dir})", flush=True
+            )
+            if code:
+                print(f"dora bench modes: {pl.name} failed; see {run_dir}", file=sys.stderr)
+                return 1
+        results.append(summarise(run_dir, name=pl.name, placement=pl.describe()))
+    loads = [r.load_avg for r in results if r.load_avg is not None]
+    print()
+    print(
+        f"{config.serve.instances} instances, B={config.rollout.batch_size} "
+        f"G={config.rollout.group_size} K={config.rollout.staleness} (dora, partial), "
+        f"{config.learn.steps} steps; {len(cores)} cores; load average during the runs "
+        + (f"{min(loads):.1f}-{max(loads):.1f}" if loads else "unknown")
+    )
+    print(table(results))
+    ratios = ratio_lines(results)
+    (out / "bench-modes.json").write_text(
+        json.dumps(
+            {
+                "command": " ".join(["dora bench modes", *(argv or sys.argv[1:])]),
+                "date": started,
+                "machine": {
+                    "cores": cores,
+                    "cpu": _cpu_model(),
+                    "python": platform.python_version(),
+                },
+                "placements": [asdict(p) for p in placements],
+                "results": [asdict(r) for r in results],
+                "ratios": ratios,
+            },
+            indent=2,
+        )
+    )
+    print()
+    for line in ratios:
+        print(line)
+    return 0
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
