@@ -1,6 +1,6 @@
 """Fixtures for the vLLM backend tests: the tiny model, two perturbed versions of its weights, and
-two vLLM servers of it, started once per session (a start costs 25-60 s on two cores) and stopped
-through their handles at the end, also when a test fails. Tests that use the servers run in the
+two vLLM servers of it, shared by the tests of a module (a start costs 25-60 s on two cores) and
+stopped through their handles at the module's end, also when a test fails. Tests run in the
 session's event loop (`loop_scope="session"`), the loop the servers' clients belong to."""
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ def weights_v2(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Pa
     return perturbed(tiny_model, tmp_path_factory.mktemp("vllm") / "v2", scale=0.5, seed=2)
 
 
-@pytest_asyncio.fixture(scope="session", loop_scope="session")
+@pytest_asyncio.fixture(scope="module", loop_scope="session")
 async def vllm_servers(
     tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> AsyncIterator[list[InstanceHandle]]:

@@ -31,7 +31,7 @@ from dora.errors import RequestError, ServerUnavailable, VersionMismatch
 from dora.protocol import SamplingParams
 from dora.serve.instances import InstanceHandle
 from dora.vllm.client import VllmClient
-from dora.vllm.launcher import VllmSpec, start_server
+from dora.vllm.launcher import VllmSpec, attach, start_server
 
 pytestmark = [*needs_vllm, pytest.mark.asyncio(loop_scope="session"), pytest.mark.timeout(240)]
 
@@ -69,11 +69,23 @@ async def _prompt_logprobs(url: str, ids: list[int], start: int) -> list[float]:
     return [entries[i][str(ids[i])]["logprob"] for i in range(start, len(ids))]
 
 
-async def _until_running(client: VllmClient, timeout_s: float = 30.0) -> None:
-    """Until the server runs a request (vLLM's gauge; the test has no event to wait on)."""
+async def _generated(url: str) -> float:
+    """vLLM's count of tokens generated so far (`vllm:generation_tokens_total`)."""
+    async with aiohttp.ClientSession() as s, s.get(url + "/metrics") as r:
+        text = await r.text()
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("vllm:generation_tokens_total{")
+    )
+
+
+async def _until_generated(url: str, tokens: int, timeout_s: float = 30.0) -> None:
+    """Until the server has generated `tokens` more tokens (the test has no event to wait on)."""
+    start = await _generated(url)
     async with asyncio.timeout(timeout_s):
-        while not (await client.metrics()).get("running"):  # noqa: ASYNC110
-            await asyncio.sleep(0.05)
+        while await _generated(url) < start + tokens:  # noqa: ASYNC110
+            await asyncio.sleep(0.02)
 
 
 async def test_logprobs_match_engine_and_forward_pass(
@@ -199,8 +211,7 @@ async def test_abort_then_resubmit_to_same_version(
     await a.load_weights(2, path=str(tiny_model))
     params = SamplingParams(max_tokens=470, temperature=1.0, ignore_eos=True, seed=5)
     call = asyncio.create_task(b.generate(PROMPT, params, request_id="long", version=2))
-    await _until_running(b)
-    await asyncio.sleep(0.2)  # about 80 tokens on an idle machine; the whole call takes 1 s
+    await _until_generated(b.base_url, 20)  # so that the abort comes mid-way, whatever the load
     aborted = await b.abort("long")
     assert (await call) is aborted or (await call) == aborted
     assert aborted.finish_reason == "abort", aborted.finish_reason
@@ -218,6 +229,26 @@ async def test_abort_then_resubmit_to_same_version(
         reference_logprobs, tiny_model, PROMPT + aborted.token_ids, tail.token_ids, 1.0
     )
     assert max_abs_diff(tail.logprobs, ref) < TOL
+
+
+async def test_attach_resets_to_version_0(
+    vllm: list[InstanceHandle], tiny_model: Path, weights_v1: Path
+) -> None:
+    """A new run attaching to servers that an earlier run left at another version loads version 0
+    (the model folder) into them first."""
+    for h in vllm:
+        await h.client.load_weights(3, path=str(weights_v1))
+    params = SamplingParams(max_tokens=8, temperature=1.0, ignore_eos=True, seed=7)
+    spec = VllmSpec(model_dir=str(tiny_model), control_timeout_s=60)
+    async with attach([h.url for h in vllm], spec) as handles:
+        for h in handles:
+            client = h.client
+            assert isinstance(client, VllmClient) and client.version == 0
+            out = await client.generate(PROMPT, params, request_id=f"att-{h.id}", version=0)
+            ref = await asyncio.to_thread(
+                reference_logprobs, tiny_model, PROMPT, out.token_ids, 1.0
+            )
+            assert max_abs_diff(out.logprobs, ref) < TOL
 
 
 async def test_start_failure_shows_log_tail(tmp_path: Path) -> None:
