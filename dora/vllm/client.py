@@ -8,12 +8,13 @@ error mapping), so the rollout side drives either backend. What differs is what 
   `/update_weight_version` label, so `attach` can read it back). A `generate` pinned to another
   version fails with `VersionMismatch` without reaching the server, as the engine's 409 does.
   This holds because exactly one client (one `dora serve`) drives each instance.
-- **Loads.** pause (`wait`: finish what runs; `abort`: stop it with its tokens so far) → the worker
+- **Loads.** New generates are held in the client for the whole load; the ones in flight finish
+  (`drain`) or are aborted and return their tokens so far (`abort`) → pause → the worker
   extension loads the tensors (`collective_rpc`, see `worker_ext.py`) → prefix cache reset (stale
-  KV of the old weights otherwise breaks C1 silently) → version label → resume. New generates are
-  held in the client for the whole load, so a request is never sent under one version and sampled
-  under another. A load that fails leaves the instance at version -1: every pinned generate is
-  refused until a load succeeds, because the weights may be half-updated.
+  KV of the old weights otherwise breaks C1 silently) → version label → resume. So no request is
+  sampled under one version and tagged with another. A load that fails leaves the instance at
+  version -1, paused: every pinned generate is refused until a load succeeds, because the weights
+  may be half-updated.
 - **Abort.** `POST /abort_requests` for `cmpl-<request_id>-0`; the in-flight `generate` then
   returns with `finish_reason = "abort"` and the tokens so far, and `abort` returns that same
   completion. The abort is repeated while the request has not returned, which covers the race of an
@@ -49,7 +50,6 @@ __all__ = ["VllmClient"]
 Json = dict[str, object]
 _FINISH: dict[str, FinishReason] = {"stop": "stop", "length": "length", "abort": "abort"}
 _ABORT_RETRY_S = 0.5
-_PAUSE_MODE = {"drain": "wait", "abort": "abort"}
 # Prometheus gauge -> key of the engine's /metrics answer
 _GAUGES = {
     "vllm:num_requests_running": "running",
@@ -149,7 +149,7 @@ class VllmClient(EngineClient):
         "previous_version", "aborted", "load_s", "worker"}."""
         if (path is None) == (tensors is None):
             raise RequestError("load_weights: give exactly one of path and tensors")
-        if mode not in _PAUSE_MODE:
+        if mode not in ("drain", "abort"):
             # vLLM's keep mode works, but /v1/completions cannot say which tokens each version
             # sampled; dora's partial mode resumes by resubmission instead.
             raise RequestError(f"load_weights: mode {mode!r} is not supported by vLLM instances")
@@ -185,7 +185,14 @@ class VllmClient(EngineClient):
             try:
                 async with asyncio.timeout(deadline):
                     running = len(self._inflight)
-                    await self._control(f"/pause?mode={_PAUSE_MODE[mode]}", None, "pause")
+                    if mode == "abort":
+                        await self._abort_all()
+                    # Every request this client sent finishes before the weights change, so each
+                    # one's tag is exact: a request still on its way to the server when a pause
+                    # arrived would otherwise run, after the load, on the new weights.
+                    if self._inflight:
+                        await asyncio.wait(list(self._inflight.values()))
+                    await self._control("/pause?mode=wait", None, "pause")
                     self.version = -1  # the weights are in between until the load succeeds
                     if path is not None:
                         rpc: Json = {"method": "dora_load_path", "args": [path]}
@@ -232,6 +239,14 @@ class VllmClient(EngineClient):
         if done.cancelled():
             raise RequestError(f"abort: request {request_id!r} ended without a completion")
         return done.result()
+
+    async def _abort_all(self) -> None:
+        """Abort every request this client has in flight; repeated for those that had not reached
+        the server yet."""
+        while self._inflight:
+            ids = [f"cmpl-{request_id}-0" for request_id in self._inflight]
+            await self._control("/abort_requests", {"request_ids": ids}, "abort")
+            await asyncio.wait(list(self._inflight.values()), timeout=_ABORT_RETRY_S)
 
     async def pause(self, *, timeout_s: float | None = None) -> None:
         """Hold new requests on the server; running ones finish first."""

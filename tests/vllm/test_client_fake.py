@@ -140,7 +140,7 @@ async def test_load_order_and_version(fake: tuple[FakeVllm, VllmClient]) -> None
     ]
     assert client.version == 4 and (await client.health())["version"] == 4
     await client.load_weights(5, path="/x", mode="abort")
-    assert "/pause?mode=abort" in server.calls and "rpc:dora_load_path" in server.calls
+    assert "rpc:dora_load_path" in server.calls
     with pytest.raises(RequestError):
         await client.load_weights(6, path="/x", mode="keep")
     with pytest.raises(RequestError):
@@ -197,6 +197,22 @@ async def test_generate_waits_for_a_load(fake: tuple[FakeVllm, VllmClient]) -> N
     old, _, new = await asyncio.gather(running, load, queued)
     assert old.versions == [0] * 20 and new.versions == [1] * 20
     assert server.calls.index("gen:new") > server.calls.index("/resume")
+
+
+async def test_abort_mode_load_stops_running_requests(
+    fake: tuple[FakeVllm, VllmClient],
+) -> None:
+    server, client = fake
+    server.ignore_first_abort = True  # the request is still on its way when the load starts
+    call = asyncio.create_task(
+        client.generate([1], SamplingParams(max_tokens=1000), request_id="r", version=0)
+    )
+    await asyncio.sleep(0)
+    loaded = await client.load_weights(1, path="/x", mode="abort")
+    stopped = await call
+    assert loaded["aborted"] == 1 and stopped.finish_reason == "abort"
+    assert 0 < len(stopped.token_ids) < 1000 and stopped.versions == [0] * len(stopped.token_ids)
+    assert server.calls.index("/pause?mode=wait") > server.calls.index("gen:r")
 
 
 async def test_abort_returns_tokens_so_far_and_repeats(fake: tuple[FakeVllm, VllmClient]) -> None:
