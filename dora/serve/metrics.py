@@ -65,12 +65,22 @@ class Progress:
     """A live `rich` display: steps filled and trained, and one row per instance."""
 
     def __init__(self, *, total_steps: int) -> None:
+        import logging
+
         from rich.console import Console
         from rich.live import Live
+        from rich.logging import RichHandler
 
         self.total_steps = total_steps
         self._console = Console(stderr=True)
         self._live = Live(console=self._console, refresh_per_second=4, transient=False)
+        # While the display owns the terminal, log records go through its console (printed above
+        # the table) instead of straight to stderr, which would tear the display apart.
+        self._root = logging.getLogger()
+        self._saved = list(self._root.handlers)
+        for handler in self._saved:
+            self._root.removeHandler(handler)
+        self._root.addHandler(RichHandler(console=self._console, show_path=False))
         self._live.start()
 
     def update(self, snap: Record) -> None:
@@ -104,6 +114,10 @@ class Progress:
 
     def close(self) -> None:
         self._live.stop()
+        for handler in list(self._root.handlers):
+            self._root.removeHandler(handler)
+        for handler in self._saved:
+            self._root.addHandler(handler)
 
 
 class Ticker:
