@@ -406,6 +406,7 @@ class Batcher:
         if p.stop:
             self._stop_rows += 1
 
+    @torch.inference_mode()  # also runs between steps (abort, export) on inference tensors
     def _remove(self, row: int) -> None:
         """Free a row: the last running row moves into it (rows stay dense)."""
         seq = self.running[row]

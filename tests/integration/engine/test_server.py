@@ -252,9 +252,16 @@ async def test_migration_continues_bit_identically(tiny_model: Path) -> None:
             "temperature": 0.9,
         }
         body.update(request_id="mover", return_token_ids=True)
+        # a bystander admitted after the mover: exporting the mover moves the bystander's KV row
+        bystander_params = SamplingParams(max_tokens=120, seed=7, ignore_eos=True)
+        bystander_ref = await ca.generate(prompt[:5], bystander_params, request_id="by-ref")
         streaming = asyncio.ensure_future(stream_tokens(a.url + "/v1/completions", body, 10, got))
+        bystander = asyncio.ensure_future(
+            ca.generate(prompt[:5], bystander_params, request_id="bystander")
+        )
         await asyncio.wait_for(got.wait(), 20)
         exported = await ca.export_request("mover")
+        assert (await asyncio.wait_for(bystander, 30)).token_ids == bystander_ref.token_ids
         assert 10 <= len(exported.token_ids) < 80 and exported.kv
         chunks = await asyncio.wait_for(streaming, 20)
         assert chunks[-1]["choices"][0]["finish_reason"] == "abort"

@@ -145,6 +145,29 @@ def test_detached_kv_resumes_on_another_batcher(
     assert moving.token_ids == ref.token_ids
 
 
+def test_detaching_a_middle_row_between_steps_keeps_the_others_exact(
+    model_and_tok: tuple[torch.nn.Module, object],
+) -> None:
+    """Export and abort run between steps, outside inference mode, and move the last row's KV
+    into the freed one; the moved sequence must continue exactly as it would have."""
+    params = [SamplingParams(max_tokens=40, seed=i, ignore_eos=True) for i in range(3)]
+    alone = make(model_and_tok)
+    refs = [alone.new_sequence(f"r{i}", [5 + i] * 6, p) for i, p in enumerate(params)]
+    for ref in refs:
+        run(alone, [ref])
+    b = make(model_and_tok)
+    seqs = [b.new_sequence(f"s{i}", [5 + i] * 6, p) for i, p in enumerate(params)]
+    for s in seqs:
+        b.add(s)
+    for _ in range(10):
+        b.step()
+    assert b.detach(seqs[0]) is not None  # row 0 of 3: the last row moves into it
+    b.abort(seqs[1])
+    while b.has_work():
+        b.step()
+    assert seqs[2].token_ids == refs[2].token_ids
+
+
 def test_one_long_request_limits_its_batch_mates(
     model_and_tok: tuple[torch.nn.Module, object],
 ) -> None:
