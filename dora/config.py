@@ -81,6 +81,23 @@ class ServeConfig(_Section):
     token: Annotated[
         str, M(description="Shared secret for control endpoints; required off loopback")
     ] = ""
+    vllm_python: Annotated[
+        str, M(description="Python of the vLLM virtualenv; '' finds .venv-vllm or DORA_VLLM_PYTHON")
+    ] = ""
+    vllm_args: Annotated[
+        list[str],
+        M(description="Extra vLLM server flags, e.g. ['--gpu-memory-utilization', '0.85']"),
+    ] = msgspec.field(default_factory=list)
+    vllm_devices: Annotated[
+        list[str], M(description="CUDA_VISIBLE_DEVICES of each vLLM instance, e.g. ['0,1', '2,3']")
+    ] = msgspec.field(default_factory=list)
+    vllm_tensor_parallel: Annotated[
+        int, M(ge=1, description="Tensor-parallel size of each vLLM instance")
+    ] = 1
+    stage_dir: Annotated[
+        str,
+        M(description="Folder dora writes and vLLM servers read weights from; '' is a temp dir"),
+    ] = ""
     kv_migration: Annotated[
         bool, M(description="Migrate requests with their KV cache when the backend can")
     ] = True
@@ -360,6 +377,12 @@ def _resolve(config: DoraConfig) -> DoraConfig:
         raise ConfigError(
             f"rollout.group_size = {rollout.group_size} is invalid: group-relative advantages "
             "need at least 2 samples per group"
+        )
+    if rollout.group_size > config.serve.max_running:
+        raise ConfigError(
+            f"rollout.group_size = {rollout.group_size} is invalid: it must be at most "
+            f"serve.max_running = {config.serve.max_running}, because a group's samples start "
+            "together on one instance"
         )
     if config.learn.updates_per_step > rollout.batch_size:
         raise ConfigError(

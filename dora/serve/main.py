@@ -95,18 +95,10 @@ async def run_serve(
     from dora.data import load_tasks
     from dora.env import PromptStream, load_env
     from dora.link import ServeLink
+    from dora.models.prepare import prepare_model
     from dora.serve.dispatcher import Dispatcher
     from dora.serve.episode import ChatRenderer
     from dora.serve.rollout import Rollout
-
-    if config.rollout.group_size > config.serve.max_running:
-        # Workaround until config.py checks it: a group starts on one instance (bind late).
-        raise ConfigError(
-            f"rollout.group_size = {config.rollout.group_size} is invalid: it must be at most "
-            f"serve.max_running = {config.serve.max_running}, because a group's samples start "
-            "together on one instance"
-        )
-    from dora.models.prepare import prepare_model
 
     # The initial weights the trainer starts from too (built, warmed up and cached once, under a
     # lock, by whichever side comes first): version 0 must be the same on both sides.

@@ -336,6 +336,11 @@ def spec_from_config(config: DoraConfig, model_dir: str, *, log_dir: str | None 
         log_dir=log_dir,
         request_timeout_s=serve.request_timeout_s,
         control_timeout_s=serve.weight_load_timeout_s,
+        python=serve.vllm_python or None,
+        extra_args=tuple(serve.vllm_args),
+        devices=tuple(serve.vllm_devices),
+        tensor_parallel_size=serve.vllm_tensor_parallel,
+        stage_dir=serve.stage_dir or None,
     )
 
 

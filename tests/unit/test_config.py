@@ -51,6 +51,8 @@ def test_modes_are_presets_of_staleness() -> None:
 
 
 def test_cross_field_rules() -> None:
+    with pytest.raises(ConfigError, match=r"group_size = 16 .* serve\.max_running = 8"):
+        load_config(None, ["rollout.group_size=16", "serve.max_running=8"])
     with pytest.raises(ConfigError, match="updates_per_step"):
         load_config(None, ["rollout.batch_size=2", "learn.updates_per_step=3"])
     with pytest.raises(ConfigError, match=r"serve\.token"):

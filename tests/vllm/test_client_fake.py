@@ -263,3 +263,26 @@ def test_server_command_and_env() -> None:
     env = server_env(gpus, 1)
     assert env["CUDA_VISIBLE_DEVICES"] == "2,3" and env["X"] == "1"
     assert env["VLLM_SERVER_DEV_MODE"] == "1"
+
+
+def test_config_reaches_the_vllm_spec() -> None:
+    from dora.config import load_config
+    from dora.vllm.launcher import spec_from_config
+
+    config = load_config(
+        None,
+        [
+            "serve.backend=vllm",
+            "serve.vllm_python=/opt/vllm/bin/python",
+            "serve.vllm_args=['--gpu-memory-utilization', '0.85']",
+            "serve.vllm_devices=['0,1', '2,3']",
+            "serve.vllm_tensor_parallel=2",
+            "serve.stage_dir=/shared/stage",
+        ],
+    )
+    spec = spec_from_config(config, "/models/m")
+    assert spec.python == "/opt/vllm/bin/python"
+    assert tuple(spec.extra_args) == ("--gpu-memory-utilization", "0.85")
+    assert tuple(spec.devices) == ("0,1", "2,3") and spec.tensor_parallel_size == 2
+    assert spec.stage_dir == "/shared/stage"
+    assert spec_from_config(load_config(None), "/m").python is None
