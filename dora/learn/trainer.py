@@ -171,6 +171,10 @@ class Trainer:
         durable = step - 1
         finished = step >= self.cfg.steps
         try:
+            if step > 0:
+                # a resumed trainer publishes its starting version again (same weights as the lost
+                # run's): serve can then release the versions only the lost run had published
+                self._publish(step)
             while not finished:
                 metrics = self._train_step(step)
                 if metrics is None:

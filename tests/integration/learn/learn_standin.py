@@ -144,7 +144,8 @@ class StandIn:
             if isinstance(message, WeightChunk):
                 chunks.append(message)
             elif isinstance(message, WeightsReady):
-                assert message.version == step + 1
+                # step + 1 is the step's publication; step itself is a resumed trainer's start
+                assert message.version in (step, step + 1)
                 if message.path:
                     from safetensors.torch import load_file
 

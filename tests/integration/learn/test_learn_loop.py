@@ -177,7 +177,7 @@ async def test_policy_learns_the_reward_with_acks_checkpoints_and_resume(
         assert record.hello is not None
         assert (record.hello.incarnation, record.hello.step) == (1, 4)
         new = [(w.version, w.incarnation) for w in record.of(WeightsReady)[4:]]
-        assert new == [(5, 1), (6, 1)]
+        assert new == [(4, 1), (5, 1), (6, 1)]  # the starting version again, then new ones
         assert [(d.step, d.incarnation) for d in record.of(Durable)[2:]] == [(5, 1)]
 
         # the policy moved towards the rewarded behaviour
