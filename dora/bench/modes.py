@@ -12,7 +12,11 @@ Where the cores go (DESIGN §8), stated in the table:
 - `one_step_off`, `partial`, `dora` (and `sync_split`, on request) are split, as separate GPU pools
   would be: serve and its instance processes are pinned (`taskset -c`, inherited by children) to the
   first `cores - trainer_cores` cores, the trainer to the rest, each with as many threads as cores.
-Every mode uses the same engine, the same fast paths and the same config otherwise.
+Every mode uses the same engine, the same fast paths and the same config otherwise. Every process
+runs with `OMP_WAIT_POLICY=PASSIVE` (unless the caller set it): on a shared machine, a trainer with
+two OpenMP threads spins at every barrier while its peer thread is descheduled, which made colocated
+sync's trainer 10x slower in our measurement; one-thread processes are unaffected, so this only
+keeps the colocated baseline from being weakened.
 
 What is measured, all over the steady part of the run: from the `trained` record of step 0 to
 that of the last step (serve's clock), so process start-up and the first fill are left out of every
@@ -139,6 +143,9 @@ class ModeResult:
     reward_first: float
     reward_last: float
     load_avg: float | None = None
+    serve_cores_used: float | None = None
+    """CPU-seconds of serve and its instances per second of the window (cores kept busy)."""
+    learn_cores_used: float | None = None
 
 
 def summarise(run_dir: Path, *, name: str, placement: str) -> ModeResult:
@@ -192,6 +199,8 @@ def _summarise(run: RunData, *, name: str, placement: str, cpu: dict[str, float]
         reward_first=sum(rewards[:k]) / k,
         reward_last=sum(rewards[-k:]) / k,
         load_avg=cpu.get("load_avg"),
+        serve_cores_used=cpu["serve_cpu_s"] / window if "serve_cpu_s" in cpu and window else None,
+        learn_cores_used=cpu["learn_cpu_s"] / window if "learn_cpu_s" in cpu and window else None,
     )
 
 
@@ -202,6 +211,7 @@ def table(results: list[ModeResult]) -> str:
         "cores",
         "tokens/s",
         "CPU-s/1k tok",
+        "cores used s/l",
         "step s",
         "rollout-only",
         "inst util",
@@ -212,12 +222,16 @@ def table(results: list[ModeResult]) -> str:
     rows = [head]
     for r in results:
         cpu = f"{1000 * r.cpu_s_per_token:.2f}" if r.cpu_s_per_token is not None else "-"
+        used = "-"
+        if r.serve_cores_used is not None and r.learn_cores_used is not None:
+            used = f"{r.serve_cores_used:.2f}/{r.learn_cores_used:.2f}"
         rows.append(
             (
                 r.name,
                 r.placement,
                 f"{r.tokens_per_s:.1f}",
                 cpu,
+                used,
                 f"{r.step_s:.2f}",
                 f"{100 * r.rollout_only_share:.0f}%",
                 f"{100 * r.instance_util:.0f}%",
@@ -316,7 +330,11 @@ def run_mode(
         "model.warmup_steps=0",
     ]
     (run_dir / "config.toml").write_text(render_toml(load_config(config_path, settings)))
-    env = {**os.environ, "DORA_SERVE_ADDRESS": f"tcp://{config.serve.host}:{port}"}
+    env = {
+        "OMP_WAIT_POLICY": "PASSIVE",  # see the module docstring; a user's own setting wins
+        **os.environ,
+        "DORA_SERVE_ADDRESS": f"tcp://{config.serve.host}:{port}",
+    }
     cli = [sys.executable, "-m", "dora.cli"]
 
     def pinned(cores: list[int]) -> list[str]:
@@ -335,15 +353,15 @@ def run_mode(
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
             )
-        roots = [p.pid for p in procs.values()]
-        at_first: float | None = None
-        at_last: float | None = None
+        at_first: dict[str, float] | None = None
+        at_last: dict[str, float] | None = None
         loads = []
+        last_cpu: dict[str, float] | None = None
         try:
             while any(p.poll() is None for p in procs.values()):
                 if any(p.returncode not in (None, 0) for p in procs.values()):
                     break
-                cpu = _tree_cpu_s(roots)
+                cpu = last_cpu = {side: _tree_cpu_s([p.pid]) for side, p in procs.items()}
                 n = counter.poll()
                 if n >= 1 and at_first is None:
                     at_first = cpu
@@ -354,9 +372,13 @@ def run_mode(
                 time.sleep(POLL_S)
         finally:
             _stop_all(procs)  # dora run's own stop: SIGINT, SIGTERM, SIGKILL, by process group
+        if at_last is None and counter.poll() >= steps:
+            at_last = last_cpu  # the run ended within one poll of its last step: the last sample
     record: dict[str, float] = {}
     if at_first is not None and at_last is not None:
-        record["window_cpu_s"] = at_last - at_first
+        for side in procs:
+            record[f"{side}_cpu_s"] = at_last[side] - at_first[side]
+        record["window_cpu_s"] = record["serve_cpu_s"] + record["learn_cpu_s"]
     if loads:
         record["load_avg"] = sum(loads) / len(loads)
     (run_dir / "bench-cpu.json").write_text(json.dumps(record))

@@ -59,7 +59,9 @@ def test_numbers_come_from_the_steady_window(tmp_path: Path) -> None:
         staleness=2,
         util=0.8,
     )
-    (run / "bench-cpu.json").write_text(json.dumps({"window_cpu_s": 16.0, "load_avg": 3.0}))
+    (run / "bench-cpu.json").write_text(
+        json.dumps({"window_cpu_s": 16.0, "serve_cpu_s": 8.0, "learn_cpu_s": 8.0, "load_avg": 3.0})
+    )
     r = summarise(run, name="dora", placement="serve 0 | learn 1")
     # steps 1..4 trained between t=1 and t=9: 1600 tokens in 8 s
     assert r.tokens == 1600.0 and r.window_s == pytest.approx(8.0)
@@ -71,6 +73,8 @@ def test_numbers_come_from_the_steady_window(tmp_path: Path) -> None:
     assert r.instance_util == pytest.approx(0.8)
     assert r.staleness_max == 2 and 0 < r.staleness_mean < 2
     assert r.load_avg == 3.0 and r.max_versions_serving == 3
+    assert r.serve_cores_used == r.learn_cores_used == pytest.approx(1.0)
+    assert "1.00/1.00" in table([r])
 
 
 def test_table_and_ratio_lines_end_with_dora_over_sync(tmp_path: Path) -> None:

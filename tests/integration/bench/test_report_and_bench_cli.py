@@ -1,0 +1,106 @@
+"""`dora report` and `dora bench modes` as commands, on real runs of a tiny model (2 instances)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+TINY = """
+[model]
+path = "tiny"
+tiny_hidden_size = 32
+max_model_len = 128
+
+[serve]
+instances = 2
+max_running = 16
+
+[rollout]
+staleness = 2
+group_size = 2
+batch_size = 2
+max_tokens = 12
+max_turns = 1
+
+[learn]
+steps = 3
+checkpoint_every = 100
+
+[env]
+cls = "envs.math:ChainArithmeticEnv"
+
+[data]
+source = "envs.math:chain_arithmetic_tasks"
+kwargs = { n = 50, max_terms = 4 }
+eval_source = ""
+
+[log]
+metrics_every_s = 0.25
+progress = false
+"""
+
+
+def _dora(*args: str, cwd: Path, timeout_s: float) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "DORA_CACHE": str(cwd / "cache")}
+    repo = Path(__file__).resolve().parents[3]
+    env["PYTHONPATH"] = os.pathsep.join([str(repo), env.get("PYTHONPATH", "")])
+    return subprocess.run(
+        [sys.executable, "-m", "dora.cli", *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+        check=False,
+    )
+
+
+def test_dora_report_on_a_real_run(tmp_path: Path) -> None:
+    config = tmp_path / "tiny.toml"
+    config.write_text(TINY)
+    run_dir = tmp_path / "run"
+    done = _dora("run", str(config), f"log.run_dir={run_dir}", cwd=tmp_path, timeout_s=240)
+    assert done.returncode == 0, done.stdout + done.stderr
+    out = tmp_path / "report"
+    rep = _dora("report", str(run_dir), "--out", str(out), cwd=tmp_path, timeout_s=120)
+    assert rep.returncode == 0, rep.stdout + rep.stderr
+    assert "report.html" in rep.stdout
+    page = (out / "report.html").read_text()
+    assert page.count("src='data:image/png;base64,") == 4
+    assert "<th>mode</th><td>&quot;dora&quot;</td>" in page  # the finished run's summary
+    for name in ("reward.png", "throughput.png", "staleness.png", "timeline.png"):
+        assert (out / name).stat().st_size > 1000
+
+
+@pytest.mark.slow
+def test_dora_bench_modes_end_to_end(tmp_path: Path) -> None:
+    config = tmp_path / "tiny.toml"
+    config.write_text(TINY)
+    out = tmp_path / "bench"
+    done = _dora(
+        "bench",
+        "modes",
+        str(config),
+        "--modes",
+        "sync,dora",
+        "--steps",
+        "3",
+        "--out",
+        str(out),
+        cwd=tmp_path,
+        timeout_s=400,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    last = done.stdout.strip().splitlines()[-1]
+    assert re.fullmatch(r"dora/sync throughput ratio: \d+\.\d\d", last), done.stdout
+    result = json.loads((out / "bench-modes.json").read_text())
+    assert [r["name"] for r in result["results"]] == ["sync", "dora"]
+    assert result["placements"][0]["colocated"] and not result["placements"][1]["colocated"]
+    assert all(r["cpu_s"] is not None for r in result["results"])  # 3 steps: may be ~0
+    assert (out / "dora" / "rollout.jsonl").is_file() and (out / "sync" / "summary.json").is_file()
