@@ -6,8 +6,9 @@ ended. A line that is not complete JSON (the last one of a file being written) i
 report works while a run is going. It draws, with matplotlib's Agg backend, four PNGs written beside
 `report.html` and embedded in it as base64 data URIs (the page needs nothing else):
 
-- `reward.png`: reward mean per step, and accuracy when the records carry one (`accuracy` or
-  `eval_*` keys); with 0/1 rewards (exact match) the reward mean is the training accuracy;
+- `reward.png`: reward mean per step, and held-out accuracy from `eval` records (greedy, on
+  `data.eval_source`; also any `accuracy`/`eval_*` trainer metric); without them, with 0/1 rewards
+  (exact match) the reward mean is the training accuracy;
 - `throughput.png`: trained tokens/s per step (trainer) and generated tokens/s (instances);
 - `staleness.png`: how many groups trained at each staleness `t - w`;
 - `timeline.png`: instance x time, each instance coloured by the version it holds, light where it
@@ -60,6 +61,7 @@ class RunData:
     steps: list[Record] = field(default_factory=list)
     trained: list[Record] = field(default_factory=list)
     weight_loads: list[Record] = field(default_factory=list)
+    evals: list[Record] = field(default_factory=list)
     learn: list[Record] = field(default_factory=list)
     summary: Record = field(default_factory=dict)
 
@@ -80,6 +82,7 @@ def load_run(run_dir: Path) -> RunData:
     data = RunData(run_dir=run_dir, learn=read_jsonl(run_dir / "learn-metrics.jsonl"))
     by_kind = {"tick": data.ticks, "step": data.steps, "trained": data.trained}
     by_kind["weight_load"] = data.weight_loads
+    by_kind["eval"] = data.evals
     for rec in read_jsonl(run_dir / "rollout.jsonl"):
         kind = rec.get("kind")
         if kind in by_kind:
@@ -114,12 +117,17 @@ def plot_reward(run: RunData, path: Path) -> str:
     axes[0].plot(steps, [m.get("reward_mean", float("nan")) for m in metrics], marker=".")
     axes[0].set(title="reward mean (training samples)", xlabel="step", ylabel="reward")
     note = ""
-    if acc_keys:
-        for k in acc_keys:
-            pts = [(m["step"], m[k]) for m in metrics if k in m]
-            axes[1].plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=k)
+    if run.evals:
+        pts = sorted((e["step"], e["accuracy"]) for e in run.evals if "accuracy" in e)
+        axes[1].plot(
+            [p[0] for p in pts], [p[1] for p in pts], marker="o", label="held-out (greedy)"
+        )
+    for k in acc_keys:
+        pts = [(m["step"], m[k]) for m in metrics if k in m]
+        axes[1].plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=k)
+    if run.evals or acc_keys:
         axes[1].legend()
-        axes[1].set(title="accuracy", xlabel="step")
+        axes[1].set(title="accuracy", xlabel="step (version)", ylim=(-0.02, 1.02))
     else:
         axes[1].text(
             0.5,
@@ -131,8 +139,8 @@ def plot_reward(run: RunData, path: Path) -> str:
         )
         axes[1].set(title="accuracy", xlabel="step")
         note = (
-            "No held-out accuracy is recorded (no `accuracy`/`eval_*` metric); with 0/1 rewards "
-            "the reward mean is the training accuracy."
+            "No accuracy is recorded (no `eval` records: data.eval_source is empty); with 0/1 "
+            "rewards the reward mean is the training accuracy."
         )
     _save(fig, path)
     return note

@@ -20,6 +20,7 @@ def write_run(
     instances: int = 2,
     finished: bool = True,
     partial_last_line: bool = False,
+    evals: bool = False,
 ) -> Path:
     """A run whose step t is trained at `1 + t * step_s` seconds, each with `tokens` tokens.
 
@@ -90,6 +91,18 @@ def write_run(
                 }
             )
         learn.append({"step": s, **metrics})
+        if evals:
+            records.append(
+                {
+                    "kind": "eval",
+                    "time_s": at + 0.3,
+                    "step": s,
+                    "version": s,
+                    "accuracy": 0.2 + 0.1 * s,
+                    "reward_mean": 0.2,
+                    "n": 8,
+                }
+            )
     records.sort(key=lambda r: float(r["time_s"]))  # type: ignore[arg-type]
     hist = [0] * (staleness + 1)
     for r in records:

@@ -84,3 +84,24 @@ def test_a_running_run_is_reported_from_what_is_there(tmp_path: Path) -> None:
 def test_main_refuses_a_folder_without_records(tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
     assert main(argparse.Namespace(run_dir=str(tmp_path), out=None)) == 1
     assert "no rollout.jsonl" in capsys.readouterr().out
+
+
+def test_eval_records_become_the_accuracy_curve(tmp_path: Path) -> None:
+    run = write_run(
+        tmp_path / "r",
+        mode="dora",
+        steps=4,
+        step_s=1.0,
+        tokens=50.0,
+        wait_s=0.1,
+        train_s=0.5,
+        evals=True,
+    )
+    data = load_run(run)
+    assert [round(e["accuracy"], 2) for e in data.evals] == [0.2, 0.3, 0.4, 0.5]
+    text = write_report(run).read_text()
+    assert "No accuracy is recorded" not in text
+    no_evals = write_run(
+        tmp_path / "n", mode="dora", steps=4, step_s=1.0, tokens=50.0, wait_s=0.1, train_s=0.5
+    )
+    assert "No accuracy is recorded" in write_report(no_evals).read_text()
