@@ -41,9 +41,18 @@ def step_metrics(
     tokens = max(total["tokens"], 1.0)
     losses = [row[0] / z for row, z in zip(sums, norms, strict=True) if z > 0]
     groups = [p.group for p in prepared]
-    rewards = [s.reward for g in groups for s in g.samples if not s.masked]
+    kept = [s for g in groups for s in g.samples if not s.masked]
+    rewards = [s.reward for s in kept]
     staleness = [step - g.version for g in groups] or [0]
+    components: dict[str, list[float]] = {}
+    for s in kept:
+        for name, value in s.reward_components.items():
+            components.setdefault(name, []).append(value)
+    episodes = max(len(kept), 1)
     return {
+        **{f"reward/{name}": sum(v) / len(v) for name, v in sorted(components.items())},
+        "turns_mean": sum(s.num_turns for s in kept) / episodes,
+        "tool_calls_mean": sum(s.num_tool_calls for s in kept) / episodes,
         "loss": sum(losses) / len(losses) if losses else 0.0,
         "reward_mean": sum(rewards) / len(rewards) if rewards else 0.0,
         "entropy": total["entropy_sum"] / tokens,

@@ -9,7 +9,7 @@ from dora.learn.metrics import SUMS, step_metrics
 from dora.protocol import Group, Sample
 
 
-def _group(gid: str, version: int, rewards: list[float], masked: int = -1) -> Group:
+def _group(gid: str, version: int, rewards: list[float], masked: int = -1, turns: int = 1) -> Group:
     samples = [
         Sample.build(
             token_ids=[1, 2, 3],
@@ -19,6 +19,9 @@ def _group(gid: str, version: int, rewards: list[float], masked: int = -1) -> Gr
             prompt_len=1,
             reward=r,
             masked=i == masked,
+            reward_components={"task": r, "format": 0.5},
+            num_turns=turns + i,
+            num_tool_calls=i,
         )
         for i, r in enumerate(rewards)
     ]
@@ -26,7 +29,7 @@ def _group(gid: str, version: int, rewards: list[float], masked: int = -1) -> Gr
 
 
 def test_step_metrics() -> None:
-    groups = [_group("a", 5, [1, 0]), _group("b", 3, [1, 1, 9], masked=2)]
+    groups = [_group("a", 5, [1, 0]), _group("b", 3, [1, 1, 9], masked=2, turns=3)]
     prepared = [
         prepare_group(g, loss="grpo", aggregation="token", max_tokens=4, filter_zero_variance=True)
         for g in groups
@@ -50,6 +53,9 @@ def test_step_metrics() -> None:
     assert m["clip_fraction"] == pytest.approx(0.1)  # 1 of 10 tokens
     assert m["ratio_mean"] == pytest.approx(1.0) and m["entropy"] == pytest.approx(1.0)
     assert m["reward_mean"] == pytest.approx(0.75)  # 1, 0, 1, 1: the masked 9 is left out
+    assert m["reward/task"] == pytest.approx(0.75) and m["reward/format"] == pytest.approx(0.5)
+    assert m["turns_mean"] == pytest.approx((1 + 2 + 3 + 4) / 4)  # per unmasked episode
+    assert m["tool_calls_mean"] == pytest.approx((0 + 1 + 0 + 1) / 4)
     assert (m["staleness_mean"], m["staleness_max"]) == (2.0, 3.0)  # 6 - 5 and 6 - 3
     assert (m["filtered_groups"], m["masked_samples"], m["duplicate_groups"]) == (1, 1, 2)
     assert (m["grad_norm"], m["version"], m["ranks"], m["tokens"]) == (2.0, 7.0, 2.0, 10.0)
