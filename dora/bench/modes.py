@@ -43,7 +43,16 @@ from pathlib import Path
 from dora.launch import _stop_all, free_port
 from dora.report import RunData, load_run
 
-__all__ = ["ModeResult", "Placement", "main", "plan", "ratio_lines", "summarise", "table"]
+__all__ = [
+    "ModeResult",
+    "Placement",
+    "main",
+    "median_run",
+    "plan",
+    "ratio_lines",
+    "summarise",
+    "table",
+]
 
 MODES = ("sync", "one_step_off", "partial", "dora")
 KNOWN = (*MODES, "sync_split")
@@ -202,6 +211,12 @@ def _summarise(run: RunData, *, name: str, placement: str, cpu: dict[str, float]
         serve_cores_used=cpu["serve_cpu_s"] / window if "serve_cpu_s" in cpu and window else None,
         learn_cores_used=cpu["learn_cpu_s"] / window if "learn_cpu_s" in cpu and window else None,
     )
+
+
+def median_run(runs: list[ModeResult]) -> ModeResult:
+    """The run with the median tokens/s (the lower middle one of an even count)."""
+    ordered = sorted(runs, key=lambda r: r.tokens_per_s)
+    return ordered[(len(ordered) - 1) // 2]
 
 
 def table(results: list[ModeResult]) -> str:
@@ -405,6 +420,9 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         help="colocated sync: the trainer's threads (default: every core)",
     )
+    p.add_argument(
+        "--repeats", type=int, default=1, help="runs per mode, interleaved; the median is shown"
+    )
     p.add_argument("--reuse", action="store_true", help="only summarise the run dirs in --out")
     return p
 
@@ -427,19 +445,20 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out or f"runs/bench-modes-{stamp}")
     out.mkdir(parents=True, exist_ok=True)
     started = datetime.now(UTC).isoformat(timespec="seconds")
-    results = []
-    for pl in placements:
-        run_dir = out / pl.name
-        if not args.reuse:
-            t0 = time.monotonic()
-            code = run_mode(args.config, overrides, run_dir, pl, steps=config.learn.steps)
-            print(
-                f"{pl.name}: exit {code} in {time.monotonic() - t0:.0f} s ({run_dir})", flush=True
-            )
-            if code:
-                print(f"dora bench modes: {pl.name} failed; see {run_dir}", file=sys.stderr)
-                return 1
-        results.append(summarise(run_dir, name=pl.name, placement=pl.describe()))
+    runs: dict[str, list[ModeResult]] = {pl.name: [] for pl in placements}
+    for rep in range(args.repeats):  # round robin, so that a burst of load hits every mode alike
+        for pl in placements:
+            run_dir = out / (pl.name if args.repeats == 1 else f"{pl.name}-{rep}")
+            if not args.reuse:
+                t0 = time.monotonic()
+                code = run_mode(args.config, overrides, run_dir, pl, steps=config.learn.steps)
+                took = time.monotonic() - t0
+                print(f"{pl.name}: exit {code} in {took:.0f} s ({run_dir})", flush=True)
+                if code:
+                    print(f"dora bench modes: {pl.name} failed; see {run_dir}", file=sys.stderr)
+                    return 1
+            runs[pl.name].append(summarise(run_dir, name=pl.name, placement=pl.describe()))
+    results = [median_run(r) for r in runs.values()]
     loads = [r.load_avg for r in results if r.load_avg is not None]
     print()
     print(
@@ -449,6 +468,10 @@ def main(argv: list[str] | None = None) -> int:
         + (f"{min(loads):.1f}-{max(loads):.1f}" if loads else "unknown")
     )
     print(table(results))
+    if args.repeats > 1:
+        print("(the run with the median tokens/s of each mode; all runs, tokens/s:)")
+        for name, rs in runs.items():
+            print(f"  {name}: " + ", ".join(f"{r.tokens_per_s:.0f}" for r in rs))
     ratios = ratio_lines(results)
     (out / "bench-modes.json").write_text(
         json.dumps(
@@ -462,6 +485,7 @@ def main(argv: list[str] | None = None) -> int:
                 },
                 "placements": [asdict(p) for p in placements],
                 "results": [asdict(r) for r in results],
+                "runs": {name: [asdict(r) for r in rs] for name, rs in runs.items()},
                 "ratios": ratios,
             },
             indent=2,

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from dora.bench.modes import plan, ratio_lines, summarise, table
+from dora.bench.modes import median_run, plan, ratio_lines, summarise, table
 from tests.unit.bench.fixtures import write_run
 
 
@@ -109,3 +109,24 @@ def test_a_run_with_one_trained_step_is_refused(tmp_path: Path) -> None:
     )
     with pytest.raises(ValueError, match="fewer than 2"):
         summarise(run, name="dora", placement="x")
+
+
+def test_the_median_run_stands_for_its_mode(tmp_path: Path) -> None:
+    runs = [
+        summarise(
+            write_run(
+                tmp_path / f"r{i}",
+                mode="dora",
+                steps=3,
+                step_s=step_s,
+                tokens=100.0,
+                wait_s=0.1,
+                train_s=0.5,
+            ),
+            name="dora",
+            placement="x",
+        )
+        for i, step_s in enumerate((1.0, 4.0, 2.0))
+    ]
+    assert median_run(runs) is runs[2]
+    assert median_run(runs[:2]) is runs[1]  # even count: the lower middle one
