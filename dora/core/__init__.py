@@ -12,6 +12,7 @@ from dora.core.orchestrator import (
     Orchestrator,
     Park,
     Resume,
+    Undrain,
 )
 from dora.core.transfer_queue import (
     Accounting,
@@ -49,5 +50,6 @@ __all__ = [
     "RollbackReport",
     "TrainerWait",
     "TransferQueue",
+    "Undrain",
     "VersionCounts",
 ]

@@ -1,12 +1,16 @@
 """The dispatcher: dataset -> groups -> G episodes each, admitted through the transfer queue.
 
-Admission binds late (DESIGN §3): a group is admitted only when the transfer queue allows one more
-group at the newest loaded version *and* an instance holding that version has room for all `G`
-samples; it is then placed on that instance (the least loaded one, by the orchestrator), started
-at once, and its `G` episodes run concurrently, each with a `LeaseSampler` pinned to the group's
-version. When admission is refused the dispatcher waits on the rollout's `changed` event (set by
-every completion, lease end, version load and trainer ack), and the time spent waiting is added
-up per reason (`weights_not_loaded`, `invariant`, `no_capacity`, ...).
+Admission binds late (DESIGN §3, docs/scheduling.md "Admission"): a group is admitted only at the
+newest version published to the orchestrator, once an instance holds it (while it loads, admission
+waits), when the transfer queue allows one more group *and* an instance holding that version has
+room for all `G` samples. While admissible groups wait for such an instance, the dispatcher reports
+one group's samples as the orchestrator's demand (`set_demand`; 0 while the queue is what blocks),
+so old versions are consolidated only when the newest version needs the room. A group is placed
+on the least loaded such instance (by the orchestrator), started at once, and its `G` episodes run
+concurrently, each with a `LeaseSampler` pinned to the group's version. When admission is refused
+the dispatcher waits on the rollout's `changed` event (set by every completion, lease end, version
+load and trainer ack), and the time spent waiting is added up per reason (`weights_not_loaded`,
+`invariant`, `no_capacity`, ...).
 
 Why episodes run here and not through `episode.run_group`: each episode's lease must end when
 *that* episode ends (DESIGN §5: a lease from first token to end), so the slot it held goes back to
@@ -79,21 +83,19 @@ class Dispatcher:
         # ends when the rollout's task group does.
         while True:
             r.changed.clear()
-            reason = q.admission_blocker()
-            version = q.newest_version
-            where = None
-            if reason is None:
-                assert version is not None
-                where = r.orchestrator.can_place(g, version=version)
-                if where is None:
-                    reason = RefusalReason.NO_CAPACITY
+            version = r.orchestrator.newest
+            reason = q.admission_blocker(version)
+            if reason is None and r.orchestrator.can_place(g, version=version) is None:
+                reason = RefusalReason.NO_CAPACITY
             if reason is not None:
+                waiting = reason in (RefusalReason.NO_CAPACITY, RefusalReason.WEIGHTS_NOT_LOADED)
+                if r.orchestrator.demand != (g if waiting else 0):
+                    r.apply(r.orchestrator.set_demand(g if waiting else 0))
                 await self._wait(reason)
                 continue
-            assert version is not None
             gid = f"g{self._next}"
             self._next += 1
-            admitted = q.try_admit(gid)
+            admitted = q.try_admit(gid, version=version)
             assert isinstance(admitted, Admitted) and admitted.version == version
             task = self._tasks.next()
             self._place(gid, version)
@@ -106,8 +108,10 @@ class Dispatcher:
         r.queue.record_admission_wait(reason)
         started = time.monotonic()
         nothing_running = not r.orchestrator.live()
+        newest = r.orchestrator.newest
+        loading = any(v.version == newest and not v.ready for v in r.orchestrator.instances())
         try:
-            if reason is RefusalReason.WEIGHTS_NOT_LOADED and nothing_running:
+            if reason is RefusalReason.WEIGHTS_NOT_LOADED and nothing_running and not loading:
                 async with asyncio.timeout(self._trainer_timeout_s):
                     await r.changed.wait()
             else:

@@ -106,11 +106,11 @@ class Setup:
     max_seqs: int = 256
     """Running sequences per instance (vLLM's max_num_seqs default); also the slots the
     orchestrator counts."""
-    controller_instances: int = 256
+    controller_instances: int = 65536
     """Instances per orchestrator: a larger pool is split into controllers of this size, each
-    with its own orchestrator (the production system's RolloutControllers, 2601 report §3.2),
-    so that planning stays O(controller size) per event. Groups go to any controller with
-    room; the transfer queue stays global. The paper presets fit in one controller."""
+    with its own orchestrator (the production system's RolloutControllers, 2601 report §3.2).
+    Groups go to any controller with room; the transfer queue stays global. By default every
+    pool has one orchestrator (its planning costs about O(log n) per event)."""
     kv_watermark: float = 0.01
     """Free KV share kept before admitting a waiting sequence (vLLM's default)."""
     weight_sync_s: float = 5.0

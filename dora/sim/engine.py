@@ -13,7 +13,15 @@ decode for its duration (a simplification of chunked prefill).
 
 The driver follows the sans-IO contract (DESIGN.md §3, §5):
 - a group is admitted only at the newest published version, once an instance holds it and has
-  room for all `G` samples (bind late); the group starts at once, so its version is frozen;
+  room for all `G` samples (bind late; docs/scheduling.md, "Admission"); the group starts at once,
+  so its version is frozen;
+- the driver mirrors which instances accept groups from the actions alone (`Drain` stops one,
+  `Undrain` or a `Load` ends it), and reports its backlog to the orchestrator (`set_demand`: one
+  group's samples while admissible work waits for an instance of the newest version, else 0), so
+  an old version is consolidated only when the newest version needs the room;
+- every instance has a KV-cache capacity in tokens, and the driver reports each live request's
+  context length (`set_size`) at each publish and at each turn end, so consolidation never packs
+  an old version's long survivors beyond it (between two reports the sizes are an underestimate);
 - every action of the orchestrator is carried out in order: `Load` takes `weight_sync_s`,
   `Migrate` moves the sequence with its KV cache (or re-prefills it), `Park` keeps the tokens so
   far and drops the KV cache, `Resume` re-prefills;
@@ -27,9 +35,6 @@ prefilled on return.
 The module is longer than 600 lines on purpose: the instances, the orchestrator's actions and the
 trainer share one clock, one event heap and the time integrals; split apart they would pass the
 whole state around.
-
-Workaround, not a core change: the orchestrator does not report when it quietly lifts a drain, so
-after `place` refuses, the driver retries on the next load, publish or periodic tick.
 """
 
 from __future__ import annotations
@@ -40,7 +45,16 @@ from collections import Counter, deque
 from dataclasses import dataclass, field
 
 from dora.core import Admitted, Assigned, RefusalReason, TransferQueue
-from dora.core.orchestrator import Action, Drain, Load, Migrate, Orchestrator, Park, Resume
+from dora.core.orchestrator import (
+    Action,
+    Drain,
+    Load,
+    Migrate,
+    Orchestrator,
+    Park,
+    Resume,
+    Undrain,
+)
 from dora.errors import SchedulingError
 from dora.sim.costs import Setup
 from dora.sim.modes import ModePlan
@@ -100,6 +114,7 @@ class _Group:
 class _Inst:
     __slots__ = (
         "busy",
+        "draining",
         "heap",
         "id",
         "kv",
@@ -125,6 +140,7 @@ class _Inst:
         self.shard = shard
         self.version: int | None = None
         self.ready = False
+        self.draining = False
         self.paused = False
         self.running: dict[str, _Req] = {}
         self.waiting: deque[_Req] = deque()
@@ -199,7 +215,7 @@ class _Sim:
         self.n_groups = 0
         self.newest = 0
         self.paused = False
-        self.blocked: set[int] = set()  # shards whose `place` refused since the last load
+        self.demand = 0  # samples reported to the orchestrators as waiting for room
         self.done = False
         self.step_count = [0] * setup.steps
         self.step_tokens = [0] * setup.steps
@@ -236,7 +252,9 @@ class _Sim:
             iid = f"i{i}"
             self.insts[iid] = _Inst(iid, i // per)
             self.index[iid] = i
-            self.apply(self.orchs[i // per].add_instance(iid, capacity=self.s.max_seqs))
+            tokens = int(self.kvcap * (1.0 - self.s.kv_watermark))
+            orch = self.orchs[i // per]
+            self.apply(orch.add_instance(iid, capacity=self.s.max_seqs, tokens=tokens))
         self.at(_POLL_S, _POLL, None)
         while self.events and not self.done:
             when, _, kind, obj, arg = heapq.heappop(self.events)
@@ -258,7 +276,6 @@ class _Sim:
                 assert isinstance(obj, int)
                 self.on_trained(obj)
             else:
-                self.blocked.clear()
                 for o in self.orchs:
                     self.apply(o.rebalance())
                 self.pump()
@@ -384,6 +401,7 @@ class _Sim:
         req.turn += 1
         ep = req.ep
         if req.turn < len(ep.turns):
+            self.orchs[req.shard].set_size(req.rid, int(req.ctx))
             req.tool_pending = True
             self.at(self.now + ep.tool_s[req.turn - 1], _TOOL, req)
             return
@@ -417,6 +435,7 @@ class _Sim:
         room = (
             inst.version
             if inst.ready
+            and not inst.draining
             and inst.version is not None
             and self.s.max_seqs - inst.used >= self.s.group_size
             else None
@@ -449,6 +468,7 @@ class _Sim:
                 self.segment(inst, inst.version if inst.ready and inst.version is not None else -1)
                 inst.version = a.version
                 inst.ready = False
+                inst.draining = False
                 inst.load_token += 1
                 self.update_room(inst)
                 self.kick(inst)
@@ -503,8 +523,15 @@ class _Sim:
                     inst.waiting.append(req)
                 self.update_room(inst)
                 self.kick(inst)
+            elif isinstance(a, Undrain):
+                inst = self.insts[a.instance]
+                inst.draining = False
+                self.update_room(inst)
             else:
                 assert isinstance(a, Drain)
+                inst = self.insts[a.instance]
+                inst.draining = True
+                self.update_room(inst)
 
     def on_loaded(self, inst: _Inst) -> None:
         assert inst.version is not None
@@ -515,7 +542,6 @@ class _Sim:
         self.update_room(inst)
         self.apply(self.orchs[inst.shard].on_loaded(inst.id, inst.version))
         self.kick(inst)
-        self.blocked.discard(inst.shard)
         self.pump()
 
     # --- admission -----------------------------------------------------------------------------
@@ -524,19 +550,20 @@ class _Sim:
         q, s = self.q, self.s
         v = self.newest
         while not self.paused:
+            blocker = q.admission_blocker(version=v)
             shards = self.roomy.get(v)
-            if not shards or q.admission_blocker(version=v) is not None:
+            if blocker is not None or not shards:
+                # Admissible work waits for an instance of the newest version (none holds it or
+                # has room yet): tell the orchestrators, which consolidate old versions for it.
+                waiting = blocker in (None, RefusalReason.WEIGHTS_NOT_LOADED)
+                self.report_demand(s.group_size if waiting else 0)
                 return
-            shard = next((j for j in shards if j not in self.blocked), None)
-            if shard is None:
-                return
+            shard = next(iter(shards))
             gid = f"g{self.n_groups + 1}"
             rids = [f"{gid}/{j}" for j in range(s.group_size)]
             where = self.orchs[shard].place(rids, version=v)
             if where is None:
-                self.blocked.add(shard)
-                q.record_admission_wait(RefusalReason.NO_CAPACITY)
-                continue
+                raise SchedulingError(f"place refused on shard {shard}, which has room")
             self.n_groups += 1
             out = q.try_admit(gid, version=v)
             if not isinstance(out, Admitted):
@@ -557,6 +584,23 @@ class _Sim:
             inst.used += s.group_size
             self.update_room(inst)
             self.kick(inst)
+
+    def report_demand(self, requests: int) -> None:
+        if requests != self.demand:
+            self.demand = requests
+            for o in self.orchs:
+                self.apply(o.set_demand(requests))
+
+    def report_sizes(self) -> None:
+        """Tell the orchestrators every live request's context length (before a publish, when
+        old versions are consolidated)."""
+        for inst in self.insts.values():
+            self.sync(inst)
+        for req in self.reqs.values():
+            ctx = req.ctx
+            if req.where == 2 and req.inst is not None:
+                ctx = req.ctx0 + (req.inst.prog - req.p0)
+            self.orchs[req.shard].set_size(req.rid, int(ctx))
 
     # --- trainer -------------------------------------------------------------------------------
 
@@ -633,9 +677,9 @@ class _Sim:
                 inst.t = self.now
                 self.kick(inst)
         self.newest = step + 1
+        self.report_sizes()
         for o in self.orchs:
             self.apply(o.publish(step + 1))
-        self.blocked.clear()
         self.pump()
 
     def finish_run(self) -> Run:

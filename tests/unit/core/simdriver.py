@@ -13,7 +13,17 @@ import random
 from dataclasses import dataclass, field
 
 from dora.core import Admitted, Assigned, RefusalReason, TransferQueue
-from dora.core.orchestrator import Action, Drain, Load, Migrate, Mode, Orchestrator, Park, Resume
+from dora.core.orchestrator import (
+    Action,
+    Drain,
+    Load,
+    Migrate,
+    Mode,
+    Orchestrator,
+    Park,
+    Resume,
+    Undrain,
+)
 
 
 @dataclass(frozen=True)
@@ -67,6 +77,7 @@ class Sim:
     failures_left: int = 0
     max_versions: int = 0
     steps_done_events: int = 0
+    draining: set[str] = field(default_factory=set)  # mirrored from Drain / Undrain / Load only
 
     def __post_init__(self) -> None:
         p = self.p
@@ -95,6 +106,7 @@ class Sim:
         views = {v.id: v for v in self.o.instances()}
         for a in actions:
             if isinstance(a, Load):
+                self.draining.discard(a.instance)
                 t = self.tok[a.instance] = self.tok.get(a.instance, 0) + 1
                 slow = 5.0 if self.rng.random() < 0.2 else 1.0
                 delay = self.p.load_time * slow * self.rng.uniform(0.5, 1.5)
@@ -108,8 +120,12 @@ class Sim:
                 assert self.version_of(views, a.instance) == a.version
                 self.segments[a.request].append(a.version)
                 self.run_request(a.request, self.left.pop(a.request))
+            elif isinstance(a, Undrain):
+                assert a.instance in self.draining
+                self.draining.remove(a.instance)
             else:
                 assert isinstance(a, Drain)
+                self.draining.add(a.instance)
 
     @staticmethod
     def version_of(views: dict[str, object], instance: str) -> int:
@@ -129,23 +145,30 @@ class Sim:
     # --- the driver ----------------------------------------------------------------------------
 
     def pump(self) -> None:
-        """Admit groups while both the queue and an instance of the newest version allow it."""
-        while self.q.admission_blocker() is None:
-            w = self.q.newest_version
-            assert w is not None
+        """Admit groups at the newest published version, while the queue allows it and an
+        instance holding that version has room (docs/scheduling.md, "Admission"). With an odd
+        seed the driver also reports its backlog (`set_demand`)."""
+        w = self.o.newest
+        while (blocker := self.q.admission_blocker(version=w)) is None:
             self.n_groups += 1
             gid = f"g{self.n_groups}"
             rids = [f"{gid}/{j}" for j in range(self.p.g)]
             if self.o.place(rids, version=w) is None:
                 self.q.record_admission_wait(RefusalReason.NO_CAPACITY)
+                self.report_demand(self.p.g)
                 return
-            out = self.q.try_admit(gid)
+            out = self.q.try_admit(gid, version=w)
             assert isinstance(out, Admitted) and out.version == w
             assert w + self.p.k >= self.q.step
             self.q.start(gid)
             self.admitted.add(gid)
             self.group_version[gid] = w
             self.start_requests(gid, rids, w)
+        self.report_demand(self.p.g if blocker is RefusalReason.WEIGHTS_NOT_LOADED else 0)
+
+    def report_demand(self, requests: int) -> None:
+        if self.p.seed % 2 and self.o.demand != requests:
+            self.apply(self.o.set_demand(requests))
 
     def start_requests(self, gid: str, rids: list[str], w: int) -> None:
         self.pending[gid] = len(rids)
@@ -269,6 +292,7 @@ class Sim:
             if views:
                 victim = self.rng.choice(views).id
                 self.tok[victim] = self.tok.get(victim, 0) + 1
+                self.draining.discard(victim)
                 self.apply(self.o.remove_instance(victim))
                 self.at(self.now + self.p.load_time * 2, "revive")
             self.failures_left -= 1
@@ -294,6 +318,8 @@ class Sim:
         views = {v.id: v for v in o.instances()}
         for v in views.values():
             assert v.load <= v.capacity
+            # The actions alone tell the driver which instances accept new groups.
+            assert v.draining == (v.id in self.draining), (v, self.draining)
         for rid in self.end:  # running, not parked: its instance holds its version
             where = o.location(rid)
             assert where is not None

@@ -151,3 +151,14 @@ def test_migrations_carry_the_kv_cache_unless_told_not_to() -> None:
     assert with_kv.migrations > 0 and with_kv.migrated_gb > 0
     without = simulate(dataclasses.replace(setup, migrate_kv=False), plan("dora", setup), seed=6)
     assert without.migrated_gb == 0
+
+
+def test_an_over_provisioned_pool_never_consolidates() -> None:
+    # 16 instances of 256 slots for 24 groups of 4 per step: the newest version always has idle
+    # instances, so migrating an old version's requests would only crowd its long tails.
+    busy = small(steps=6)
+    idle = small(steps=6, rollout_gpus=64, gpus=72, max_seqs=256)
+    assert simulate(busy, plan("dora", busy), seed=6).migrations > 0
+    run = simulate(idle, plan("dora", idle), seed=6)
+    check_run(run, idle)
+    assert run.migrations == 0
