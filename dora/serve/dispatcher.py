@@ -32,6 +32,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from dora.config import DoraConfig
 from dora.core.transfer_queue import Admitted, RefusalReason
 from dora.env import Env, PromptStream, Task
 from dora.errors import SchedulingError, ServerTimeout
@@ -41,7 +42,7 @@ from dora.serve.episode import ChatRenderer, EpisodeLimits, run_episode
 if TYPE_CHECKING:
     from dora.serve.rollout import Rollout
 
-__all__ = ["Dispatcher"]
+__all__ = ["Dispatcher", "episode_limits", "episode_on_lease"]
 
 log = logging.getLogger("dora.serve")
 
@@ -67,12 +68,7 @@ class Dispatcher:
             temperature=cfg.rollout.temperature,
             top_p=cfg.rollout.top_p,
         )
-        self._limits = EpisodeLimits(
-            max_turns=cfg.rollout.max_turns,
-            max_total_tokens=cfg.rollout.max_tokens,
-            context_limit=cfg.model.max_model_len,
-            tool_timeout_s=cfg.rollout.tool_timeout_s,
-        )
+        self._limits = episode_limits(cfg)
         self._on_error = cfg.rollout.on_env_error
         self._trainer_timeout_s = cfg.serve.request_timeout_s
         self._next = 0
@@ -174,27 +170,12 @@ class Dispatcher:
     async def _episode(self, lease_id: str, task: Task) -> Sample:
         r = self._r
         try:
-            try:
-                env = self._env_factory()
-            except Exception as exc:
-                log.warning("env factory raised", exc_info=True)
-                return Sample.build(
-                    token_ids=[],
-                    loss_mask=[],
-                    logprobs=[],
-                    versions=[],
-                    prompt_len=0,
-                    reward=0.0,
-                    finish_reason="error",
-                    masked=True,
-                    num_turns=0,
-                    metadata={"prompt_id": task.prompt_id, "error": f"env factory: {exc!r}"},
-                )
-            return await run_episode(
-                sampler=r.router.sampler(lease_id),
-                tokenizer=self._renderer,
-                env=env,
-                task=task,
+            return await episode_on_lease(
+                r,
+                lease_id,
+                task,
+                env_factory=self._env_factory,
+                renderer=self._renderer,
                 params=self._params,
                 limits=self._limits,
             )
@@ -210,3 +191,51 @@ class Dispatcher:
                 task_now = asyncio.current_task()
                 if task_now is None or not task_now.cancelling():  # no new tasks while stopping
                     r.apply(actions)
+
+
+def episode_limits(cfg: DoraConfig) -> EpisodeLimits:
+    """The limits of one episode, from `rollout.*` and `model.max_model_len`."""
+    return EpisodeLimits(
+        max_turns=cfg.rollout.max_turns,
+        max_total_tokens=cfg.rollout.max_tokens,
+        context_limit=cfg.model.max_model_len,
+        tool_timeout_s=cfg.rollout.tool_timeout_s,
+    )
+
+
+async def episode_on_lease(
+    rollout: Rollout,
+    lease_id: str,
+    task: Task,
+    *,
+    env_factory: Callable[[], Env],
+    renderer: ChatRenderer,
+    params: SamplingParams,
+    limits: EpisodeLimits,
+) -> Sample:
+    """One episode of `task` through the lease's sampler; an env factory that raises gives a masked
+    sample (the lease is the caller's to end)."""
+    try:
+        env = env_factory()
+    except Exception as exc:
+        log.warning("env factory raised", exc_info=True)
+        return Sample.build(
+            token_ids=[],
+            loss_mask=[],
+            logprobs=[],
+            versions=[],
+            prompt_len=0,
+            reward=0.0,
+            finish_reason="error",
+            masked=True,
+            num_turns=0,
+            metadata={"prompt_id": task.prompt_id, "error": f"env factory: {exc!r}"},
+        )
+    return await run_episode(
+        sampler=rollout.router.sampler(lease_id),
+        tokenizer=renderer,
+        env=env,
+        task=task,
+        params=params,
+        limits=limits,
+    )

@@ -3,9 +3,10 @@
 Starts `serve.instances` embedded engine processes (version 0 is the run's initial model from
 `dora.models.prepare`: `model.path`, or the tiny model, warmed up if asked), binds the trainer
 link on `serve.host:serve.port`, and runs the rollout loop (`rollout.py`) until every step of
-`learn.steps` is filled, sent and acknowledged. Metrics go to `{run_dir}/rollout.jsonl` and
-`{run_dir}/summary.json`; the live display goes to the terminal when `log.progress` is on and
-stderr is a terminal.
+`learn.steps` is filled, sent and acknowledged; with `data.eval_source` set, `data.eval_size`
+held-out tasks are evaluated greedily every `data.eval_every` steps (`evaluate.py`). Metrics go
+to `{run_dir}/rollout.jsonl` and `{run_dir}/summary.json`; the live display goes to the terminal
+when `log.progress` is on and stderr is a terminal.
 
 The trainer connects to the address printed at start (`dora run` chooses the port and passes it to
 both sides). Stopping (Ctrl-C, SIGTERM, or an error) cancels the task group and stops every
@@ -98,6 +99,7 @@ async def run_serve(
     from dora.models.prepare import prepare_model
     from dora.serve.dispatcher import Dispatcher
     from dora.serve.episode import ChatRenderer
+    from dora.serve.evaluate import Evaluator
     from dora.serve.rollout import Rollout
 
     # The initial weights the trainer starts from too (built, warmed up and cached once, under a
@@ -108,6 +110,14 @@ async def run_serve(
         load_tasks(config.data.source, kwargs=config.data.kwargs, seed=config.data.seed),
         seed=config.data.seed,
     )
+    eval_tasks = []
+    if config.data.eval_source and config.data.eval_size > 0:
+        eval_tasks = load_tasks(
+            config.data.eval_source,
+            kwargs=config.data.eval_kwargs,
+            seed=config.data.seed,
+            key="data.eval_source",
+        )[: config.data.eval_size]
     tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, str(model_dir))
     renderer = ChatRenderer(tokenizer)
     own_link = link is None
@@ -130,6 +140,15 @@ async def run_serve(
                 run_dir=run_dir,
                 dispatcher_factory=lambda r: Dispatcher(
                     r, tasks=tasks, env_factory=env_factory, renderer=renderer
+                ),
+                evaluator_factory=(
+                    (
+                        lambda r: Evaluator(
+                            r, tasks=eval_tasks, env_factory=env_factory, renderer=renderer
+                        )
+                    )
+                    if eval_tasks
+                    else None
                 ),
                 progress=progress,
             )

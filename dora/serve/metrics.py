@@ -9,6 +9,9 @@ Records (one JSON object per line, `kind` first):
   admission waits by reason (seconds), and event-loop lag (how late the tick woke, in ms);
 - `step`, when a step's last group is sent: its groups' versions and staleness, and how long the
   step took to fill; the trainer's metrics are added by a `trained` record at `StepDone`;
+- `eval`, per evaluation (`evaluate.py`): step, version, greedy accuracy, reward_mean, n, masked,
+  seconds; ticks carry the last one as `eval` (version, accuracy), and the summary's `extra` the
+  first and last accuracies (`eval_first_accuracy`, `eval_last_accuracy`, and their versions);
 - `weight_load`, per load: instance, version, seconds; `drain`, `instance_failed`, `rollback`
   as they happen;
 - `summary`, once at the end (also written as `summary.json`).
@@ -89,6 +92,10 @@ class Progress:
         serving = snap["serving_versions"]
         assert isinstance(serving, dict)
         calls = ", ".join(f"v{w}: {n}" for w, n in sorted(serving.items())) or "none"
+        last_eval = snap.get("eval")
+        if isinstance(last_eval, dict):
+            calls += f"\nheld-out accuracy (greedy) v{last_eval['version']}: "
+            calls += f"{100 * float(last_eval['accuracy']):.1f}%"
         table = Table(
             title=(
                 f"dora serve  step {snap['step']}/{self.total_steps}  trained {snap['trained']}  "
@@ -228,6 +235,7 @@ class Snapshots:
             counts = episodes.setdefault(lease.version, {"calling": 0, "env": 0, "parked": 0})
             counts[where] += 1
         acct = r.queue.accounting()
+        evals = r.evaluator.history if r.evaluator is not None else []
         return {
             "step": r.queue.step,
             "trained": r.trained_step,
@@ -260,6 +268,7 @@ class Snapshots:
             "admission_wait_s": {k: round(v, 4) for k, v in r.admission_wait_s.items() if v},
             "trainer_wait_s": round(r.trainer_wait_s, 4),
             "loop_lag_ms": round(lag_ms, 3),
+            **({"eval": {"version": evals[-1][0], "accuracy": evals[-1][1]}} if evals else {}),
         }
 
     def report(self) -> RolloutReport:
@@ -270,6 +279,16 @@ class Snapshots:
             i.id: round(i.busy_until(now) / wall, 4) if wall > 0 else 0.0
             for i in r.router.instances.values()
         }
+        evals = r.evaluator.history if r.evaluator is not None else []
+        extra: dict[str, float] = {}
+        if evals:
+            (first_v, first_a), (last_v, last_a) = evals[0], evals[-1]
+            extra = {
+                "eval_first_version": first_v,
+                "eval_first_accuracy": first_a,
+                "eval_last_version": last_v,
+                "eval_last_accuracy": last_a,
+            }
         return RolloutReport(
             mode=r.mode.value,
             steps=r.queue.step,
@@ -292,4 +311,5 @@ class Snapshots:
             max_loop_lag_ms=round(r.ticker.max_lag_ms, 3),
             steps_trained=r.trained_step + 1,
             tick_versions_serving=self._tick_versions_serving,
+            extra=extra,
         )

@@ -7,7 +7,10 @@ One `Rollout` owns, in one event loop and one `asyncio.TaskGroup`:
 - the dispatcher (admission and episodes, `dispatcher.py`);
 - the link to the trainer: assigned groups go out in assignment order, `StepClosed` after the
   `B`-th group of a step; `WeightChunk`/`WeightsReady`/`StepDone`/`Durable` come back;
-- the metrics ticker (`metrics.py`).
+- the metrics ticker (`metrics.py`);
+- evaluation while training (`evaluate.py`), when `data.eval_source` is set: held-out episodes on
+  leases of the newest loaded version, never groups; the final version is loaded and evaluated
+  once every step is trained, before `Shutdown`.
 
 Event flow. Every state change that can unblock admission (a group completes, a lease ends, a
 version loads, a step is acknowledged) sets `changed`; the dispatcher waits on it, never polls.
@@ -62,6 +65,7 @@ from dora.protocol import (
     WeightChunk,
     WeightsReady,
 )
+from dora.serve.evaluate import Evaluator
 from dora.serve.instances import InstanceHandle
 from dora.serve.metrics import MetricsLog, Progress, RolloutReport, Snapshots, Ticker
 from dora.serve.router import Router
@@ -88,6 +92,7 @@ class Rollout:
         model_dir: str,
         run_dir: Path,
         dispatcher_factory: Callable[[Rollout], Any],
+        evaluator_factory: Callable[[Rollout], Evaluator] | None = None,
         progress: bool = False,
     ) -> None:
         r = config.rollout
@@ -150,6 +155,7 @@ class Rollout:
             progress=self._progress,
         )
         self.dispatcher = dispatcher_factory(self)
+        self.evaluator = evaluator_factory(self) if evaluator_factory is not None else None
 
     # --- lifetime ----------------------------------------------------------------------------
 
@@ -200,12 +206,29 @@ class Rollout:
             except TimeoutError:
                 log.warning("the trainer did not acknowledge step %d within %g s", last, timeout_s)
                 break
+        if self.evaluator is not None:
+            await self._final_eval(timeout_s)
         if not self._trainer_stopped:
             # The trainer may have finished and closed its end first: nothing left to tell it.
             with contextlib.suppress(ServerUnavailable):
                 await self.link.send(Shutdown(reason="rollout finished"), timeout_s=timeout_s)
         self.ticker.emit(0.0)
         raise _RunComplete
+
+    async def _final_eval(self, timeout_s: float) -> None:
+        """Load the final version (never handed to the orchestrator: every step was filled
+        before it was published) and evaluate it; bounded by `timeout_s`."""
+        assert self.evaluator is not None
+        final = self.queue.published_version
+        if not self.store.has(final):
+            final = self.orchestrator.newest
+        if final > self.orchestrator.newest:
+            self.apply(self.orchestrator.publish(final))
+            self._retain_weights()
+        try:
+            await self.evaluator.finish(final, timeout_s=timeout_s)
+        except TimeoutError:
+            log.warning("the final evaluation (v%d) did not finish in %g s", final, timeout_s)
 
     # --- orchestrator actions ----------------------------------------------------------------
 
@@ -231,6 +254,8 @@ class Rollout:
                 case Resume(request=rid, instance=i, version=v):
                     self.router.resume(rid, i, v)
         self.changed.set()
+        if self.evaluator is not None:
+            self.evaluator.wake()
 
     def _target(self, instance: str) -> int | None:
         """The version the orchestrator wants on `instance` (None: none, or it is gone)."""
@@ -256,6 +281,9 @@ class Rollout:
             return  # the orchestrator changed its mind (or rolled back) during the load
         self.queue.on_version_loaded(version)
         self.apply(self.orchestrator.on_loaded(instance, version))
+        newest = self.queue.newest_version
+        if self.evaluator is not None and newest is not None:
+            self.evaluator.on_loaded(newest)
 
     async def _load(self, instance: str, version: int) -> None:
         timeout_s = self.config.serve.weight_load_timeout_s
