@@ -87,7 +87,7 @@ def main(args: argparse.Namespace) -> int:
             failed = _wait_first_failure(children)
         except KeyboardInterrupt:
             print("\ndora run: interrupted, stopping serve and learn", file=sys.stderr)
-            _stop_all(children)
+            stop_all(children)
             return 130
         if failed:
             print(
@@ -95,7 +95,7 @@ def main(args: argparse.Namespace) -> int:
                 f"stopping the other side (logs in {run_dir})",
                 file=sys.stderr,
             )
-            _stop_all(children)
+            stop_all(children)
             return 1
     print(f"dora run: finished; run directory {run_dir}", flush=True)
     return 0
@@ -117,7 +117,7 @@ def _wait_first_failure(children: dict[str, subprocess.Popen[bytes]]) -> str | N
         os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOWAIT)
 
 
-def _stop_all(children: dict[str, subprocess.Popen[bytes]]) -> None:
+def stop_all(children: dict[str, subprocess.Popen[bytes]]) -> None:
     for sig, wait_s in ((signal.SIGINT, GRACE_S), (signal.SIGTERM, 5.0), (signal.SIGKILL, 5.0)):
         alive = [p for p in children.values() if p.poll() is None]
         if not alive:

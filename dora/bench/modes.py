@@ -40,7 +40,7 @@ from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 
-from dora.launch import _stop_all, free_port
+from dora.launch import free_port, stop_all
 from dora.report import RunData, load_run
 
 __all__ = [
@@ -388,7 +388,7 @@ def run_mode(
                     loads.append(os.getloadavg()[0])
                 time.sleep(POLL_S)
         finally:
-            _stop_all(procs)  # dora run's own stop: SIGINT, SIGTERM, SIGKILL, by process group
+            stop_all(procs)  # dora run's own stop: SIGINT, SIGTERM, SIGKILL, by process group
         if at_last is None and counter.poll() >= steps:
             at_last = last_cpu  # the run ended within one poll of its last step: the last sample
     record: dict[str, float] = {}

@@ -237,7 +237,7 @@ class Trainer:
         self.receiver.send(StepDone(step=step, incarnation=self.incarnation, metrics=metrics))
         if self.rank == 0:
             with (self.run_dir / "learn-metrics.jsonl").open("a") as f:
-                f.write(json.dumps({"step": step, **metrics}) + "\n")
+                f.write(json.dumps({"step": step, "time": time.time(), **metrics}) + "\n")
         return metrics
 
     # --- groups, micro-batches and updates ----------------------------------------------------

@@ -30,7 +30,7 @@ def model_key(config: DoraConfig) -> str:
     shaping = {
         "model": msgspec.to_builtins(config.model),
         "env": msgspec.to_builtins(config.env),
-        "data": [config.data.source, config.data.seed],
+        "data": [config.data.source, config.data.kwargs, config.data.seed],
         "version": 1,
     }
     return hashlib.sha256(msgspec.json.encode(shaping)).hexdigest()[:16]

@@ -26,7 +26,6 @@ import contextlib
 import logging
 import os
 import signal
-import socket
 import tempfile
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -36,6 +35,7 @@ from typing import TYPE_CHECKING
 import aiohttp
 
 from dora.errors import ServerTimeout, ServerUnavailable
+from dora.launch import free_port
 from dora.serve.instances import InstanceHandle
 from dora.vllm.client import VllmClient
 
@@ -156,12 +156,6 @@ def server_env(spec: VllmSpec, index: int = 0) -> dict[str, str]:
     if spec.devices:
         env["CUDA_VISIBLE_DEVICES"] = spec.devices[index % len(spec.devices)]
     return env
-
-
-def free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass(eq=False, kw_only=True)

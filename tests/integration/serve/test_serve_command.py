@@ -8,7 +8,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -16,16 +15,11 @@ from pathlib import Path
 import pytest
 from serve_trainer import ToyTrainer
 
+from dora.launch import free_port
+
 pytestmark = pytest.mark.timeout(240)
 
 STEPS, B, INSTANCES = 6, 2, 3
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 def _engine_children(parent: int) -> list[int]:
@@ -43,7 +37,7 @@ def _engine_children(parent: int) -> list[int]:
 
 
 def test_dora_serve_command_survives_a_dead_instance(tmp_path: Path, long_tail_model: Path) -> None:
-    port = _free_port()
+    port = free_port("127.0.0.1")
     run_dir = tmp_path / "run"
     config = tmp_path / "serve.toml"
     config.write_text(
