@@ -21,13 +21,14 @@ instance, after the instance's last call has returned.
 A version `v` is handed to the orchestrator (`publish`) when both `StepDone(v - 1)` arrived and its
 weights are complete in the store; instances load it as the orchestrator says, and the transfer
 queue learns of it (`on_version_loaded`) when the first instance holds it: admission binds groups
-to the newest *loaded* version (bind late).
+to the newest *published* version once an instance holds it, and waits while it loads (bind late;
+docs/scheduling.md says why not the previous version).
 
 A trainer restarted from its checkpoint says `Hello` with a new incarnation and the step it resumes
 at: the queue rolls back (`TransferQueue.rollback`), running groups of ghost versions are stopped
 and removed, unsent assignments of the lost run are dropped, instances holding ghosts load the real
 version, and filling resumes (DESIGN §4). The store keeps every version newer than the last durable
-step for this, because a resumed trainer does not publish its starting version again. A trainer
+step for this until the resumed trainer publishes its starting version again. A trainer
 that goes away is waited for (bounded) before anything more is sent.
 
 The run ends when every step is filled and sent, the trainer acknowledged the last step (bounded
