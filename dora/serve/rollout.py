@@ -28,7 +28,8 @@ A trainer restarted from its checkpoint says `Hello` with a new incarnation and 
 at: the queue rolls back (`TransferQueue.rollback`), running groups of ghost versions are stopped
 and removed, unsent assignments of the lost run are dropped, instances holding ghosts load the real
 version, and filling resumes (DESIGN §4). The store keeps every version newer than the last durable
-step for this until the resumed trainer publishes its starting version again. A trainer
+step for this (a resumed trainer now publishes its starting version again, so this could shrink to
+what the queue and the orchestrator still use). A trainer
 that goes away is waited for (bounded) before anything more is sent.
 
 The run ends when every step is filled and sent, the trainer acknowledged the last step (bounded
