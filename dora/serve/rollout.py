@@ -50,7 +50,17 @@ from typing import Any
 import msgspec
 
 from dora.config import DoraConfig
-from dora.core.orchestrator import Action, Drain, Load, Migrate, Mode, Orchestrator, Park, Resume
+from dora.core.orchestrator import (
+    Action,
+    Drain,
+    Load,
+    Migrate,
+    Mode,
+    Orchestrator,
+    Park,
+    Resume,
+    Undrain,
+)
 from dora.core.transfer_queue import Assigned, RefusalReason, TransferQueue
 from dora.errors import ProtocolError, ServerTimeout, ServerUnavailable
 from dora.link import ServeLink
@@ -247,6 +257,8 @@ class Rollout:
                         self.spawn(self._load(i, v), name=f"load-{i}-v{v}")
                 case Drain(instance=i):
                     self.metrics.write("drain", {"instance": i})
+                case Undrain(instance=i):  # placement asks the orchestrator; this is for the log
+                    self.metrics.write("undrain", {"instance": i})
                 case Migrate(request=rid, dst=dst):
                     if self.router.move(rid, dst):
                         self.spawn(self.router.interrupt(rid, export=True), name=f"move-{rid}")
