@@ -77,15 +77,7 @@ class EngineClient:
         body: Json = {
             "prompt": prompt_ids,
             "request_id": request_id,
-            "max_tokens": params.max_tokens,
-            "min_tokens": params.min_tokens,
-            "temperature": params.temperature,
-            "top_p": params.top_p,
-            "top_k": params.top_k,
-            "stop": params.stop,
-            "stop_token_ids": params.stop_token_ids,
-            "ignore_eos": params.ignore_eos,
-            "seed": params.seed,
+            **msgspec.structs.asdict(params),  # the server's sampling fields, same names
             "logprobs": 0,
             "return_token_ids": True,
         }
