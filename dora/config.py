@@ -15,6 +15,7 @@ The resolved config (what `dora config show` prints) is what runs.
 from __future__ import annotations
 
 import difflib
+import ipaddress
 import tomllib
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -79,8 +80,19 @@ class ServeConfig(_Section):
         int, M(ge=0, le=65535, description="ZMQ port for the trainer link; 0 picks a free one")
     ] = 0
     token: Annotated[
-        str, M(description="Shared secret for control endpoints; required off loopback")
+        str, M(description="Bearer token of control endpoints and the link hello; off loopback")
     ] = ""
+    link_server_key: Annotated[
+        str,
+        M(description="CURVE key of serve's end of the trainer link: key file or Z85 secret"),
+    ] = ""
+    link_client_key: Annotated[
+        str,
+        M(description="CURVE key of the trainer's end of the link: key file or Z85 secret"),
+    ] = ""
+    link_max_message_bytes: Annotated[
+        int, M(ge=1 << 16, description="Largest message the trainer link accepts (ZMQ_MAXMSGSIZE)")
+    ] = 4 << 30
     vllm_python: Annotated[
         str, M(description="Python of the vLLM virtualenv; '' finds .venv-vllm or DORA_VLLM_PYTHON")
     ] = ""
@@ -389,13 +401,24 @@ def _resolve(config: DoraConfig) -> DoraConfig:
             f"learn.updates_per_step = {config.learn.updates_per_step} is invalid: it must be at "
             f"most rollout.batch_size = {rollout.batch_size} (each update needs at least one group)"
         )
-    loopback = config.serve.host in ("127.0.0.1", "localhost", "::1")
-    if not loopback and not config.serve.token:
+    if not is_loopback(config.serve.host) and not config.serve.token:
         raise ConfigError(
             f"serve.host = {config.serve.host!r} is off loopback: set serve.token so that control "
-            "endpoints and the trainer link are authenticated"
+            "endpoints and the trainer link are authenticated (the link also needs "
+            "serve.link_server_key and serve.link_client_key)"
         )
     return config
+
+
+def is_loopback(host: str) -> bool:
+    """Whether binding `host` keeps a server on this machine ('0.0.0.0' and '' are every
+    interface; a name other than 'localhost' may resolve anywhere)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 def to_toml_dict(config: DoraConfig) -> dict[str, object]:

@@ -8,17 +8,32 @@ Frames are msgpack (dora.protocol); nothing is pickled.
 Serve's side is asyncio (`ServeLink`); the trainer's side is a plain blocking socket
 (`LearnLink`), because the trainer's step loop is synchronous torch and only its receiver touches
 sockets. Every receive has a deadline and says what it was waiting for when it expires.
+
+Security (DESIGN §7). The link binds 127.0.0.1 by default. Off loopback it refuses to bind without
+CURVE keys (`serve.link_server_key`, `serve.link_client_key`): with them, ZeroMQ encrypts every
+frame, the trainer only talks to a serve holding the server's secret key, and serve's ZAP handler
+admits only the trainer's public key (anyone else's handshake is refused, so their frames never
+reach `recv`). The `Hello` token (`serve.token`) is checked on top, on any address. Each socket
+drops a peer whose message exceeds `serve.link_max_message_bytes` (ZMQ_MAXMSGSIZE), and a frame
+that does not decode is logged and dropped: a bad peer never crashes the other side.
 """
 
 from __future__ import annotations
 
 import asyncio
 import hmac
+import logging
+import os
+import time
+from dataclasses import dataclass
 
 import zmq
 import zmq.asyncio
+import zmq.auth
+from zmq.auth.thread import ThreadAuthenticator
 
-from dora.errors import ProtocolError, ServerTimeout, ServerUnavailable
+from dora.config import ServeConfig, is_loopback
+from dora.errors import ConfigError, ProtocolError, ServerTimeout, ServerUnavailable
 from dora.protocol import (
     Hello,
     LearnMessage,
@@ -28,37 +43,150 @@ from dora.protocol import (
     encode,
 )
 
+log = logging.getLogger("dora.link")
+
 _HWM = 1000  # bounded queues: backpressure instead of unbounded memory
+DEFAULT_MAX_MESSAGE_BYTES = 4 << 30  # an inline weight chunk holds at least one whole tensor
+_Z85 = set("0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ.-:+=^!/*?&<>()[]{}@%$#")
+
+
+@dataclass(frozen=True, kw_only=True)
+class CurveKeys:
+    """CURVE keys of the link (Z85). Each side needs its own secret key and the other's public
+    key; the other side's secret may be absent (a public key file is enough)."""
+
+    server_public: bytes
+    server_secret: bytes | None
+    client_public: bytes
+    client_secret: bytes | None
+
+    @classmethod
+    def from_config(cls, serve: ServeConfig) -> CurveKeys | None:
+        """The keys named by `serve.link_server_key` and `serve.link_client_key`; None if neither
+        is set."""
+        if not serve.link_server_key and not serve.link_client_key:
+            return None
+        missing = [
+            key
+            for key, value in (
+                ("serve.link_server_key", serve.link_server_key),
+                ("serve.link_client_key", serve.link_client_key),
+            )
+            if not value
+        ]
+        if missing:
+            raise ConfigError(f"CURVE on the trainer link needs both keys: set {missing[0]}")
+        server = read_curve_key(serve.link_server_key, key="serve.link_server_key")
+        client = read_curve_key(serve.link_client_key, key="serve.link_client_key")
+        return cls(
+            server_public=server[0],
+            server_secret=server[1],
+            client_public=client[0],
+            client_secret=client[1],
+        )
+
+
+def read_curve_key(value: str, *, key: str) -> tuple[bytes, bytes | None]:
+    """(public, secret or None) of a Z85 secret key or a `zmq.auth` key file; errors name `key`."""
+    if len(value) == 40 and set(value) <= _Z85 and not os.path.exists(value):
+        secret = value.encode()
+        return zmq.curve_public(secret), secret
+    try:
+        loaded: tuple[bytes, bytes | None] = zmq.auth.load_certificate(value)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(
+            f"{key} = {value!r} is neither a 40-character Z85 secret key nor a readable "
+            f"zmq.auth key file ({exc})"
+        ) from None
+    return loaded
 
 
 class ServeLink:
     """Serve's end: binds, accepts the trainer's hello, sends groups, receives acks."""
 
-    def __init__(self, *, host: str = "127.0.0.1", port: int = 0, token: str = "") -> None:
+    def __init__(
+        self,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        token: str = "",
+        curve: CurveKeys | None = None,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+    ) -> None:
+        if not is_loopback(host) and curve is None:
+            raise ConfigError(
+                f"serve.host = {host!r} is off loopback: the trainer link needs CURVE keys; set "
+                "serve.link_server_key and serve.link_client_key (key files from "
+                "zmq.auth.create_certificates, or Z85 secret keys from zmq.curve_keypair)"
+            )
+        if curve is not None and curve.server_secret is None:
+            raise ConfigError(
+                "serve.link_server_key names a public key: dora serve needs the server's secret "
+                "key (the .key_secret file)"
+            )
         self._ctx = zmq.asyncio.Context()
+        self._auth: ThreadAuthenticator | None = None
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.SNDHWM, _HWM)
         self._sock.setsockopt(zmq.RCVHWM, _HWM)
+        self._sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
         self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        if port == 0:
-            self.port = self._sock.bind_to_random_port(f"tcp://{host}")
-        else:
-            self._sock.bind(f"tcp://{host}:{port}")
-            self.port = port
-        self.address = f"tcp://{host}:{self.port}"
+        if curve is not None:
+            self._auth = ThreadAuthenticator(self._ctx, log=log)
+            self._auth.start()
+            self._auth.configure_curve_callback("*", _OneClient(curve.client_public))
+            assert curve.server_secret is not None
+            self._sock.curve_secretkey = curve.server_secret
+            self._sock.curve_publickey = curve.server_public
+            self._sock.curve_server = True
+        try:
+            if port == 0:
+                self.port = self._sock.bind_to_random_port(f"tcp://{host}")
+            else:
+                self._sock.bind(f"tcp://{host}:{port}")
+                self.port = port
+        except zmq.ZMQError as exc:
+            self.close()
+            raise ServerUnavailable(
+                f"cannot bind the trainer link to {host}:{port}: {exc}"
+            ) from exc
+        shown = f"[{host}]" if ":" in host else host
+        self.address = f"tcp://{shown}:{self.port}"
         self._token = token
         self._peer: bytes | None = None
         self.hello: Hello | None = None
+        self.dropped = 0
+        """Frames that did not decode (logged and dropped)."""
         self.connected = asyncio.Event()
+
+    @classmethod
+    def from_config(cls, serve: ServeConfig) -> ServeLink:
+        """The link `serve.*` describes: address, token, CURVE keys, message size limit."""
+        return cls(
+            host=serve.host,
+            port=serve.port,
+            token=serve.token,
+            curve=CurveKeys.from_config(serve),
+            max_message_bytes=serve.link_max_message_bytes,
+        )
 
     async def recv(self) -> LearnMessage:
         """The next message from the trainer. A `Hello` (re)binds the link to its sender."""
         while True:
-            peer, frame = await self._sock.recv_multipart()
-            message = decode_from_learn(frame)
+            frames = await self._sock.recv_multipart()
+            if len(frames) != 2:
+                self._drop(f"{len(frames) - 1} frames in one message, expected 1")
+                continue
+            peer, frame = frames
+            try:
+                message = decode_from_learn(frame)
+            except ProtocolError as exc:
+                self._drop(str(exc))
+                continue
             if isinstance(message, Hello):
                 if self._token and not hmac.compare_digest(message.token, self._token):
+                    log.warning("%s: ignored a hello without the shared token", self.address)
                     continue  # a peer without the shared token is ignored, never answered
                 self._peer, self.hello = peer, message
                 self.connected.set()
@@ -66,6 +194,10 @@ class ServeLink:
             if peer != self._peer:
                 continue  # an old incarnation still talking after a restart
             return message
+
+    def _drop(self, problem: str) -> None:
+        self.dropped += 1
+        log.warning("%s: dropped a malformed message: %s", self.address, problem)
 
     async def send(self, message: ServeMessage, *, timeout_s: float = 60.0) -> None:
         """Send to the current trainer; waits (bounded) for it to connect first."""
@@ -83,23 +215,68 @@ class ServeLink:
 
     def close(self) -> None:
         self._sock.close(linger=0)
+        if self._auth is not None:
+            self._auth.stop()
+            self._auth = None
         self._ctx.term()
+
+
+class _OneClient:
+    """The ZAP credentials check: only the configured trainer's public key gets in."""
+
+    def __init__(self, public: bytes) -> None:
+        self._public = public
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        if hmac.compare_digest(key, self._public):
+            return True
+        log.warning("trainer link: refused a peer whose CURVE key is not serve.link_client_key")
+        return False
 
 
 class LearnLink:
     """The trainer's end: connects, says hello, receives groups, sends acks and weights."""
 
-    def __init__(self, address: str, *, send_timeout_s: float = 120.0) -> None:
+    def __init__(
+        self,
+        address: str,
+        *,
+        send_timeout_s: float = 120.0,
+        curve: CurveKeys | None = None,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+    ) -> None:
+        if curve is not None and curve.client_secret is None:
+            raise ConfigError(
+                "serve.link_client_key names a public key: the trainer needs its secret key "
+                "(the .key_secret file)"
+            )
         self.address = address
+        self.dropped = 0
+        """Frames that did not decode (logged and dropped)."""
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 1000)
         self._sock.setsockopt(zmq.SNDHWM, _HWM)
         self._sock.setsockopt(zmq.RCVHWM, _HWM)
+        self._sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
         # a full send queue (serve gone, weights still streaming) fails instead of hanging
         self._sock.setsockopt(zmq.SNDTIMEO, int(send_timeout_s * 1000))
+        if curve is not None:
+            assert curve.client_secret is not None
+            self._sock.curve_secretkey = curve.client_secret
+            self._sock.curve_publickey = curve.client_public
+            self._sock.curve_serverkey = curve.server_public
         self._send_timeout_s = send_timeout_s
         self._sock.connect(address)
+
+    @classmethod
+    def from_config(cls, address: str, serve: ServeConfig) -> LearnLink:
+        """The trainer's end of the link `serve.*` describes, connected to `address`."""
+        return cls(
+            address,
+            curve=CurveKeys.from_config(serve),
+            max_message_bytes=serve.link_max_message_bytes,
+        )
 
     def send(self, message: LearnMessage) -> None:
         try:
@@ -111,16 +288,24 @@ class LearnLink:
             ) from None
 
     def recv(self, *, timeout_s: float, waiting_for: str) -> ServeMessage:
-        """The next message from serve; `ServerTimeout` names `waiting_for` when none comes."""
-        if not self._sock.poll(timeout=int(timeout_s * 1000)):
-            raise ServerTimeout(
-                f"waited {timeout_s:.0f} s on {self.address} for {waiting_for}; is dora serve up?"
-            )
-        frame = self._sock.recv()
-        try:
-            return decode_from_serve(frame)
-        except ProtocolError as exc:
-            raise ProtocolError(f"{self.address}: {exc}") from exc
+        """The next message from serve; `ServerTimeout` names `waiting_for` when none comes.
+
+        A frame that does not decode is logged and dropped, and the wait goes on (same deadline).
+        """
+        deadline = time.monotonic() + timeout_s
+        while True:
+            left_ms = max(0, int((deadline - time.monotonic()) * 1000))
+            if not self._sock.poll(timeout=left_ms):
+                raise ServerTimeout(
+                    f"waited {timeout_s:.0f} s on {self.address} for {waiting_for}; "
+                    "is dora serve up?"
+                )
+            frame = self._sock.recv()
+            try:
+                return decode_from_serve(frame)
+            except ProtocolError as exc:
+                self.dropped += 1
+                log.warning("%s: dropped a malformed message: %s", self.address, exc)
 
     def close(self) -> None:
         self._sock.close()

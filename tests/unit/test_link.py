@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
 import pytest
 
 from dora.bench.protocol import make_group
-from dora.errors import ServerTimeout
-from dora.link import LearnLink, ServeLink
-from dora.protocol import Assigned, Hello, StepDone
+from dora.config import ServeConfig
+from dora.errors import ConfigError, ServerTimeout
+from dora.link import CurveKeys, LearnLink, ServeLink
+from dora.protocol import Assigned, Hello, StepClosed, StepDone, WeightChunk, encode
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -82,3 +84,156 @@ def test_learn_send_fails_instead_of_hanging_when_serve_is_gone() -> None:
                 learn.send(StepDone(step=0, incarnation=0))
     finally:
         learn.close()
+
+
+# -- security and bad input --------------------------------------------------------------------
+
+
+def _keys(tmp_path: Path) -> tuple[CurveKeys, CurveKeys]:
+    """(serve's keys, the trainer's keys), from key files as zmq.auth writes them: each side holds
+    its own secret file and the other's public file."""
+    import zmq.auth
+
+    server_public, server_secret = zmq.auth.create_certificates(tmp_path, "server")
+    client_public, client_secret = zmq.auth.create_certificates(tmp_path, "client")
+    serve = ServeConfig(link_server_key=server_secret, link_client_key=client_public)
+    learn = ServeConfig(link_server_key=server_public, link_client_key=client_secret)
+    serve_keys, learn_keys = CurveKeys.from_config(serve), CurveKeys.from_config(learn)
+    assert serve_keys is not None and learn_keys is not None
+    return serve_keys, learn_keys
+
+
+async def test_curve_link_works_end_to_end(tmp_path: Path) -> None:
+    serve_keys, learn_keys = _keys(tmp_path)
+    serve = ServeLink(curve=serve_keys)
+    learn = LearnLink(serve.address, curve=learn_keys)
+    try:
+        learn.send(Hello(role="learn", incarnation=0, step=0))
+        assert isinstance(await asyncio.wait_for(serve.recv(), 5), Hello)
+        group = make_group(samples=2, tokens=16)
+        await serve.send(Assigned(step=0, group=group))
+        got = await asyncio.to_thread(learn.recv, timeout_s=5, waiting_for="a group")
+        assert isinstance(got, Assigned) and got.group == group
+    finally:
+        learn.close()
+        serve.close()
+
+
+async def test_curve_link_refuses_a_trainer_with_another_key(tmp_path: Path) -> None:
+    import zmq
+
+    serve_keys, learn_keys = _keys(tmp_path)
+    stranger_public, stranger_secret = zmq.curve_keypair()
+    stranger_keys = CurveKeys(
+        server_public=learn_keys.server_public,
+        server_secret=None,
+        client_public=stranger_public,
+        client_secret=stranger_secret,
+    )
+    plain = CurveKeys(  # right client key, but it trusts another server
+        server_public=stranger_public,
+        server_secret=None,
+        client_public=learn_keys.client_public,
+        client_secret=learn_keys.client_secret,
+    )
+    serve = ServeLink(curve=serve_keys)
+    stranger = LearnLink(serve.address, curve=stranger_keys)
+    fooled = LearnLink(serve.address, curve=plain)
+    unencrypted = LearnLink(serve.address)
+    try:
+        for link in (stranger, fooled, unencrypted):
+            link.send(Hello(role="learn", incarnation=7, step=0))
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(serve.recv(), 1.5)
+        assert serve.hello is None
+    finally:
+        for link in (stranger, fooled, unencrypted):
+            link.close()
+        serve.close()
+
+
+def test_off_loopback_bind_needs_curve_keys(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"serve\.link_server_key and serve\.link_client_key"):
+        ServeLink(host="0.0.0.0")
+    with pytest.raises(ConfigError, match=r"set serve\.link_client_key"):
+        ServeLink.from_config(ServeConfig(link_server_key="x" * 40))
+    with pytest.raises(ConfigError, match=r"serve\.link_client_key = 'nope'"):
+        CurveKeys.from_config(ServeConfig(link_server_key="x" * 40, link_client_key="nope"))
+    serve_keys, learn_keys = _keys(tmp_path)
+    with pytest.raises(ConfigError, match="secret key"):
+        ServeLink(curve=learn_keys)  # serve was given the server's public file only
+    with pytest.raises(ConfigError, match="secret key"):
+        LearnLink("tcp://127.0.0.1:9", curve=serve_keys)
+
+
+async def test_malformed_frames_are_dropped_not_fatal() -> None:
+    import zmq
+
+    serve = ServeLink()
+    ctx = zmq.Context()
+    raw = ctx.socket(zmq.DEALER)
+    raw.setsockopt(zmq.LINGER, 0)
+    raw.connect(serve.address)
+    try:
+        raw.send(b"\xc1 not msgpack")
+        raw.send_multipart([b"two", b"frames"])
+        raw.send(encode(Assigned(step=0, group=make_group(samples=1, tokens=4))))  # wrong way
+        raw.send(encode(Hello(role="learn", incarnation=5, step=0)))  # same pipe: arrives last
+        hello = await asyncio.wait_for(serve.recv(), 5)
+        assert isinstance(hello, Hello) and hello.incarnation == 5
+        assert serve.dropped == 3
+    finally:
+        raw.close()
+        ctx.term()
+        serve.close()
+
+
+def test_trainer_drops_a_malformed_frame_and_keeps_waiting() -> None:
+    import zmq
+
+    ctx = zmq.Context()
+    fake_serve = ctx.socket(zmq.ROUTER)
+    fake_serve.setsockopt(zmq.LINGER, 0)
+    port = fake_serve.bind_to_random_port("tcp://127.0.0.1")
+    learn = LearnLink(f"tcp://127.0.0.1:{port}")
+    try:
+        learn.send(Hello(role="learn", incarnation=0, step=0))
+        peer, _ = fake_serve.recv_multipart()
+        fake_serve.send_multipart([peer, b"\x92garbage"])
+        fake_serve.send_multipart([peer, encode(StepClosed(step=0, num_groups=1))])
+        assert learn.recv(timeout_s=5, waiting_for="step 0") == StepClosed(step=0, num_groups=1)
+        assert learn.dropped == 1
+        fake_serve.send_multipart([peer, b"\xff"])
+        with pytest.raises(ServerTimeout, match="step 1"):
+            learn.recv(timeout_s=0.3, waiting_for="step 1")
+    finally:
+        learn.close()
+        fake_serve.close()
+        ctx.term()
+
+
+async def test_a_message_over_the_size_limit_never_arrives() -> None:
+    serve = ServeLink(max_message_bytes=1 << 16)
+    learn = LearnLink(serve.address)
+    try:
+        learn.send(Hello(role="learn", incarnation=0, step=0))
+        assert isinstance(await asyncio.wait_for(serve.recv(), 5), Hello)
+        big = WeightChunk(
+            version=1,
+            index=0,
+            names=["w"],
+            dtypes=["float32"],
+            shapes=[[1 << 15]],
+            data=[bytes(1 << 17)],
+        )
+        learn.send(big)
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(serve.recv(), 1.0)
+        # The trainer's socket reconnects, says hello again, and the link carries on.
+        learn.send(Hello(role="learn", incarnation=0, step=0))
+        learn.send(StepDone(step=0, incarnation=0))
+        assert isinstance(await asyncio.wait_for(serve.recv(), 5), Hello)
+        assert await asyncio.wait_for(serve.recv(), 5) == StepDone(step=0, incarnation=0)
+    finally:
+        learn.close()
+        serve.close()
