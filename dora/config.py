@@ -240,8 +240,14 @@ class LogConfig(_Section):
         float, M(gt=0, description="Seconds between periodic metric records")
     ] = 1.0
     progress: Annotated[bool, M(description="Show a live progress display in the terminal")] = True
-    tensorboard: Annotated[bool, M(description="Also log to TensorBoard")] = False
-    wandb: Annotated[bool, M(description="Also log to Weights & Biases")] = False
+    tensorboard: Annotated[
+        bool,
+        M(description="Also log metrics to TensorBoard in <run_dir>/tensorboard (extra: tracking)"),
+    ] = False
+    wandb: Annotated[
+        bool,
+        M(description="Also log metrics to Weights & Biases, project 'dora' (extra: tracking)"),
+    ] = False
 
 
 class DoraConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):

@@ -35,6 +35,7 @@ import msgspec
 
 if TYPE_CHECKING:
     from dora.serve.rollout import Rollout
+    from dora.tracking import Tracking
 
 __all__ = ["MetricsLog", "Progress", "RolloutReport", "Snapshots", "Ticker"]
 
@@ -44,12 +45,13 @@ Record = dict[str, object]
 class MetricsLog:
     """Appends records to `<run_dir>/rollout.jsonl`."""
 
-    def __init__(self, run_dir: Path) -> None:
+    def __init__(self, run_dir: Path, *, tracking: Tracking | None = None) -> None:
         run_dir.mkdir(parents=True, exist_ok=True)
         self.path = run_dir / "rollout.jsonl"
         self._file: IO[bytes] | None = self.path.open("ab")
         self._encoder = msgspec.json.Encoder()
         self.start = time.monotonic()
+        self._tracking = tracking  # TensorBoard / W&B (dora/tracking.py): every record, if on
 
     def write(self, kind: str, record: Record) -> None:
         if self._file is None:
@@ -57,11 +59,15 @@ class MetricsLog:
         line = {"kind": kind, "time_s": round(time.monotonic() - self.start, 4), **record}
         self._file.write(self._encoder.encode(line) + b"\n")
         self._file.flush()
+        if self._tracking is not None:
+            self._tracking.record(line)
 
     def close(self) -> None:
         if self._file is not None:
             self._file.close()
             self._file = None
+            if self._tracking is not None:
+                self._tracking.close()
 
 
 class Progress:

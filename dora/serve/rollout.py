@@ -82,6 +82,7 @@ from dora.serve.instances import InstanceHandle
 from dora.serve.metrics import MetricsLog, Progress, RolloutReport, Snapshots, Ticker
 from dora.serve.router import Router
 from dora.serve.weights import WeightStore, read_folder
+from dora.tracking import open_tracking
 
 __all__ = ["Rollout", "RolloutReport"]
 
@@ -157,7 +158,7 @@ class Rollout:
         self._load_locks: dict[str, asyncio.Lock] = {}
         self._tg: asyncio.TaskGroup | None = None
         self.started_at = time.monotonic()
-        self.metrics = MetricsLog(run_dir)
+        self.metrics = MetricsLog(run_dir, tracking=open_tracking(config, run_dir))
         self._progress = Progress(total_steps=self.num_steps) if progress else None
         self._snapshots = Snapshots(self)
         self.ticker = Ticker(
