@@ -1,9 +1,14 @@
 """Request bodies of the engine's HTTP API (OpenAI-compatible, plus dora's fields), checked
 strictly.
 
-Unknown fields are an error that names every one of them (vLLM ignores them with a warning, which
-hides typos such as `max_token`). Bounds are checked by msgspec at decode time. dora's extension
-fields:
+Unknown fields are an error that names every one of them, with the nearest known field (vLLM
+ignores them with a warning, which hides typos such as `max_token` and runs with the default
+instead); OpenAI fields the engine does not implement (`presence_penalty`, `logit_bias`, ...) are
+refused as unsupported rather than silently ignored, because sampling that differs from what was
+asked would skew the behaviour logprobs. dora's own clients send only fields listed here
+(tests/integration/engine/test_server.py proves EngineClient's requests decode). A field of the
+wrong type or out of bounds is an error naming the field (checked by msgspec at decode time); a
+body that is not UTF-8 JSON is an error too. dora's extension fields:
 - `version`: pin the request to a weight version; an instance holding another one answers 409;
 - `request_id`: the id that abort and export name (default: a fresh one).
 
@@ -13,6 +18,7 @@ which are msgpack.
 
 from __future__ import annotations
 
+import difflib
 from typing import Annotated, Literal, TypeVar
 
 import msgspec
@@ -73,6 +79,9 @@ class CompletionRequest(_Sampling, kw_only=True, forbid_unknown_fields=True):
     skip_special_tokens: bool = True
 
 
+ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
 class ChatRequest(_Sampling, kw_only=True, forbid_unknown_fields=True):
     """POST /v1/chat/completions."""
 
@@ -84,6 +93,17 @@ class ChatRequest(_Sampling, kw_only=True, forbid_unknown_fields=True):
     logprobs: bool = False
     top_logprobs: NonNegInt | None = None
     add_generation_prompt: bool = True
+
+    def __post_init__(self) -> None:
+        for i, message in enumerate(self.messages):
+            role, content = message.get("role"), message.get("content")
+            if role not in ROLES:
+                raise ValueError(f"messages[{i}].role = {role!r}: expected one of {ROLES}")
+            if content is not None and not isinstance(content, str | list):
+                raise ValueError(
+                    f"messages[{i}].content is {type(content).__name__}: expected a string, a "
+                    "list of parts, or null"
+                )
 
 
 LoadMode = Literal["drain", "abort", "keep"]
@@ -131,17 +151,41 @@ class ExportedRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 S = TypeVar("S", bound=msgspec.Struct)
 
 
+# OpenAI request fields that the engine does not implement; refused by name, never ignored.
+UNSUPPORTED = frozenset(
+    {
+        "best_of",
+        "frequency_penalty",
+        "function_call",
+        "functions",
+        "logit_bias",
+        "presence_penalty",
+        "repetition_penalty",
+        "response_format",
+        "suffix",
+    }
+)
+
+
 def decode_strict(body: bytes, cls: type[S]) -> S:
-    """Decode a JSON body into `cls`; unknown fields raise ValueError naming all of them."""
+    """Decode a JSON body into `cls`; every problem raises ValueError naming it."""
     try:
         raw = msgspec.json.decode(body)
     except msgspec.DecodeError as exc:
-        raise ValueError(f"body is not valid JSON: {exc}") from exc
+        raise ValueError(f"body is not valid UTF-8 JSON: {exc}") from exc
     if not isinstance(raw, dict):
-        raise ValueError("body must be a JSON object")
-    unknown = sorted(set(raw) - set(cls.__struct_fields__))
+        raise ValueError(f"body must be a JSON object, got {type(raw).__name__}")
+    fields = cls.__struct_fields__
+    unsupported = sorted(set(raw) & UNSUPPORTED)
+    if unsupported:
+        raise ValueError(f"unsupported field(s) of the OpenAI API: {', '.join(unsupported)}")
+    unknown = sorted(set(raw) - set(fields))
     if unknown:
-        raise ValueError(f"unknown field(s): {', '.join(unknown)}")
+        named = []
+        for name in unknown:
+            near = difflib.get_close_matches(name, fields, n=1, cutoff=0.75)
+            named.append(f"{name} (did you mean {near[0]}?)" if near else name)
+        raise ValueError(f"unknown field(s): {', '.join(named)}")
     try:
         return msgspec.convert(raw, cls)
     except msgspec.ValidationError as exc:

@@ -8,6 +8,13 @@ for everything else).
 
 The control endpoints (`/control/...`, control.py) share this app and its plumbing.
 
+Bad input is a 4xx with a message that names the problem, never a crash: a body over the route's
+limit (`max_request_bytes` for the OpenAI routes, `max_control_bytes` for control, which carries
+weights) is refused as it streams in, with 413; a body that is not UTF-8 JSON, a field that is
+unknown or of the wrong type (api.py), and a prompt that does not fit the context are 400s.
+The server binds 127.0.0.1 by default; it refuses to bind any other address without a control
+token (DESIGN §7).
+
 A request whose HTTP caller goes away is aborted; finished results are remembered for a while, so an
 abort that races with the end of a request still returns the whole completion.
 """
@@ -27,11 +34,16 @@ import msgspec
 import torch
 from aiohttp import web
 
+from dora.config import is_loopback
 from dora.engine import api, render
 from dora.engine.batcher import Batcher, BatcherConfig, Sequence
 from dora.engine.control import ControlRoutes
 from dora.engine.worker import EngineWorker
+from dora.errors import ConfigError
 from dora.protocol import Completion, SamplingParams
+
+MAX_REQUEST_BYTES = 16 << 20
+MAX_CONTROL_BYTES = 4 << 30  # weights travel through /control/load_weights
 
 
 class Watch:
@@ -71,8 +83,8 @@ class EngineServer:
         *,
         model_name: str,
         control_token: str | None = None,
-        max_request_bytes: int = 16 << 20,
-        max_control_bytes: int = 4 << 30,
+        max_request_bytes: int = MAX_REQUEST_BYTES,
+        max_control_bytes: int = MAX_CONTROL_BYTES,
     ) -> None:
         self.worker = worker
         self.tokenizer = tokenizer
@@ -84,8 +96,10 @@ class EngineServer:
         self._renderer = render.Renderer(tokenizer, worker.batcher.eos_token_ids)
         self.inflight: dict[str, list[Sequence]] = {}
         self.recent: OrderedDict[str, list[Completion]] = OrderedDict()
+        # read_body enforces each route's limit while the body streams in; this is the backstop
         self.app = web.Application(
-            client_max_size=max_control_bytes, middlewares=[self._version_header]
+            client_max_size=max(max_request_bytes, max_control_bytes),
+            middlewares=[self._version_header],
         )
         self.app.add_routes(
             [
@@ -110,9 +124,15 @@ class EngineServer:
         threads: int | None = None,
         config: BatcherConfig | None = None,
         control_token: str | None = None,
-        max_request_bytes: int = 16 << 20,
+        max_request_bytes: int = MAX_REQUEST_BYTES,
+        max_control_bytes: int = MAX_CONTROL_BYTES,
     ) -> AsyncIterator[EngineServer]:
         """Load the model, start the engine thread and serve; stop all of it on exit."""
+        if not is_loopback(host) and not control_token:
+            raise ConfigError(
+                f"the engine would bind {host!r}, off loopback, with no control token: set "
+                "serve.token (python -m dora.engine reads it from $DORA_ENGINE_TOKEN)"
+            )
         if threads is not None:
             torch.set_num_threads(threads)
         model, loaded = await asyncio.to_thread(load_model, model_dir)
@@ -128,6 +148,7 @@ class EngineServer:
             model_name=Path(model_dir).name,
             control_token=control_token,
             max_request_bytes=max_request_bytes,
+            max_control_bytes=max_control_bytes,
         )
         runner = web.AppRunner(server.app, access_log=None, handle_signals=False)
         worker.start()
@@ -173,17 +194,18 @@ class EngineServer:
         return web.json_response(body, status=status)
 
     async def read_body(self, request: web.Request, limit: int) -> bytes | web.Response:
+        """The whole body, or a 413 as soon as it exceeds `limit` (chunked bodies included: it
+        is never buffered past the limit)."""
         if request.content_length is not None and request.content_length > limit:
             return self.error(
-                413, f"request body of {request.content_length} bytes exceeds {limit}"
+                413, f"request body of {request.content_length} bytes exceeds the limit of {limit}"
             )
-        try:
-            body = await request.read()
-        except web.HTTPRequestEntityTooLarge as exc:
-            return self.error(413, str(exc))
-        if len(body) > limit:
-            return self.error(413, f"request body of {len(body)} bytes exceeds {limit}")
-        return body
+        body = bytearray()
+        async for chunk in request.content.iter_chunked(1 << 16):
+            body += chunk
+            if len(body) > limit:
+                return self.error(413, f"request body exceeds the limit of {limit} bytes")
+        return bytes(body)
 
     async def _submit(
         self,
@@ -262,7 +284,15 @@ class EngineServer:
             else:
                 req = api.decode_strict(body, api.CompletionRequest)
                 prompt_ids = self._prompt_ids(req.prompt)
-            default_max = self.worker.batcher.max_model_len - len(prompt_ids) if chat else 16
+            context = self.worker.batcher.max_model_len
+            if not prompt_ids:
+                raise ValueError("prompt is empty: give at least one token")
+            if len(prompt_ids) >= context:
+                raise ValueError(
+                    f"prompt of {len(prompt_ids)} tokens does not fit the context of {context} "
+                    "tokens (max_model_len), which must leave room for one sampled token"
+                )
+            default_max = context - len(prompt_ids) if chat else 16
             max_tokens = req.max_completion_tokens if isinstance(req, api.ChatRequest) else None
             params = req.sampling_params(max_tokens or max(default_max, 1))
             request_id = req.request_id or f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
