@@ -11,7 +11,13 @@ dora never imports vLLM: each server runs under the vllm venv's python (`DORA_VL
 - `--worker-extension-cls dora.vllm.worker_ext.WeightLoaderExt`: loads versions by `collective_rpc`.
 - `VLLM_SERVER_DEV_MODE=1`: exposes `/pause`, `/resume`, `/collective_rpc`, `/reset_prefix_cache`,
   `/abort_requests` and `/update_weight_version`, which the client needs. Those routes change the
-  model: bind to loopback, or put the server behind a network only dora reaches.
+  model, and vLLM's `--api-key` guards only `/v1/...`, not them. So the launcher binds every server
+  it starts to 127.0.0.1 whatever `serve.host` says (dora serve, on this host, is their only HTTP
+  client; weights from trainer nodes go by NCCL or the stage folder) and refuses any other host.
+  Servers on other nodes are started there (`server_command`) and attached with `serve.urls`, on
+  a network only dora reaches. With `serve.token` set, every server also gets it as
+  `VLLM_API_KEY` (in the environment, not on a command line that `ps` shows), and every client
+  sends it as a bearer token.
 
 Each server writes its log to a file; a server that exits or is not healthy within the start
 timeout fails with the tail of that log. Each is started in its own process group and stopped
@@ -34,7 +40,8 @@ from typing import TYPE_CHECKING
 
 import aiohttp
 
-from dora.errors import ServerTimeout, ServerUnavailable
+from dora.config import is_loopback
+from dora.errors import ConfigError, ServerTimeout, ServerUnavailable
 from dora.launch import free_port
 from dora.serve.instances import InstanceHandle
 from dora.vllm.client import VllmClient
@@ -100,6 +107,8 @@ class VllmSpec:
     start_timeout_s: float = 300.0
     request_timeout_s: float = 600.0
     control_timeout_s: float = 120.0
+    token: str = ""
+    """Bearer token: `VLLM_API_KEY` of the servers started, sent by every client; '' is none."""
 
 
 # Runs the server module as `python -m` would, after asking Linux to SIGTERM the server when the
@@ -152,6 +161,8 @@ def server_env(spec: VllmSpec, index: int = 0) -> dict[str, str]:
         PYTHONPATH=os.pathsep.join(python_path),  # the worker extension, without installing dora
         PYTHONUNBUFFERED="1",
     )
+    if spec.token:
+        env["VLLM_API_KEY"] = spec.token
     env.update(spec.env)
     if spec.devices:
         env["CUDA_VISIBLE_DEVICES"] = spec.devices[index % len(spec.devices)]
@@ -199,6 +210,12 @@ async def start_server(
 ) -> VllmServer:
     """Start one server and wait until `/health` answers; on failure stop it and raise with the
     tail of its log."""
+    if not is_loopback(spec.host):
+        raise ConfigError(
+            f"a vLLM server bound to {spec.host!r} would expose its unauthenticated dev-mode "
+            "routes (/collective_rpc, /pause, ...): dora starts vLLM on 127.0.0.1 only; start "
+            "servers on other nodes there and attach them with serve.urls"
+        )
     port = port or free_port(spec.host)
     log_dir = spec.log_dir or tempfile.mkdtemp(prefix="dora-vllm-")
     os.makedirs(log_dir, exist_ok=True)
@@ -213,7 +230,7 @@ async def start_server(
             env=server_env(spec, index),
             start_new_session=True,  # its own process group, stopped as a whole
         )
-    host = "127.0.0.1" if spec.host in ("0.0.0.0", "") else spec.host
+    host = f"[{spec.host}]" if ":" in spec.host else spec.host
     server = VllmServer(
         id=instance_id, url=f"http://{host}:{port}", process=proc, log_path=log_path
     )
@@ -261,6 +278,7 @@ def _handle(server_id: str, url: str, spec: VllmSpec, stop: VllmServer | None) -
         timeout_s=spec.request_timeout_s,
         control_timeout_s=spec.control_timeout_s,
         stage_dir=stage_dir,
+        token=spec.token or None,
     )
 
     async def _stop() -> None:
@@ -324,7 +342,8 @@ def spec_from_config(config: DoraConfig, model_dir: str, *, log_dir: str | None 
     serve = config.serve
     return VllmSpec(
         model_dir=model_dir,
-        host=serve.host,
+        host="127.0.0.1",  # never serve.host: see the module docstring
+        token=serve.token,
         max_model_len=config.model.max_model_len,
         max_num_seqs=serve.max_running,
         log_dir=log_dir,
