@@ -6,17 +6,31 @@ becomes a `Task` whose `prompt_id` is the row's `id` field or `<file stem>-<row 
 one, `seed=data.seed` (e.g. `envs.math:chain_arithmetic_tasks` with `kwargs = {n = 2000}`).
 The held-out set for evaluation comes the same way from `data.eval_source` and
 `data.eval_kwargs`. A bad row is an error naming the file and the row.
+
+A task whose opening prompt (its `reset()` rendered with the chat template and the tool schemas)
+does not fit the context is skipped at load by `fit_context`, with one warning that names every
+such row and its length, and counted; only when no task fits is it an error. Such a row can never
+be sampled: run, it would be a masked group every epoch (rollout work for nothing, and a training
+slot without gradient), and refusing the whole dataset over a few long-tail rows (public math sets
+have them) would stop a run that is otherwise fine. The skipped rows are named, never hidden.
 """
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import json
-from collections.abc import Mapping
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol, cast
 
-from dora.env import Task, load_object
+from dora.env import Env, Message, Prompt, Task, call_maybe_async, load_object
 from dora.errors import ConfigError, DataError
+from dora.tools import JSON, tool_schema
+
+log = logging.getLogger("dora.data")
 
 FILE_SUFFIXES = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 
@@ -103,3 +117,78 @@ def _read_jsonl(path: Path) -> list[Task]:
     if not tasks:
         raise DataError(f"{path}: no rows")
     return tasks
+
+
+# --- prompts that do not fit the context ----------------------------------------------------------
+
+
+class PromptRenderer(Protocol):
+    """How prompts become tokens (dora.serve.episode.ChatRenderer)."""
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def prompt_ids(self, messages: Sequence[Message], tools: Sequence[JSON]) -> list[int]: ...
+
+
+@dataclass(frozen=True)
+class Fitted:
+    """The tasks that fit, and (prompt_id, prompt tokens) of each skipped one."""
+
+    tasks: list[Task]
+    skipped: list[tuple[str, int]]
+
+
+async def fit_context(
+    tasks: Sequence[Task],
+    *,
+    env_factory: Callable[[], Env],
+    renderer: PromptRenderer,
+    context_limit: int,
+    key: str = "data.source",
+    timeout_s: float = 30.0,
+) -> Fitted:
+    """Keep the tasks whose opening prompt leaves at least one token under `context_limit`.
+
+    Each prompt is rendered as an episode renders it (`reset`, the tools' schemas, the chat
+    template). Skipped rows are named in one warning; none fitting is a `DataError`. A `reset`
+    that raises or takes longer than `timeout_s` is not judged here: the task is kept, and the
+    episode's error policy handles it when it runs.
+    """
+    kept: list[Task] = []
+    skipped: list[tuple[str, int]] = []
+    for task in tasks:
+        length = await _prompt_length(env_factory, renderer, task, timeout_s)
+        if length is not None and length >= context_limit:
+            skipped.append((task.prompt_id, length))
+        else:
+            kept.append(task)
+    if skipped:
+        named = ", ".join(f"{pid} ({n} tokens)" for pid, n in skipped[:20])
+        more = f" and {len(skipped) - 20} more" if len(skipped) > 20 else ""
+        message = (
+            f"{key}: {len(skipped)} of {len(tasks)} prompts do not fit the context of "
+            f"{context_limit} tokens (model.max_model_len): {named}{more}"
+        )
+        if not kept:
+            raise DataError(f"{message}; no task is left to train on")
+        log.warning("%s; skipped", message)
+    return Fitted(kept, skipped)
+
+
+async def _prompt_length(
+    env_factory: Callable[[], Env], renderer: PromptRenderer, task: Task, timeout_s: float
+) -> int | None:
+    env = env_factory()
+    try:
+        async with asyncio.timeout(timeout_s):
+            prompt = cast(Prompt, await call_maybe_async(env.reset, task))
+        schemas = [tool_schema(tool) for tool in env.tools()]
+        if isinstance(prompt, str):
+            return len(renderer.encode(prompt))
+        return len(renderer.prompt_ids(prompt, schemas))
+    except Exception as exc:  # the episode's error policy owns a failing reset, not the loader
+        log.debug("prompt of %r not measured: %r", task.prompt_id, exc)
+        return None
+    finally:
+        async with asyncio.timeout(timeout_s):
+            await env.close()

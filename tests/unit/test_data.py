@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from dora.data import load_tasks
-from dora.env import Task
+from dora.env import Message, SingleTurnEnv, Task
 from dora.errors import ConfigError, DataError
 
 
@@ -77,3 +78,87 @@ def test_errors_name_the_key_file_and_problem(tmp_path: Path) -> None:
         load_tasks(str(bad))
     with pytest.raises(ConfigError, match=r"data\.eval_source"):
         load_tasks("", key="data.eval_source")
+
+
+# -- prompts longer than the context -----------------------------------------------------------
+
+
+class _LongEnv(SingleTurnEnv):
+    """A question per row; rows with `"tools": true` also offer a tool (its schema is prompt)."""
+
+    def __init__(self) -> None:
+        self.with_tools = False
+
+    def reset(self, task: Task) -> list[Message] | str:
+        if task.data.get("broken"):
+            raise KeyError("no question")
+        self.with_tools = bool(task.data.get("tools"))
+        return super().reset(task) if task.data.get("chat", True) else str(task["question"])
+
+    def tools(self) -> list[Callable[..., object]]:
+        return [self.lookup] if self.with_tools else []
+
+    def lookup(self, word: str) -> str:
+        """Look a word up in a dictionary with a long description that costs prompt tokens.
+
+        Args:
+            word: the word to look up, spelled exactly as it appears in the question.
+        """
+        return word
+
+    def score(self, answer: str, task: Task) -> float:
+        return 0.0
+
+
+@pytest.fixture(scope="module")
+def renderer() -> object:
+    from dora.models.tiny import char_tokenizer
+    from dora.serve.episode import ChatRenderer
+
+    return ChatRenderer(char_tokenizer())  # type: ignore[arg-type]
+
+
+async def test_rows_whose_prompt_does_not_fit_are_skipped_and_named(
+    tmp_path: Path, renderer: object, caplog: pytest.LogCaptureFixture
+) -> None:
+    from dora.data import fit_context
+
+    rows = [
+        {"question": "1+1?"},
+        {"question": "x" * 400},
+        {"question": "2+2?", "tools": True},  # short text, but the tool schema makes it long
+        {"question": "y" * 400, "chat": False},
+        {"question": "3+3?", "chat": False},
+        {"broken": True},  # reset raises: kept, for the episode's error policy
+    ]
+    path = tmp_path / "rows.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    tasks = load_tasks(str(path))
+    with caplog.at_level("WARNING", logger="dora.data"):
+        fitted = await fit_context(
+            tasks,
+            env_factory=_LongEnv,
+            renderer=renderer,
+            context_limit=200,  # type: ignore[arg-type]
+        )
+    assert [t.prompt_id for t in fitted.tasks] == ["rows-1", "rows-5", "rows-6"]
+    assert [pid for pid, _ in fitted.skipped] == ["rows-2", "rows-3", "rows-4"]
+    assert all(n >= 200 for _, n in fitted.skipped)
+    assert fitted.skipped[2][1] == 400  # plain text: exactly its characters
+    (warning,) = caplog.records
+    assert "3 of 6 prompts do not fit the context of 200 tokens" in warning.getMessage()
+    assert "rows-2 (" in warning.getMessage() and "rows-4 (400 tokens)" in warning.getMessage()
+
+
+async def test_no_prompt_fitting_is_an_error_naming_the_rows(renderer: object) -> None:
+    from dora.data import fit_context
+
+    tasks = [Task("long-a", {"question": "z" * 300}), Task("long-b", {"question": "w" * 300})]
+    with pytest.raises(DataError, match=r"data\.eval_source: 2 of 2 .* long-a .* no task is left"):
+        await fit_context(
+            tasks,
+            env_factory=_LongEnv,
+            renderer=renderer,  # type: ignore[arg-type]
+            context_limit=100,
+            key="data.eval_source",
+        )
