@@ -1,9 +1,9 @@
 """Every setting of a dora run, as msgspec Structs, loaded from TOML or YAML plus dotted overrides.
 
 One top-level `DoraConfig` per file, with the sections `model`, `serve`, `rollout`, `learn`, `env`,
-`data` and `log`. Each field carries its one-line description and its bounds in `msgspec.Meta`, so
-the same source feeds validation, `dora config show` and docs/config.md (a test regenerates the doc
-and fails if it drifted).
+`data`, `log` and `run`. Each field carries its one-line description and its bounds in
+`msgspec.Meta`, so the same source feeds validation, `dora config show` and docs/config.md (a test
+regenerates the doc and fails if it drifted).
 
 Errors are for people: an unknown key names its path and suggests the nearest valid key; a wrong
 type names the key, the value and the expected type; cross-field rules say what would be valid.
@@ -119,6 +119,12 @@ class ServeConfig(_Section):
     weight_load_timeout_s: Annotated[
         float, M(gt=0, description="Deadline for an instance to load a version")
     ] = 120.0
+    weight_load_retries: Annotated[
+        int, M(ge=0, description="Retries of a weight load that timed out; then a new instance")
+    ] = 2
+    max_instance_restarts: Annotated[
+        int, M(ge=0, description="Dead instances dora serve replaces in one run before it stops")
+    ] = 3
 
 
 class RolloutConfig(_Section):
@@ -250,6 +256,19 @@ class LogConfig(_Section):
     ] = False
 
 
+class RunConfig(_Section):
+    """`dora run`: how it keeps serve and learn going."""
+
+    max_restarts: Annotated[
+        int,
+        M(
+            ge=0,
+            description="Restarts of a dead serve or learn (learn with --resume) before dora run "
+            "stops",
+        ),
+    ] = 3
+
+
 class DoraConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """A whole run."""
 
@@ -260,6 +279,7 @@ class DoraConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     env: EnvConfig = msgspec.field(default_factory=EnvConfig)
     data: DataConfig = msgspec.field(default_factory=DataConfig)
     log: LogConfig = msgspec.field(default_factory=LogConfig)
+    run: RunConfig = msgspec.field(default_factory=RunConfig)
 
 
 MODE_STALENESS: dict[str, int] = {"sync": 0, "one_step_off": 1}

@@ -128,3 +128,5 @@ class Accounting:
     retried: int
     reoffered: int
     ignored_messages: int
+    restarted: int = 0
+    """Groups whose episodes were lost with a `dora serve` that died, started again (`restart`)."""

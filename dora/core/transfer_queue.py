@@ -24,6 +24,9 @@ Rules (DESIGN.md §3):
   version (at most `max_retries` times) or masked: it completes with masked samples and is
   consumed like any other group;
 - groups stay until the step that consumed them is durable (`on_durable`);
+- a group whose episodes were lost with the process that ran them (a `dora serve` restored from
+  its journal) is restarted (`restart`): it goes back to admitted, unpinned, re-bound to a loaded
+  version no older than its own (a later deadline never raises any `U(<= s)`), and is counted;
 - `rollback(c)` after a trainer restart from the checkpoint of step `c`: steps `<= c` are durable,
   filling continues at step `c + 1` with version `c + 1`; groups of versions `<= c + 1` are offered
   again, groups of later ("ghost") versions are removed and counted as rolled back, and the
@@ -160,6 +163,7 @@ class TransferQueue:
         self._admission_waits = dict.fromkeys(RefusalReason, 0)
         self._admitted = self._consumed = self._filtered = self._rolled_back = 0
         self._masked = self._retried = self._reoffered = self._ignored = 0
+        self._restarted = 0
 
     # --- read-only views -------------------------------------------------------------------
 
@@ -209,6 +213,10 @@ class TransferQueue:
         g = self._groups.get(group_id)
         return None if g is None else g.state
 
+    def group_states(self) -> dict[str, GroupState]:
+        """Every group the queue holds, with its state (in admission order)."""
+        return {gid: g.state for gid, g in self._groups.items()}
+
     def group_version(self, group_id: str) -> int:
         return self._get(group_id).version
 
@@ -243,6 +251,7 @@ class TransferQueue:
             retried=self._retried,
             reoffered=self._reoffered,
             ignored_messages=self._ignored,
+            restarted=self._restarted,
         )
 
     def trainer_wait(self) -> TrainerWait:
@@ -310,6 +319,25 @@ class TransferQueue:
         g.deadline = self._deadline_of(version)
         self._due[g.deadline - self._t] += 1
         self._count(g, +1)
+        return self._assign()
+
+    def restart(self, group_id: str, *, version: int) -> list[Assigned]:
+        """The group's episodes were lost (their process died) before it was assigned: it is
+        admitted again at `version` (loaded, not older than its own), unpinned, with no attempt
+        spent; counted in `restarted`. A completed group whose samples were lost restarts too."""
+        g = self._get(group_id)
+        if g.state is GroupState.ASSIGNED:
+            raise SchedulingError(f"group {group_id!r} is assigned; cannot restart")
+        if version not in self._loaded or version < g.version:
+            raise SchedulingError(f"cannot restart {group_id!r} (v{g.version}) at v{version}")
+        self._count(g, -1)
+        self._due[g.deadline - self._t] -= 1
+        g.state, g.si, g.pinned = GroupState.ADMITTED, _STATE_INDEX[GroupState.ADMITTED], False
+        g.version = version
+        g.deadline = self._deadline_of(version)
+        self._due[g.deadline - self._t] += 1
+        self._count(g, +1)
+        self._restarted += 1
         return self._assign()
 
     def start(self, group_id: str) -> None:

@@ -21,7 +21,10 @@ version through `TransferQueue.fail`, at most `max_retries` times, while an inst
 version has room, and masks it otherwise.
 
 The prompt stream is `PromptStream` (cycles, reshuffled each epoch) over the tasks that
-`dora.data.load_tasks` reads from `data.source`.
+`dora.data.load_tasks` reads from `data.source`; each admitted group's stream position is
+journaled. A `dora serve` restored from its journal continues the stream where it stopped, and
+restarts the groups whose episodes died with the previous process (same id, same task) at the
+newest version, before it admits new groups (`Rollout.lost_groups`, `TransferQueue.restart`).
 """
 
 from __future__ import annotations
@@ -71,7 +74,11 @@ class Dispatcher:
         self._limits = episode_limits(cfg)
         self._on_error = cfg.rollout.on_env_error
         self._trainer_timeout_s = cfg.serve.request_timeout_s
-        self._next = 0
+        restored = rollout.restored
+        self._next = restored.next_group
+        self._positions = restored.task_positions
+        if restored.starts:
+            self._tasks.position = restored.prompt_position
 
     async def run(self) -> None:
         r, q, g = self._r, self._r.queue, self._r.group_size
@@ -80,6 +87,8 @@ class Dispatcher:
         while True:
             r.changed.clear()
             version = r.orchestrator.newest
+            if self._restart_lost(version):
+                continue
             reason = q.admission_blocker(version)
             if reason is None and r.orchestrator.can_place(g, version=version) is None:
                 reason = RefusalReason.NO_CAPACITY
@@ -93,9 +102,39 @@ class Dispatcher:
             self._next += 1
             admitted = q.try_admit(gid, version=version)
             assert isinstance(admitted, Admitted) and admitted.version == version
+            q.task(gid, self._tasks.position)
             task = self._tasks.next()
             self._place(gid, version)
             r.group_tasks[gid] = r.spawn(self._run_group(gid, task, version), name=f"group-{gid}")
+
+    def _restart_lost(self, version: int) -> bool:
+        """Restart one group lost with a previous `dora serve`, at `version` (the newest), if an
+        instance has room; True if one was restarted."""
+        r, q = self._r, self._r.queue
+        for gid in r.lost_groups():
+            if q.group_version(gid) > version or q.admission_blocker(version) in (
+                RefusalReason.WEIGHTS_NOT_LOADED,
+                RefusalReason.NOT_NEWEST,
+            ):
+                return False  # the trainer's version is not loaded yet
+            if r.orchestrator.can_place(r.group_size, version=version) is None:
+                return False
+            position = self._positions.get(gid)
+            if position is None:  # admitted, but its task was not journaled: a fresh one
+                position = self._tasks.position
+                self._tasks.next()
+            task = PromptStream(
+                self._tasks.tasks,
+                seed=self._tasks.seed,
+                shuffle=self._tasks.shuffle,
+                position=position,
+            ).next()
+            log.info("restarting group %s (lost with the previous serve) at v%d", gid, version)
+            r.assigned(q.restart(gid, version=version))
+            self._place(gid, version)
+            r.group_tasks[gid] = r.spawn(self._run_group(gid, task, version), name=f"group-{gid}")
+            return True
+        return False
 
     async def _wait(self, reason: RefusalReason) -> None:
         """Wait for a state change; only a wait for the trainer's weights has a deadline (it is
@@ -159,13 +198,15 @@ class Dispatcher:
             return
 
     def _group(self, gid: str, task: Task, version: int, samples: list[Sample]) -> Group:
-        return Group(
+        group = Group(
             id=gid,
             prompt_id=task.prompt_id,
             version=version,
             samples=samples,
             incarnation=self._r.queue.incarnation,
         )
+        self._r.queue.keep(group)  # journaled before the queue hears it is complete
+        return group
 
     async def _episode(self, lease_id: str, task: Task) -> Sample:
         r = self._r

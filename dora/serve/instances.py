@@ -6,6 +6,9 @@ them in this process (`EngineServer`) to save the seconds a process costs; both 
 `InstanceHandle`s, and nothing above this module knows which kind it got. `attach` uses engines
 that are already running (`serve.urls`).
 
+A `ProcessPool` can start more instances while it runs: `dora serve` replaces an instance that
+died (`Rollout._replace`); a replacement gets the next free id (`i3` after `i0`..`i2`).
+
 Every instance starts with version 0 (the model folder) loaded. Stopping goes through the handle
 that started the instance (the process object, or the in-process server's context): SIGTERM, a
 bounded wait, then SIGKILL; never a search by name.
@@ -31,6 +34,7 @@ __all__ = [
     "InstanceClient",
     "InstanceHandle",
     "InstanceSpec",
+    "ProcessPool",
     "attach",
     "start_in_process",
     "start_processes",
@@ -101,20 +105,47 @@ def _client(url: str, spec: InstanceSpec) -> InstanceClient:
     )
 
 
-@contextlib.asynccontextmanager
-async def start_processes(spec: InstanceSpec, count: int) -> AsyncIterator[list[InstanceHandle]]:
-    """Start `count` engine processes concurrently; stop every one of them on exit."""
-    procs: list[asyncio.subprocess.Process] = []
-    handles: list[InstanceHandle] = []
-    try:
+class ProcessPool:
+    """Engine processes started by this pool, and stopped by it (every one, on exit)."""
+
+    def __init__(self, spec: InstanceSpec) -> None:
+        self.spec = spec
+        self.handles: list[InstanceHandle] = []
+        self._procs: list[asyncio.subprocess.Process] = []
+        self._started = 0
+
+    async def start(self, count: int) -> list[InstanceHandle]:
+        """Start `count` more instances concurrently."""
+        first, self._started = self._started, self._started + count
         async with asyncio.TaskGroup() as tg:
-            starts = [tg.create_task(_start_process(spec, f"i{i}", procs)) for i in range(count)]
+            starts = [
+                tg.create_task(_start_process(self.spec, f"i{i}", self._procs))
+                for i in range(first, first + count)
+            ]
         handles = [s.result() for s in starts]
-        yield handles
-    finally:
-        for h in handles:
+        self.handles += handles
+        return handles
+
+    async def replace(self, dead: str) -> InstanceHandle:
+        """A new instance in place of `dead` (whose process is stopped at exit like the rest)."""
+        (handle,) = await self.start(1)
+        return handle
+
+    async def close(self) -> None:
+        for h in self.handles:
             await h.client.close()
-        await asyncio.gather(*(_stop_process(p) for p in procs))
+        await asyncio.gather(*(_stop_process(p) for p in self._procs))
+
+
+@contextlib.asynccontextmanager
+async def start_processes(spec: InstanceSpec, count: int) -> AsyncIterator[ProcessPool]:
+    """Start `count` engine processes concurrently; stop every one the pool started on exit."""
+    pool = ProcessPool(spec)
+    try:
+        await pool.start(count)
+        yield pool
+    finally:
+        await pool.close()
 
 
 async def _start_process(

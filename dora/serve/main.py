@@ -21,7 +21,7 @@ import contextlib
 import logging
 import signal
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
 import msgspec
@@ -31,6 +31,7 @@ from dora.errors import ConfigError
 from dora.serve.instances import (
     InstanceHandle,
     InstanceSpec,
+    ProcessPool,
     attach,
     start_in_process,
     start_processes,
@@ -47,11 +48,15 @@ def resolve_run_dir(config: DoraConfig) -> Path:
     return learn_run_dir(config, resume=False)
 
 
+Replace = Callable[[str], Awaitable[InstanceHandle]]
+
+
 @contextlib.asynccontextmanager
 async def _instances(
     config: DoraConfig, model_dir: Path, *, in_process: bool, run_dir: Path
-) -> AsyncIterator[list[InstanceHandle]]:
-    """The instances of the configured backend: started here, or attached at `serve.urls`."""
+) -> AsyncIterator[tuple[list[InstanceHandle], Replace | None]]:
+    """The instances of the configured backend (started here, or attached at `serve.urls`), and
+    how to replace one that died (only for engine processes that this serve started)."""
     if config.serve.backend == "vllm":
         try:
             from dora.vllm.launcher import vllm_instances
@@ -60,7 +65,7 @@ async def _instances(
                 f"serve.backend = 'vllm' is not available in dora serve yet ({exc}); use 'embedded'"
             ) from exc
         async with vllm_instances(config, str(model_dir), log_dir=str(run_dir / "vllm")) as vh:
-            yield list(vh)
+            yield list(vh), None
         return
     spec = InstanceSpec(
         model_dir=str(model_dir),
@@ -74,11 +79,15 @@ async def _instances(
     )
     if config.serve.urls:
         async with attach(spec, config.serve.urls) as handles:
-            yield handles
+            yield handles, None
         return
-    start = start_in_process if in_process else start_processes
-    async with start(spec, config.serve.instances) as handles:
-        yield list(handles)
+    if in_process:
+        async with start_in_process(spec, config.serve.instances) as handles:
+            yield handles, None
+        return
+    async with start_processes(spec, config.serve.instances) as pool:
+        assert isinstance(pool, ProcessPool)
+        yield list(pool.handles), pool.replace
 
 
 async def run_serve(
@@ -131,7 +140,8 @@ async def run_serve(
         progress = config.log.progress and sys.stderr.isatty()
     try:
         print(f"dora serve: trainer link on {serve_link.address}", flush=True)
-        async with _instances(config, model_dir, in_process=in_process, run_dir=run_dir) as handles:
+        instances = _instances(config, model_dir, in_process=in_process, run_dir=run_dir)
+        async with instances as (handles, replace):
             rollout = Rollout(
                 config,
                 instances=handles,
@@ -151,6 +161,7 @@ async def run_serve(
                     else None
                 ),
                 progress=progress,
+                replace_instance=replace,
             )
             report = await rollout.run()
     finally:

@@ -32,6 +32,16 @@ step for this (a resumed trainer now publishes its starting version again, so th
 what the queue and the orchestrator still use). A trainer
 that goes away is waited for (bounded) before anything more is sent.
 
+Faults (DESIGN §7). Every queue operation and every completed group's samples go to the run's
+journal (`journal.py`); a `dora serve` started on a run directory that holds one replays it:
+completed groups are offered to the (restarted) trainer again, and groups whose episodes died
+with the previous process are restarted at the newest version once the trainer has said hello
+and rolled back (`TransferQueue.restart`, counted). An instance that dies is replaced (when the
+pool can start instances: `replace_instance`), at most `serve.max_instance_restarts` times in a
+run; the replacement loads the version the orchestrator gives it from the weight store. A weight
+load that times out is retried `serve.weight_load_retries` times; then the instance counts as
+dead and is replaced.
+
 The run ends when every step is filled and sent, the trainer acknowledged the last step (bounded
 wait), and `Shutdown` is sent. Every wait on the trainer that blocks progress has a deadline
 (`serve.request_timeout_s`), and says what it waited for.
@@ -43,7 +53,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
@@ -61,7 +71,7 @@ from dora.core.orchestrator import (
     Resume,
     Undrain,
 )
-from dora.core.transfer_queue import Assigned, RefusalReason, TransferQueue
+from dora.core.transfer_queue import Assigned, GroupState, RefusalReason
 from dora.errors import ProtocolError, ServerTimeout, ServerUnavailable
 from dora.link import ServeLink
 from dora.protocol import (
@@ -79,6 +89,7 @@ from dora.protocol import (
 )
 from dora.serve.evaluate import Evaluator
 from dora.serve.instances import InstanceHandle
+from dora.serve.journal import JournaledQueue, Restored
 from dora.serve.metrics import MetricsLog, Progress, RolloutReport, Snapshots, Ticker
 from dora.serve.router import Router
 from dora.serve.weights import WeightStore, read_folder
@@ -107,6 +118,7 @@ class Rollout:
         dispatcher_factory: Callable[[Rollout], Any],
         evaluator_factory: Callable[[Rollout], Evaluator] | None = None,
         progress: bool = False,
+        replace_instance: Callable[[str], Awaitable[InstanceHandle]] | None = None,
     ) -> None:
         r = config.rollout
         self.config = config
@@ -114,7 +126,8 @@ class Rollout:
         self.batch_size = r.batch_size
         self.num_steps = config.learn.steps
         self.mode = Mode(r.mode)
-        self.queue = TransferQueue(
+        self.queue = JournaledQueue(
+            run_dir,
             groups_per_step=r.batch_size,
             max_staleness=r.staleness,
             num_steps=config.learn.steps,
@@ -139,11 +152,18 @@ class Rollout:
         self.weight_loads = 0
         self.weight_load_s = 0.0
         self._instances = instances
+        self._replace_instance = replace_instance
+        self.instance_restarts = 0
+        self.weight_load_retries = 0
+        self.restored = Restored()
+        """What the journal held at start (`restored.starts > 0`: this serve is a restart)."""
+        self._lost_ready = asyncio.Event()
+        """Set once groups lost with a previous serve may be restarted (the trainer said hello)."""
         self._outbox: asyncio.Queue[tuple[int, Assigned]] = asyncio.Queue(
             maxsize=(r.staleness + 3) * r.batch_size
         )
         self.sent_per_step: dict[int, int] = {}
-        self._step_versions: dict[int, list[int]] = {}
+        self._step_versions: dict[int, list[tuple[str, int]]] = {}
         self._step_started = time.monotonic()
         self.trained_step = -1
         self._trained_event = asyncio.Event()
@@ -174,6 +194,7 @@ class Rollout:
 
     async def run(self) -> RolloutReport:
         self.started_at = time.monotonic()
+        self._restore()
         try:
             async with asyncio.TaskGroup() as tg:
                 self._tg = tg
@@ -196,9 +217,68 @@ class Rollout:
             if self._progress is not None:
                 self._progress.close()
             report = self._snapshots.report()
+            acct = self.queue.accounting()
+            report.extra.update(
+                admitted=acct.admitted,
+                consumed=acct.consumed,
+                filtered=acct.filtered,
+                rolled_back=acct.rolled_back,
+                unassigned=acct.unassigned,
+                masked=acct.masked,
+                groups_restarted=acct.restarted,
+                serve_restarts=self.restored.starts,
+                instance_restarts=self.instance_restarts,
+                weight_load_retries=self.weight_load_retries,
+            )
             self.metrics.write("summary", msgspec.to_builtins(report))
             self.metrics.close()
+            self.queue.close()
         return report
+
+    def _restore(self) -> None:
+        """Replay the journal of a `dora serve` that ran on this run directory before."""
+        restored = self.restored = self.queue.restore()
+        if not restored.starts:
+            return
+        self.groups = dict(restored.groups)
+        self.completed = len(restored.groups)
+        self.trained_step = restored.trained_step
+        self._durable = restored.durable_step
+        acct = self.queue.accounting()
+        log.warning(
+            "restored from the journal (start %d): step %d, %d groups held, %d to restart",
+            restored.starts + 1,
+            self.queue.step,
+            len(restored.groups),
+            len(restored.lost),
+        )
+        self.metrics.write(
+            "restore",
+            {
+                "serve_start": restored.starts + 1,
+                "step": self.queue.step,
+                "incarnation": self.queue.incarnation,
+                "groups_held": len(restored.groups),
+                "lost": len(restored.lost),
+                "admitted": acct.admitted,
+                "consumed": acct.consumed,
+                "rolled_back": acct.rolled_back,
+            },
+        )
+
+    def lost_groups(self) -> list[str]:
+        """Groups of a previous serve to restart now: empty until the trainer said hello (its
+        roll-back removes the ghosts among them); those still unassigned after it."""
+        if not self._lost_ready.is_set():
+            return []
+        lost = [
+            gid
+            for gid in self.restored.lost
+            if self.queue.state(gid) in (GroupState.ADMITTED, GroupState.STARTED)
+            or (self.queue.state(gid) is GroupState.COMPLETED and gid not in self.groups)
+        ]
+        self.restored.lost = lost
+        return lost
 
     def spawn(self, coro: Coroutine[Any, Any, None], *, name: str) -> asyncio.Task[None]:
         """Run `coro` in the run's task group (one crash stops the run)."""
@@ -288,8 +368,35 @@ class Rollout:
         log.warning("instance %s is unreachable; moving its requests", instance)
         self.metrics.write("instance_failed", {"instance": instance})
         self.apply(self.orchestrator.remove_instance(instance))
-        if not self.orchestrator.instances():
-            raise ServerUnavailable("every inference instance is gone")
+        self._replace(instance)
+
+    def _replace(self, instance: str) -> None:
+        """Start a replacement for a dead instance, within `serve.max_instance_restarts`."""
+        limit = self.config.serve.max_instance_restarts
+        if self._replace_instance is not None and self.instance_restarts < limit:
+            self.instance_restarts += 1
+            self.spawn(self._start_replacement(instance), name=f"replace-{instance}")
+        elif not self.orchestrator.instances():
+            raise ServerUnavailable(
+                f"every inference instance is gone (the last: {instance}); "
+                f"{self.instance_restarts} of serve.max_instance_restarts = {limit} "
+                "replacements were used"
+            )
+
+    async def _start_replacement(self, instance: str) -> None:
+        try:
+            handle = await self._replace_instance(instance)  # type: ignore[misc]
+        except (ServerUnavailable, ServerTimeout) as exc:
+            log.warning("replacing instance %s failed: %s", instance, exc)
+            self.metrics.write("instance_restart_failed", {"instance": instance, "error": str(exc)})
+            self._replace(instance)
+            return
+        log.warning("instance %s replaces %s", handle.id, instance)
+        self.metrics.write("instance_restarted", {"instance": handle.id, "replaces": instance})
+        self.router.add_instance(handle.id, handle.client, version=0)
+        self._load_locks[handle.id] = asyncio.Lock()
+        capacity = self.config.serve.max_running
+        self.apply(self.orchestrator.add_instance(handle.id, capacity=capacity))
 
     def _loaded(self, instance: str, version: int) -> None:
         if self._target(instance) != version:
@@ -327,13 +434,31 @@ class Rollout:
                         weights.names, weights.dtypes, weights.shapes, weights.data, strict=True
                     )
                 }
-            try:
-                await client.load_weights(
-                    version, path=weights.path or None, tensors=tensors, timeout_s=timeout_s
-                )
-            except ServerUnavailable:
-                self.instance_failed(instance)
-                return
+            retries = self.config.serve.weight_load_retries
+            for attempt in range(retries + 1):
+                try:
+                    await client.load_weights(
+                        version, path=weights.path or None, tensors=tensors, timeout_s=timeout_s
+                    )
+                    break
+                except ServerUnavailable:
+                    self.instance_failed(instance)
+                    return
+                except ServerTimeout as exc:
+                    what = f"a path ({weights.path})" if weights.path else "inline tensors"
+                    log.warning(
+                        "instance %s did not load version %d from %s within %g s (attempt %d of "
+                        "%d): %s",
+                        *(instance, version, what, timeout_s, attempt + 1, retries + 1, exc),
+                    )
+                    self.metrics.write(
+                        "weight_load_timeout",
+                        {"instance": instance, "version": version, "attempt": attempt + 1},
+                    )
+                    if attempt == retries:  # stuck: replace it (bounded by its own limit)
+                        self.instance_failed(instance)
+                        return
+                    self.weight_load_retries += 1
             seconds = time.monotonic() - started
             if incarnation != self.queue.incarnation:
                 # A roll-back happened during the load: `version` may now name other weights.
@@ -377,6 +502,7 @@ class Rollout:
                 case Durable(step=step, incarnation=inc):
                     for gid in self.queue.on_durable(step, incarnation=inc):
                         self.groups.pop(gid, None)
+                    self.queue.compact(list(self.groups.values()))
                     if inc == self.queue.incarnation:
                         self._durable = max(self._durable, step)
                     self._retain_weights()
@@ -392,6 +518,13 @@ class Rollout:
             return
         if hello.incarnation > q.incarnation:
             self._rollback(hello)
+        elif self.restored.starts and not self._lost_ready.is_set():
+            raise ProtocolError(
+                f"dora serve restarted from its journal (trainer incarnation {q.incarnation}), but "
+                f"the trainer that said hello is that same incarnation: restart it with "
+                "`dora learn --resume` so it rolls back to its last checkpoint"
+            )
+        self._lost_ready.set()
         log.info("trainer connected (incarnation %d, step %d)", hello.incarnation, hello.step)
         self._hello_seen.set()
         await self.link.send(Hello(role="serve", incarnation=q.incarnation, step=q.step))
@@ -490,7 +623,7 @@ class Rollout:
             if not await self._deliver(AssignedMessage(step=a.step, group=group), incarnation):
                 continue
             n = self.sent_per_step[a.step] = self.sent_per_step.get(a.step, 0) + 1
-            self._step_versions.setdefault(a.step, []).append(a.version)
+            self._step_versions.setdefault(a.step, []).append((a.group_id, a.version))
             if n == self.batch_size:
                 if not await self._deliver(StepClosed(step=a.step, num_groups=n), incarnation):
                     continue
@@ -525,13 +658,15 @@ class Rollout:
         ready_at = self.started_at if step == 0 else self._trained_at.get(step - 1)
         if ready_at is not None:
             self.trainer_wait_s += max(0.0, now - ready_at)
-        versions = self._step_versions.pop(step)
+        groups = self._step_versions.pop(step)
+        self.queue.sync()
         self.metrics.write(
             "step",
             {
                 "step": step,
-                "versions": versions,
-                "staleness": [step - v for v in versions],
+                "groups": [gid for gid, _ in groups],
+                "versions": [v for _, v in groups],
+                "staleness": [step - v for _, v in groups],
                 "fill_s": now - self._step_started,
             },
         )

@@ -1,6 +1,7 @@
 """`dora serve` as a user runs it: a process that starts engine processes, serves a trainer over
 ZMQ until the last step, writes its metrics, stops its instances and exits 0; and keeps going when
-one of its instances dies in the middle of the run (DESIGN §7)."""
+one of its instances dies in the middle of the run (DESIGN §7): the dead instance's requests move,
+and a replacement process starts and loads the version it is given."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import re
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -74,6 +76,11 @@ progress = false
             victim = _engine_children(serve[0].pid)[0]
             os.kill(victim, signal.SIGKILL)
             killed.append(victim)
+        if step == 2:  # the trainer waits until the replacement serves: the run outlasts it
+            log = run_dir / "rollout.jsonl"
+            deadline = time.monotonic() + 90
+            while b"instance_restarted" not in log.read_bytes() and time.monotonic() < deadline:
+                time.sleep(0.2)
 
     trainer = ToyTrainer(
         f"tcp://127.0.0.1:{port}",
@@ -112,12 +119,17 @@ progress = false
 
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps"] == STEPS and summary["groups_sent"] == STEPS * B
-    assert set(summary["utilisation"]) == {f"i{i}" for i in range(INSTANCES)}
+    replacement = f"i{INSTANCES}"
+    assert set(summary["utilisation"]) == {f"i{i}" for i in range(INSTANCES + 1)}
     assert len(summary["instances_failed"]) == 1, summary
-    kinds = {json.loads(x)["kind"] for x in (run_dir / "rollout.jsonl").read_text().splitlines()}
-    assert {"tick", "step", "trained", "instance_failed", "summary"} <= kinds
+    assert summary["extra"]["instance_restarts"] == 1, summary
+    records = [json.loads(x) for x in (run_dir / "rollout.jsonl").read_text().splitlines()]
+    kinds = {r["kind"] for r in records}
+    assert {"tick", "step", "trained", "instance_failed", "instance_restarted", "summary"} <= kinds
+    loads = [r for r in records if r["kind"] == "weight_load" and r["instance"] == replacement]
+    assert loads and loads[0]["version"] >= 1, "the replacement loaded a version from the store"
     pids = [int(p) for p in re.findall(r"instance i\d \(pid (\d+)\)", stderr)]
-    assert len(pids) == INSTANCES and killed[0] in pids, stderr[-3000:]
+    assert len(pids) == INSTANCES + 1 and killed[0] in pids, stderr[-3000:]
     for pid in pids:  # every instance process was stopped by its handle
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)

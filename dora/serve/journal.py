@@ -1,0 +1,397 @@
+"""`dora serve`'s journal: what a restarted `dora serve` needs to lose nothing (DESIGN §4).
+
+Two append-only files under `{run_dir}/journal/`, msgpack frames (a 4-byte little-endian length,
+then a msgspec-encoded record; never pickle):
+
+- `queue.msgpack`: every operation on the transfer queue, in order (admissions, starts,
+  completions, failures, loads, `StepDone`, `Durable`, roll-backs, restarts), plus the prompt
+  stream position of each admitted group and one `Opened` record per start of `dora serve`. The
+  transfer queue is pure and deterministic, so replaying these operations into a fresh queue gives
+  exactly the queue that died: its step, deadlines, group states and its accounting (admitted,
+  consumed, filtered, rolled back, the staleness histogram). Records are small (tens of bytes);
+  this file is never rewritten.
+- `groups.msgpack`: the samples of every completed group (`dora.protocol.Group`), which the trainer
+  may need again until the step that consumed the group is durable. It is compacted at every
+  `Durable(t)`: rewritten with the groups still held, fsynced, renamed over the old file.
+
+Every record is written with one `write` to the file descriptor (no user-space buffer), so a
+killed process loses at most the record it was writing; a torn last frame is cut off when the
+journal is opened again. `fsync` runs at the points a machine crash would cost the most: a step's
+last group sent, `Durable`, compaction.
+
+Restoring (`JournaledQueue.restore`): replay the operations, keep the payloads of groups that are
+completed or assigned, and list the groups whose episodes died with the process (admitted or
+started, or completed without a payload: the samples were lost between two writes); the rollout
+restarts those (`TransferQueue.restart`, counted) once the trainer has said hello.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import struct
+from collections.abc import Collection, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+import msgspec
+
+from dora.core.transfer_queue import (
+    Admitted,
+    Assigned,
+    FailureOutcome,
+    GroupState,
+    Refused,
+    RollbackReport,
+    TransferQueue,
+)
+from dora.errors import ProtocolError
+from dora.protocol import Group
+
+__all__ = ["JournalFile", "JournaledQueue", "Restored", "read_frames"]
+
+_LEN = struct.Struct("<I")
+
+
+class _Op(msgspec.Struct, array_like=True, tag_field="op"):
+    pass
+
+
+class Bind(_Op, tag="bind"):
+    """`try_admit` (admitted), `rebind` or `restart` of group `gid` at `version`."""
+
+    how: Literal["admit", "rebind", "restart"]
+    gid: str
+    version: int
+
+
+class Mark(_Op, tag="mark"):
+    """`start` or `filter` of group `gid`."""
+
+    how: Literal["start", "filter"]
+    gid: str
+
+
+class Task(_Op, tag="task"):
+    gid: str
+    position: int
+    """Index of the group's task in the prompt stream."""
+
+
+class Complete(_Op, tag="complete"):
+    gid: str
+    filtered: bool
+
+
+class Fail(_Op, tag="fail"):
+    gid: str
+    retry_allowed: bool
+
+
+class Ack(_Op, tag="ack"):
+    """A version loaded (`loaded`, its number) or the trainer's `StepDone`/`Durable` (a step)."""
+
+    how: Literal["loaded", "trained", "durable"]
+    number: int
+    incarnation: int | None
+
+
+class Rollback(_Op, tag="rollback"):
+    step: int
+    tainted: list[str]
+
+
+class Opened(_Op, tag="opened"):
+    """`dora serve` started on this journal (the first one, or a restart)."""
+
+
+Op = Bind | Mark | Task | Complete | Fail | Ack | Rollback | Opened
+
+
+def read_frames(path: Path) -> tuple[list[bytes], int]:
+    """The complete frames of `path` and the byte length they cover (a torn tail is left out)."""
+    if not path.exists():
+        return [], 0
+    data = path.read_bytes()
+    frames: list[bytes] = []
+    at = 0
+    while at + _LEN.size <= len(data):
+        (n,) = _LEN.unpack_from(data, at)
+        if at + _LEN.size + n > len(data):
+            break
+        frames.append(data[at + _LEN.size : at + _LEN.size + n])
+        at += _LEN.size + n
+    return frames, at
+
+
+def _frame(payload: bytes) -> bytes:
+    return _LEN.pack(len(payload)) + payload
+
+
+class JournalFile:
+    """One append-only file of frames, opened after cutting off a torn tail."""
+
+    def __init__(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.path = path
+        self.frames, good = read_frames(path)
+        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        if os.fstat(self._fd).st_size != good:
+            os.ftruncate(self._fd, good)
+
+    def append(self, payload: bytes) -> None:
+        os.write(self._fd, _frame(payload))
+
+    def sync(self) -> None:
+        os.fsync(self._fd)
+
+    def rewrite(self, payloads: list[bytes]) -> None:
+        """Replace the file's contents with `payloads`, atomically (temp file, fsync, rename)."""
+        tmp = self.path.with_name(f".{self.path.name}.tmp")
+        with tmp.open("wb") as f:
+            f.write(b"".join(_frame(p) for p in payloads))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self.path)
+        os.close(self._fd)
+        self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND)
+        dir_fd = os.open(self.path.parent, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+
+@dataclass
+class Restored:
+    """What a journal held when `dora serve` started on it."""
+
+    groups: dict[str, Group] = field(default_factory=dict)
+    """Completed or assigned groups, with their samples."""
+    lost: list[str] = field(default_factory=list)
+    """Groups whose episodes died with the previous process (to restart), in admission order."""
+    task_positions: dict[str, int] = field(default_factory=dict)
+    """Prompt stream position of each group's task."""
+    prompt_position: int = 0
+    """Where the prompt stream continues."""
+    starts: int = 0
+    """How many times `dora serve` started on this journal before (0: a fresh run)."""
+    trained_step: int = -1
+    durable_step: int = -1
+    next_group: int = 0
+    """The next free group number (ids are `g<number>`)."""
+
+
+class JournaledQueue(TransferQueue):
+    """A transfer queue that writes every operation to the run's journal before returning.
+
+    Only the outermost call is written (`fail` completes a masked group and `rollback` marks steps
+    durable through the public methods; replaying the outer call repeats those)."""
+
+    def __init__(
+        self,
+        run_dir: Path | None,
+        *,
+        groups_per_step: int,
+        max_staleness: int,
+        num_steps: int | None = None,
+        max_retries: int = 0,
+        legacy_filling: bool = False,
+    ) -> None:
+        super().__init__(
+            groups_per_step=groups_per_step,
+            max_staleness=max_staleness,
+            num_steps=num_steps,
+            max_retries=max_retries,
+            legacy_filling=legacy_filling,
+        )
+        self._depth = 0
+        self._ops: JournalFile | None = None
+        self._payloads: JournalFile | None = None
+        if run_dir is not None:
+            self._ops = JournalFile(run_dir / "journal" / "queue.msgpack")
+            self._payloads = JournalFile(run_dir / "journal" / "groups.msgpack")
+        self._encoder = msgspec.msgpack.Encoder()
+
+    # --- restoring -------------------------------------------------------------------------------
+
+    def restore(self) -> Restored:
+        """Replay the journal into this (fresh) queue; then record this start."""
+        out = Restored()
+        if self._ops is None or self._payloads is None:
+            return out
+        decode_op = msgspec.msgpack.Decoder(Op).decode
+        try:
+            with self._inner():  # replaying: nothing is written again
+                for frame in self._ops.frames:
+                    self._replay(decode_op(frame), out)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            raise ProtocolError(f"{self._ops.path}: unreadable journal record: {exc}") from exc
+        self._ops.frames = []
+        decode_group = msgspec.msgpack.Decoder(Group).decode
+        for frame in self._payloads.frames:
+            group = decode_group(frame)
+            if self.state(group.id) in (GroupState.COMPLETED, GroupState.ASSIGNED):
+                out.groups[group.id] = group
+        self._payloads.frames = []
+        for gid, state in self.group_states().items():
+            if state in (GroupState.ADMITTED, GroupState.STARTED) or (
+                state is GroupState.COMPLETED and gid not in out.groups
+            ):
+                out.lost.append(gid)
+        out.lost.sort(key=lambda gid: int(gid[1:]) if gid[1:].isdigit() else 0)
+        self._write(Opened())
+        return out
+
+    def _replay(self, op: Op, out: Restored) -> None:
+        match op:
+            case Bind(how="admit", gid=gid, version=v):
+                self.try_admit(gid, version=v)
+                if gid[1:].isdigit():
+                    out.next_group = max(out.next_group, int(gid[1:]) + 1)
+            case Bind(how="rebind", gid=gid, version=v):
+                self.rebind(gid, version=v)
+            case Bind(gid=gid, version=v):
+                self.restart(gid, version=v)
+            case Task(gid=gid, position=p):
+                out.task_positions[gid] = p
+                out.prompt_position = max(out.prompt_position, p + 1)
+            case Mark(how="start", gid=gid):
+                self.start(gid)
+            case Mark(gid=gid):
+                self.filter(gid)
+            case Complete(gid=gid, filtered=filtered):
+                self.complete(gid, filtered=filtered)
+            case Fail(gid=gid, retry_allowed=allowed):
+                self.fail(gid, retry_allowed=allowed)
+            case Ack(how="loaded", number=v, incarnation=inc):
+                self.on_version_loaded(v, incarnation=inc)
+            case Ack(how="trained", number=s, incarnation=inc):
+                if self.on_step_done(s, incarnation=inc):
+                    out.trained_step = max(out.trained_step, s)
+            case Ack(number=s, incarnation=inc):
+                self.on_durable(s, incarnation=inc)
+                if inc is None or inc == self.incarnation:
+                    out.durable_step = max(out.durable_step, s)
+            case Rollback(step=s, tainted=tainted):
+                self.rollback(s, tainted=tainted)
+                out.trained_step = s
+            case Opened():
+                out.starts += 1
+
+    # --- writing ---------------------------------------------------------------------------------
+
+    def _write(self, op: _Op) -> None:
+        if self._ops is not None and self._depth == 0:
+            self._ops.append(self._encoder.encode(op))
+
+    def keep(self, group: Group) -> None:
+        """Journal a completed group's samples (before the trainer may need them)."""
+        if self._payloads is not None:
+            self._payloads.append(self._encoder.encode(group))
+
+    def task(self, group_id: str, position: int) -> None:
+        """Journal the prompt stream position of an admitted group's task."""
+        self._write(Task(group_id, position))
+
+    def sync(self) -> None:
+        """fsync both files (a step went out, or a step became durable)."""
+        if self._ops is not None and self._payloads is not None:
+            self._ops.sync()
+            self._payloads.sync()
+
+    def compact(self, held: list[Group]) -> None:
+        """Rewrite the samples file with the groups still held (after `Durable`)."""
+        if self._payloads is not None:
+            self._payloads.rewrite([self._encoder.encode(g) for g in held])
+            if self._ops is not None:
+                self._ops.sync()
+
+    def close(self) -> None:
+        for f in (self._ops, self._payloads):
+            if f is not None:
+                f.close()
+
+    # --- the queue's operations, journaled ----------------------------------------------------
+
+    @contextlib.contextmanager
+    def _inner(self) -> Iterator[None]:
+        """Calls made inside a journaled operation are not journaled themselves."""
+        self._depth += 1
+        try:
+            yield
+        finally:
+            self._depth -= 1
+
+    def try_admit(self, group_id: str, *, version: int | None = None) -> Admitted | Refused:
+        with self._inner():
+            out = super().try_admit(group_id, version=version)
+        if isinstance(out, Admitted):
+            self._write(Bind("admit", group_id, out.version))
+        return out
+
+    def start(self, group_id: str) -> None:
+        with self._inner():
+            super().start(group_id)
+        self._write(Mark("start", group_id))
+
+    def rebind(self, group_id: str, *, version: int) -> list[Assigned]:
+        with self._inner():
+            out = super().rebind(group_id, version=version)
+        self._write(Bind("rebind", group_id, version))
+        return out
+
+    def restart(self, group_id: str, *, version: int) -> list[Assigned]:
+        with self._inner():
+            out = super().restart(group_id, version=version)
+        self._write(Bind("restart", group_id, version))
+        return out
+
+    def complete(self, group_id: str, *, filtered: bool = False) -> list[Assigned]:
+        with self._inner():
+            out = super().complete(group_id, filtered=filtered)
+        self._write(Complete(group_id, filtered))
+        return out
+
+    def filter(self, group_id: str) -> list[Assigned]:
+        with self._inner():
+            out = super().filter(group_id)
+        self._write(Mark("filter", group_id))
+        return out
+
+    def fail(self, group_id: str, *, retry_allowed: bool = True) -> FailureOutcome:
+        with self._inner():
+            out = super().fail(group_id, retry_allowed=retry_allowed)
+        self._write(Fail(group_id, retry_allowed))
+        return out
+
+    def on_version_loaded(self, version: int, *, incarnation: int | None = None) -> bool:
+        with self._inner():
+            out = super().on_version_loaded(version, incarnation=incarnation)
+        self._write(Ack("loaded", version, incarnation))
+        return out
+
+    def on_step_done(self, step: int, *, incarnation: int | None = None) -> bool:
+        with self._inner():
+            out = super().on_step_done(step, incarnation=incarnation)
+        self._write(Ack("trained", step, incarnation))
+        return out
+
+    def on_durable(self, step: int, *, incarnation: int | None = None) -> list[str]:
+        with self._inner():
+            out = super().on_durable(step, incarnation=incarnation)
+        self._write(Ack("durable", step, incarnation))
+        return out
+
+    def rollback(self, checkpoint_step: int, *, tainted: Collection[str] = ()) -> RollbackReport:
+        names = sorted(tainted)
+        with self._inner():
+            out = super().rollback(checkpoint_step, tainted=names)
+        self._write(Rollback(checkpoint_step, names))
+        return out

@@ -1,0 +1,199 @@
+"""`dora serve`'s journal: a queue restored from it is the queue that died, a torn last record is
+cut off, compaction keeps only the groups still held, and lost groups restart (counted)."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+
+from dora.core.transfer_queue import Admitted, GroupState
+from dora.protocol import Group, Sample
+from dora.serve.journal import JournaledQueue, read_frames
+
+B, K, T = 2, 2, 8
+
+
+def _queue(run_dir: Path) -> JournaledQueue:
+    return JournaledQueue(run_dir, groups_per_step=B, max_staleness=K, num_steps=T, max_retries=1)
+
+
+def _group(gid: str, version: int) -> Group:
+    sample = Sample.build(
+        token_ids=[1, 2, 3],
+        loss_mask=[0, 1, 1],
+        logprobs=[0.0, -0.5, -0.25],
+        versions=[-1, version, version],
+        prompt_len=1,
+        reward=1.0,
+        finish_reason="stop",
+    )
+    return Group(id=gid, prompt_id=f"p{gid}", version=version, samples=[sample, sample])
+
+
+def _drive(q: JournaledQueue, rng: random.Random, *, events: int) -> dict[str, Group]:
+    """Random admissions, starts, completions (some filtered or failed), trainer acks,
+    durability and one trainer restart, as the rollout makes them."""
+    q.on_version_loaded(0)
+    held: dict[str, Group] = {}
+    running: list[str] = []
+    n = trained = 0
+    durable = -1
+    rolled_back = False
+    for _ in range(events):
+        roll = rng.random()
+        if roll < 0.35 and q.admission_blocker() is None:
+            gid = f"g{n}"
+            n += 1
+            admitted = q.try_admit(gid)
+            assert isinstance(admitted, Admitted)
+            q.task(gid, n - 1)
+            if rng.random() < 0.8:
+                q.start(gid)
+            running.append(gid)
+        elif roll < 0.7 and running:
+            gid = running.pop(rng.randrange(len(running)))
+            if rng.random() < 0.1:
+                outcome = q.fail(gid)
+                if outcome.retried:
+                    running.append(gid)
+                    continue
+            else:
+                group = _group(gid, q.group_version(gid))
+                q.keep(group)
+                held[gid] = group
+                q.complete(gid, filtered=rng.random() < 0.1)
+        elif roll < 0.85 and trained < q.step:
+            q.on_step_done(trained, incarnation=q.incarnation)
+            q.on_version_loaded(trained + 1, incarnation=q.incarnation)
+            if trained % 2 == 1:
+                durable = trained
+                for gid in q.on_durable(trained, incarnation=q.incarnation):
+                    held.pop(gid, None)
+                q.compact(list(held.values()))
+            trained += 1
+        elif roll < 0.87 and not rolled_back and trained > durable + 1 and durable >= 0:
+            rolled_back = True
+            report = q.rollback(durable)
+            for gid in report.rolled_back:
+                held.pop(gid, None)
+                if gid in running:
+                    running.remove(gid)
+            trained = durable + 1
+    return held
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_restored_queue_is_the_queue_that_died(tmp_path: Path, seed: int) -> None:
+    q = _queue(tmp_path)
+    assert q.restore().starts == 0  # a fresh run directory (the rollout always restores first)
+    held = _drive(q, random.Random(seed), events=200)
+    q.close()
+
+    again = _queue(tmp_path)
+    restored = again.restore()
+    assert restored.starts == 1
+    assert again.accounting() == q.accounting()
+    assert again.group_states() == q.group_states()
+    assert again.staleness_histogram() == q.staleness_histogram()
+    assert (again.step, again.free_slots, again.incarnation) == (
+        q.step,
+        q.free_slots,
+        q.incarnation,
+    )
+    assert again.unassigned_by_deadline() == q.unassigned_by_deadline()
+    # the samples of every completed or assigned group, and nothing the trainer made durable
+    done = {
+        g for g, s in q.group_states().items() if s in (GroupState.COMPLETED, GroupState.ASSIGNED)
+    }
+    assert set(restored.groups) == done
+    for gid in done:
+        assert restored.groups[gid].samples[0].tokens().tolist() == [1, 2, 3]
+    running = {
+        g for g, s in q.group_states().items() if s in (GroupState.ADMITTED, GroupState.STARTED)
+    }
+    assert set(restored.lost) == running
+    assert all(restored.task_positions[g] == int(g[1:]) for g in running)
+    assert restored.next_group == max((int(g[1:]) + 1 for g in restored.task_positions), default=0)
+    assert restored.prompt_position == restored.next_group
+    # compaction kept the samples file to the groups held (plus those completed since)
+    frames, _ = read_frames(tmp_path / "journal" / "groups.msgpack")
+    assert len(frames) <= len(held) + 2 * B * (K + 2)
+    again.close()
+
+
+def test_lost_groups_restart_at_a_newer_version_and_are_counted(tmp_path: Path) -> None:
+    q = _queue(tmp_path)
+    q.restore()
+    q.on_version_loaded(0)
+    for gid in ("g0", "g1", "g2"):
+        q.try_admit(gid)
+        q.task(gid, int(gid[1:]))
+    q.start("g0")
+    q.start("g1")
+    q.keep(_group("g2", 0))
+    q.start("g2")
+    q.complete("g2")  # assigned to step 0 at once
+    q.close()
+
+    again = _queue(tmp_path)
+    restored = again.restore()
+    assert restored.lost == ["g0", "g1"] and set(restored.groups) == {"g2"}
+    assert again.state("g2") is GroupState.ASSIGNED
+    assert again.restart("g0", version=0) == []
+    assert again.state("g0") is GroupState.ADMITTED
+    again.start("g0")
+    again.keep(_group("g0", 0))
+    assert [(a.group_id, a.step) for a in again.complete("g0")] == [("g0", 0)]
+    again.on_step_done(0)
+    again.on_version_loaded(1)
+    again.restart("g1", version=1)  # the newest version: a later deadline
+    assert again.group_version("g1") == 1 and again.deadline("g1") == 3
+    acct = again.accounting()
+    assert acct.restarted == 2 and acct.admitted == 3
+    again.close()
+
+    # the restarts are journaled too: a third start sees them
+    third = _queue(tmp_path)
+    restored = third.restore()
+    assert restored.starts == 2 and third.accounting() == acct
+    assert restored.lost == ["g1"] and set(restored.groups) == {"g0", "g2"}
+    third.close()
+
+
+def test_a_torn_last_record_is_cut_off(tmp_path: Path) -> None:
+    q = _queue(tmp_path)
+    q.restore()
+    q.on_version_loaded(0)
+    q.try_admit("g0")
+    q.close()
+    path = tmp_path / "journal" / "queue.msgpack"
+    whole = path.read_bytes()
+    with path.open("ab") as f:
+        f.write(b"\x40\x00\x00\x00\x93")  # a frame of 64 bytes, killed after one
+    again = _queue(tmp_path)
+    restored = again.restore()
+    assert restored.lost == ["g0"] and again.accounting().admitted == 1
+    again.close()
+    frames, size = read_frames(path)
+    assert path.read_bytes()[: len(whole)] == whole and size == path.stat().st_size
+    assert len(frames) == 4  # opened, loaded, admit, opened: the torn frame is gone
+
+
+def test_restart_keeps_the_invariant_and_refuses_assigned_groups(tmp_path: Path) -> None:
+    from dora.errors import SchedulingError
+
+    q = JournaledQueue(None, groups_per_step=1, max_staleness=1, num_steps=4)
+    q.on_version_loaded(0)
+    q.try_admit("a")
+    q.try_admit("b")
+    q.start("a")
+    q.complete("a")
+    with pytest.raises(SchedulingError, match="assigned"):
+        q.restart("a", version=0)
+    with pytest.raises(SchedulingError, match="cannot restart"):
+        q.restart("b", version=1)  # not loaded
+    q.restart("b", version=0)
+    q.check_invariant()
+    assert q.restore().starts == 0  # no run directory: nothing journaled
