@@ -140,18 +140,20 @@ class ServeLink:
             self._sock.curve_secretkey = curve.server_secret
             self._sock.curve_publickey = curve.server_public
             self._sock.curve_server = True
+        shown = f"[{host}]" if ":" in host else host
+        if ":" in host:
+            self._sock.setsockopt(zmq.IPV6, 1)
         try:
             if port == 0:
-                self.port = self._sock.bind_to_random_port(f"tcp://{host}")
+                self.port = self._sock.bind_to_random_port(f"tcp://{shown}")
             else:
-                self._sock.bind(f"tcp://{host}:{port}")
+                self._sock.bind(f"tcp://{shown}:{port}")
                 self.port = port
         except zmq.ZMQError as exc:
             self.close()
             raise ServerUnavailable(
                 f"cannot bind the trainer link to {host}:{port}: {exc}"
             ) from exc
-        shown = f"[{host}]" if ":" in host else host
         self.address = f"tcp://{shown}:{self.port}"
         self._token = token
         self._peer: bytes | None = None
@@ -267,6 +269,7 @@ class LearnLink:
             self._sock.curve_publickey = curve.client_public
             self._sock.curve_serverkey = curve.server_public
         self._send_timeout_s = send_timeout_s
+        self._sock.setsockopt(zmq.IPV6, 1)  # tcp://[::1]:port too; IPv4 addresses work as before
         self._sock.connect(address)
 
     @classmethod

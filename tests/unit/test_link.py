@@ -60,6 +60,18 @@ async def test_wrong_token_is_ignored_and_restart_takes_over() -> None:
         serve.close()
 
 
+async def test_ipv6_loopback_link() -> None:
+    serve = ServeLink(host="::1")
+    learn = LearnLink(serve.address)
+    try:
+        assert serve.address.startswith("tcp://[::1]:")
+        learn.send(Hello(role="learn", incarnation=0, step=0))
+        assert isinstance(await asyncio.wait_for(serve.recv(), 5), Hello)
+    finally:
+        learn.close()
+        serve.close()
+
+
 async def test_send_without_trainer_times_out_with_the_address() -> None:
     serve = ServeLink()
     try:
