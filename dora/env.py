@@ -21,6 +21,14 @@ The life of an episode (the runner is `dora.serve.episode.run_episode`):
 4. `reward(episode)` scores the finished episode: a float, or a dict of named components whose sum
    is the reward. Any of `reset`, `step`, `reward` may be `async`; CPU-heavy scoring belongs in a
    `ScorerPool`.
+5. `close()` (async) releases what the episode holds (client sessions, sandboxes, processes). The
+   runner awaits it once at the end of every episode it runs, however the episode ends: normally,
+   by an error (one in `reset` too), or cancelled (then it still runs, bounded by a deadline, and
+   the cancellation propagates after it).
+
+`demonstration(task)` is used only by the supervised warm-up (`dora.models.warmup`): the reference
+continuation of `reset(task)`'s conversation (assistant turns with their tool calls, tool results,
+replies), which teaches a model from scratch the format before RL.
 
 An exception from `reset`, `step` or `reward` never crashes training: the episode's sample is masked
 (it stays in its group but has no gradient), the error is logged and counted, and the group policy
@@ -143,6 +151,21 @@ class Env:
     def reward(self, episode: Episode) -> Reward | Awaitable[Reward]:
         """Score the finished episode."""
         raise NotImplementedError(f"{type(self).__name__} must implement reward(episode)")
+
+    async def close(self) -> None:
+        """Release what this episode holds; awaited once after every episode, however it ended."""
+
+    def demonstration(self, task: Task) -> list[Message] | Awaitable[list[Message] | None] | None:
+        """A reference continuation of `reset(task)`'s messages, for the supervised warm-up.
+
+        Called after `reset(task)` on the same object. Returns the messages a good episode would
+        add, in order: assistant turns (with `tool_calls`), the tool results that answer them
+        (`tool_call_id` set to the call's id), the environment's replies, ending with the
+        assistant's last turn. The warm-up trains on the assistant turns only. None (the default)
+        means no demonstration: the warm-up then uses the task's `answer` field, if any, as the
+        reply to the prompt.
+        """
+        return None
 
 
 class SingleTurnEnv(Env):

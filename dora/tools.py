@@ -4,7 +4,14 @@ and running those calls with timeouts.
 A tool is any function (sync or async) with annotated parameters. Its name is the function's name,
 its description the docstring's text before the `Args:` section, and each parameter's description
 comes from the Google-style `Args:` section (`name: text` or `name (type): text`) or from
-`Annotated[T, "text"]`. Parameters without a default are required.
+`Annotated[T, "text"]`. Parameters without a default are required. A tool whose schema exists
+already (another framework's tools, an MCP server, pydantic-typed methods) is a `Tool(schema, fn)`
+instead: the schema is sent as it is and `fn` gets the model's arguments as keyword arguments,
+checked only for being a JSON object with the required names and no unknown ones (types are `fn`'s
+to check: a synthetic signature would lose what the schema says). Either kind may declare a
+parameter annotated `CallId`: it is left out of the schema and receives the id of the call being
+run (the id the tool message answers), so a tool can record its calls under the conversation's own
+ids.
 
 Tool calls are parsed from the text the model sampled, never from a re-rendering of it, in two
 formats:
@@ -36,12 +43,32 @@ import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Literal, TypedDict
+from typing import Literal, NewType, TypedDict
 
 import msgspec
 
-ToolFunction = Callable[..., object]
 JSON = dict[str, object]
+
+CallId = NewType("CallId", str)
+"""Annotate a tool parameter with this to receive the id of the call being run (not in the
+schema)."""
+
+
+@dataclass(frozen=True)
+class Tool:
+    """A tool given by its ready-made OpenAI schema and the callable that runs it.
+
+    `schema` is `{"type": "function", "function": {"name", "description", "parameters"}}` (or just
+    the inner function object). `fn` (sync or async) is called with the model's arguments as
+    keyword arguments, plus the call id for a parameter annotated `CallId`.
+    """
+
+    schema: JSON
+    fn: Callable[..., object]
+
+
+ToolFunction = Callable[..., object] | Tool
+"""What `Env.tools()` lists: typed functions, or `Tool`s with a ready-made schema."""
 
 
 class FunctionCall(TypedDict):
@@ -134,12 +161,26 @@ def _parse_docstring(doc: str) -> tuple[str, dict[str, str]]:
     return "\n".join(description).strip(), params
 
 
+def _call_id_parameter(fn: Callable[..., object]) -> str | None:
+    """The name of `fn`'s parameter annotated `CallId`, if any."""
+    try:
+        hints = typing.get_type_hints(fn)
+    except (NameError, TypeError):
+        return None
+    names = [n for n, hint in hints.items() if hint is CallId and n != "return"]
+    if len(names) > 1:
+        raise TypeError(f"tool {fn!r}: more than one parameter is annotated CallId")
+    return names[0] if names else None
+
+
 def tool_schema(fn: ToolFunction) -> JSON:
-    """The OpenAI tool schema of `fn` (`{"type": "function", "function": {...}}`).
+    """The OpenAI tool schema of `fn` (`{"type": "function", "function": {...}}`); a `Tool`'s own.
 
     Raises `TypeError` if a parameter has no annotation or is variadic: the model could not be told
     what to send.
     """
+    if isinstance(fn, Tool):
+        return _checked_schema(fn.schema)
     name = getattr(fn, "__name__", None)
     if not name:
         raise TypeError(f"tool {fn!r} has no __name__; give it one")
@@ -153,6 +194,8 @@ def tool_schema(fn: ToolFunction) -> JSON:
         if pname not in hints:
             raise TypeError(f"tool {name!r}: parameter {pname!r} needs a type annotation")
         hint = hints[pname]
+        if hint is CallId:
+            continue
         prop = _type_schema(hint)
         text = arg_docs.get(pname)
         if typing.get_origin(hint) is typing.Annotated:
@@ -171,6 +214,18 @@ def tool_schema(fn: ToolFunction) -> JSON:
             "parameters": {"type": "object", "properties": properties, "required": required},
         },
     }
+
+
+def _checked_schema(schema: JSON) -> JSON:
+    """A ready-made schema in the `{"type": "function", "function": {...}}` form, checked enough
+    that the runner can name the tool and check argument names."""
+    inner = schema.get("function", schema) if schema.get("type") == "function" else schema
+    if not isinstance(inner, dict) or not isinstance(inner.get("name"), str) or not inner["name"]:
+        raise TypeError(f"tool schema {str(schema)[:200]} has no function name")
+    parameters = inner.get("parameters", {"type": "object", "properties": {}})
+    if not isinstance(parameters, dict) or not isinstance(parameters.get("properties", {}), dict):
+        raise TypeError(f"tool {inner['name']!r}: 'parameters' must be an object schema")
+    return {"type": "function", "function": {**inner, "parameters": parameters}}
 
 
 # --- parsing --------------------------------------------------------------------------------------
@@ -258,23 +313,42 @@ def _render_result(value: object) -> str:
         return str(value)
 
 
+@dataclass(frozen=True)
+class _Entry:
+    """One tool of a ToolBox: what runs, how its arguments are checked, where the call id goes."""
+
+    fn: Callable[..., object]
+    check: Callable[[dict[str, object]], dict[str, object]]
+    call_id: str | None
+
+
 class ToolBox:
     """The tools of one episode: their schemas, and calls run against them with a timeout."""
 
     def __init__(self, tools: Sequence[ToolFunction], *, timeout_s: float = 30.0) -> None:
         self.timeout_s = timeout_s
-        self._tools: dict[str, ToolFunction] = {}
-        self._types: dict[str, type[msgspec.Struct]] = {}
+        self._tools: dict[str, _Entry] = {}
         self.schemas: list[JSON] = []
         self._executor: ThreadPoolExecutor | None = None
-        for fn in tools:
-            schema = tool_schema(fn)
-            name = getattr(fn, "__name__", "")
+        for tool in tools:
+            schema = tool_schema(tool)
+            function = schema["function"]
+            assert isinstance(function, dict)
+            name = str(function["name"])
             if name in self._tools:
                 raise TypeError(f"two tools are named {name!r}")
-            self._tools[name] = fn
+            fn = tool.fn if isinstance(tool, Tool) else tool
+            call_id = _call_id_parameter(fn)
+            if isinstance(tool, Tool):
+                parameters = function["parameters"]
+                assert isinstance(parameters, dict)
+                if call_id is not None and call_id in parameters.get("properties", {}):
+                    raise TypeError(f"tool {name!r}: {call_id!r} is both an argument and CallId")
+                check = functools.partial(_check_names, parameters)
+            else:
+                check = functools.partial(_convert, _arguments_struct(tool))
+            self._tools[name] = _Entry(fn, check, call_id)
             self.schemas.append(schema)
-            self._types[name] = _arguments_struct(fn)
 
     def close(self) -> None:
         """Let go of the tool threads; a sync tool still hanging keeps only its own thread."""
@@ -292,17 +366,20 @@ class ToolBox:
         propagates.
         """
         name = call["function"]["name"]
-        fn = self._tools.get(name)
-        if fn is None:
+        entry = self._tools.get(name)
+        if entry is None:
             known = ", ".join(sorted(self._tools)) or "none"
             return f"Error: unknown tool {name!r}; available tools: {known}", False
         try:
             raw = json.loads(call["function"]["arguments"] or "{}")
-            args = msgspec.convert(raw, self._types[name], strict=False)
-        except (json.JSONDecodeError, msgspec.ValidationError) as exc:
+            if not isinstance(raw, dict):
+                raise ValueError(f"arguments must be a JSON object, got {type(raw).__name__}")
+            kwargs = entry.check(raw)
+        except (json.JSONDecodeError, msgspec.ValidationError, ValueError) as exc:
             return f"Error: bad arguments for {name!r}: {exc}", False
-        kwargs = {f: getattr(args, f) for f in args.__struct_fields__}
-        kwargs = {k: v for k, v in kwargs.items() if v is not msgspec.UNSET}
+        if entry.call_id is not None:
+            kwargs[entry.call_id] = CallId(call["id"])
+        fn = entry.fn
         try:
             async with asyncio.timeout(self.timeout_s):
                 if inspect.iscoroutinefunction(fn):
@@ -320,12 +397,38 @@ class ToolBox:
         return _render_result(result), True
 
 
-def _arguments_struct(fn: ToolFunction) -> type[msgspec.Struct]:
+def _convert(struct: type[msgspec.Struct], raw: dict[str, object]) -> dict[str, object]:
+    """A typed tool's keyword arguments: `raw` validated and converted by its signature."""
+    args = msgspec.convert(raw, struct, strict=False)
+    kwargs = {f: getattr(args, f) for f in args.__struct_fields__}
+    return {k: v for k, v in kwargs.items() if v is not msgspec.UNSET}
+
+
+def _check_names(parameters: JSON, raw: dict[str, object]) -> dict[str, object]:
+    """A `Tool`'s keyword arguments: the required names present, no name the schema lacks (unless
+    it allows extra properties). Types are the tool's to check."""
+    properties = parameters.get("properties", {})
+    assert isinstance(properties, dict)
+    required = parameters.get("required", [])
+    missing = [p for p in required if p not in raw] if isinstance(required, list) else []
+    if missing:
+        raise ValueError(f"missing required argument(s) {', '.join(map(repr, missing))}")
+    if parameters.get("additionalProperties") is not True:
+        unknown = [k for k in raw if k not in properties]
+        if unknown:
+            known = ", ".join(properties) or "none"
+            raise ValueError(f"unknown argument(s) {', '.join(map(repr, unknown))}; known: {known}")
+    return dict(raw)
+
+
+def _arguments_struct(fn: Callable[..., object]) -> type[msgspec.Struct]:
     """A msgspec Struct mirroring `fn`'s parameters, to validate and convert model arguments."""
     hints = typing.get_type_hints(fn)
     fields: list[tuple[str, object, object] | tuple[str, object]] = []
     for pname, param in inspect.signature(fn).parameters.items():
         hint = hints[pname]
+        if hint is CallId:
+            continue
         if param.default is param.empty:
             fields.append((pname, hint))
         else:

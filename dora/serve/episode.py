@@ -25,6 +25,9 @@ Invariants (DESIGN §5, "Dispatcher and env runner"):
   tokens in the whole sequence; environment tokens that would cross the context limit are not
   appended and the episode stops with finish reason "context". A turn cut off by a token limit
   ends the episode ("length"): continuing after half a turn would train on a broken conversation.
+- `env.close()` is awaited once at the end of every episode the runner runs, however it ended (a
+  normal end, an environment error, a sampler error, cancellation), bounded by `close_timeout_s`;
+  a failing `close` is logged and does not change the sample (its data is complete by then).
 - Tool calls are parsed only when the env offers tools (a single-turn env stays single-turn whatever
   the model writes). Tool calls of one turn run one after another, in the order written (tools may
   share state on the env object); malformed calls are answered after them.
@@ -124,6 +127,8 @@ class EpisodeLimits:
     """Per tool call."""
     max_tool_calls_per_turn: int = 8
     """Calls beyond this in one turn get an error message instead of running."""
+    close_timeout_s: float = 30.0
+    """Deadline for the environment's `close()`."""
 
 
 class ChatRenderer:
@@ -317,6 +322,31 @@ async def run_episode(
     of the tokenizer to skip re-probing the template for every episode.
     """
     limits = limits or EpisodeLimits()
+    try:
+        return await _run_episode(sampler, tokenizer, env, task, params, limits)
+    finally:
+        await _close_env(env, task, limits.close_timeout_s)
+
+
+async def _close_env(env: Env, task: Task, timeout_s: float) -> None:
+    """`env.close()` with a deadline; runs during cancellation too, and never raises but for it."""
+    try:
+        async with asyncio.timeout(timeout_s):
+            await env.close()
+    except asyncio.CancelledError:
+        raise
+    except Exception:
+        log.warning("environment close() of prompt %r raised", task.prompt_id, exc_info=True)
+
+
+async def _run_episode(
+    sampler: Sampler,
+    tokenizer: PreTrainedTokenizerBase | ChatRenderer,
+    env: Env,
+    task: Task,
+    params: SamplingParams,
+    limits: EpisodeLimits,
+) -> Sample:
     renderer = tokenizer if isinstance(tokenizer, ChatRenderer) else ChatRenderer(tokenizer)
     traj = _Trajectory()
     prompt_len = 0

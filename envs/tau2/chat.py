@@ -9,13 +9,15 @@ the runner renders it as environment tokens (loss mask 0).
 Every request has a deadline and a bounded number of retries with backoff on connection errors and
 5xx answers; a 4xx answer, a malformed body or running out of retries raises `EnvError`, which masks
 the episode (a dead user simulator must not teach the policy anything). No `openai` package:
-aiohttp is already a dora dependency. A session per request keeps the lifetime obvious (an
-environment has no close hook); the connection cost is small next to a model's reply.
+aiohttp is already a dora dependency. A caller may pass its own session (`Tau2Env` keeps one per
+episode, with its connections kept alive, and closes it in the environment's `close()`); without
+one, each request gets a session of its own.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -45,7 +47,13 @@ class ChatEndpoint:
     retries: int = 2
     """Extra attempts after a connection error or a 5xx answer."""
 
-    async def complete(self, messages: Sequence[JSON], *, tools: Sequence[JSON] = ()) -> JSON:
+    async def complete(
+        self,
+        messages: Sequence[JSON],
+        *,
+        tools: Sequence[JSON] = (),
+        session: aiohttp.ClientSession | None = None,
+    ) -> JSON:
         """The assistant message the endpoint answers to `messages` (OpenAI format); reasoning
         (`<think>...</think>`) is stripped from its content."""
         body: JSON = {
@@ -64,11 +72,13 @@ class ChatEndpoint:
             if attempt:
                 await asyncio.sleep(min(0.5 * 2**attempt, 8.0))
             try:
-                async with (
-                    asyncio.timeout(self.timeout_s),
-                    aiohttp.ClientSession() as session,
-                    session.post(url, json=body, headers=headers) as response,
-                ):
+                async with asyncio.timeout(self.timeout_s), contextlib.AsyncExitStack() as stack:
+                    client = session
+                    if client is None:
+                        client = await stack.enter_async_context(aiohttp.ClientSession())
+                    response = await stack.enter_async_context(
+                        client.post(url, json=body, headers=headers)
+                    )
                     if response.status >= 500:
                         last = f"HTTP {response.status}: {(await response.text())[:200]}"
                         continue

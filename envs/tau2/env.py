@@ -36,15 +36,17 @@ when `partial_credit > 0` (components sum to the reward).
 from __future__ import annotations
 
 import asyncio
-import collections
 import functools
 import json
 import logging
 import uuid
 from typing import TYPE_CHECKING, Literal
 
+import aiohttp
+
 from dora.env import Env, Episode, Message, Reply, Reward, Task
 from dora.errors import ConfigError, EnvError
+from dora.tools import Tool, ToolBox, ToolCall
 from envs.tau2.chat import JSON, ChatEndpoint
 from envs.tau2.judge import judge_nl_assertions
 from envs.tau2.scoring import (
@@ -59,7 +61,7 @@ from envs.tau2.scoring import (
 from envs.tau2.tools import ExecutedCall, tool_function
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Sequence
+    from collections.abc import Sequence
 
     from tau2.data_model.message import Message as Tau2Message
     from tau2.data_model.message import ToolCall as Tau2ToolCall
@@ -79,6 +81,10 @@ You cannot do both at the same time.
 
 Try to be helpful and always follow the policy. Always make sure you generate valid JSON only."""  # noqa: E501
 MAX_USER_TOOL_ROUNDS = 8
+# What the warm-up demonstration says after its tool calls, and to each further user message.
+DONE = "I have done that for you."
+ANYTHING_ELSE = "Is there anything else I can help you with?"
+DEMONSTRATION_TEXT_TURNS = 3
 
 
 def tau2_tasks(domain: str = "mock", split: str | None = None) -> list[Task]:
@@ -167,11 +173,15 @@ class Tau2Env(Env):
         self.termination: str | None = None
         """"user_stop" or "agent_stop" once the conversation ended as tau2 ends it."""
         self._task: Tau2Task | None = None
-        self._executed: collections.deque[ExecutedCall] = collections.deque()
+        self._executed: dict[str, ExecutedCall] = {}
+        """Calls that ran on the environment, by the model's call id, until `_sync` takes them."""
         self._trajectory: list[Tau2Message] = []
         self._seen = 0
         self._user_view: list[JSON] = []
         self._user_turns = 0
+        self._prompt: list[Message] = []
+        self._session: aiohttp.ClientSession | None = None
+        """The user simulator's connections, kept alive for the episode; closed by `close`."""
 
     # --- the episode ------------------------------------------------------------------------
 
@@ -217,12 +227,16 @@ class Tau2Env(Env):
         elif not isinstance(last, UserMessage):
             messages.append({"role": "user", "content": "(continue)"})
         self._seen = len(messages)
+        self._prompt = list(messages)
         return messages
 
-    def tools(self) -> list[Callable[..., str]]:
+    def tools(self) -> list[Tool]:
         if self.environment is None:
             raise EnvError("tools() before reset()")
-        record = self._executed.append
+
+        def record(executed: ExecutedCall) -> None:
+            self._executed[executed.call.id] = executed
+
         return [tool_function(self.environment, t, record) for t in self.environment.get_tools()]
 
     async def step(self, messages: list[Message] | str) -> Reply:
@@ -267,6 +281,56 @@ class Tau2Env(Env):
             reward["partial"] = self.partial_credit * verdict.partial
         return reward
 
+    async def close(self) -> None:
+        """Close the user simulator's connections (the environment stays for inspection)."""
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    async def demonstration(self, task: Task) -> list[Message] | None:
+        """A reference episode for the supervised warm-up, continuing `reset`'s prompt: each of the
+        task's reference actions as a turn with one tool call (tau2: a message is text or tool
+        calls), run on this environment for tau2's real result; then text turns (the first says
+        what the task wants communicated) answered by the user simulator through `step`, until it
+        stops (at most `DEMONSTRATION_TEXT_TURNS`). None for a task without evaluation criteria.
+        """
+        assert self._task is not None
+        criteria = self._task.evaluation_criteria
+        if criteria is None:
+            return None
+        actions = [a for a in criteria.actions or [] if a.requestor == "assistant"]
+        box = ToolBox(self.tools())
+        out: list[Message] = []
+        try:
+            for k, action in enumerate(actions):
+                call: ToolCall = {
+                    "id": f"call_{k}",
+                    "type": "function",
+                    "function": {"name": action.name, "arguments": json.dumps(action.arguments)},
+                }
+                out.append({"role": "assistant", "content": "", "tool_calls": [call]})
+                content, _ = await box.call(call)
+                out.append(
+                    {
+                        "role": "tool",
+                        "content": content,
+                        "tool_call_id": call["id"],
+                        "name": action.name,
+                    }
+                )
+        finally:
+            box.close()
+        info = " ".join(criteria.communicate_info or [])
+        text = f"{DONE} {info}".strip()
+        for _ in range(DEMONSTRATION_TEXT_TURNS):
+            out.append({"role": "assistant", "content": text})
+            reply, done = await self.step([*self._prompt, *out])
+            if done or isinstance(reply, str):
+                break
+            out += reply
+            text = ANYTHING_ELSE
+        return out
+
     # --- helpers ----------------------------------------------------------------------------
 
     def _build_environment(self, task: Tau2Task, history: list[Tau2Message]) -> Environment:
@@ -292,15 +356,10 @@ class Tau2Env(Env):
                 continue  # user turns were added when the simulator produced them
             ran: list[ExecutedCall] = []
             while i < len(new) and new[i]["role"] == "tool":
-                reply = new[i]
+                executed = self._executed.pop(new[i].get("tool_call_id", ""), None)
                 i += 1
-                head = self._executed[0] if self._executed else None
-                if (
-                    head is not None
-                    and head.call.name == reply.get("name")
-                    and (head.response.content or "") == reply["content"]
-                ):
-                    ran.append(self._executed.popleft())
+                if executed is not None:  # a call the ToolBox refused never reached tau2
+                    ran.append(executed)
             content = message.get("content") or None
             self._trajectory.append(
                 AssistantMessage(
@@ -325,7 +384,11 @@ class Tau2Env(Env):
                 else []
             )
             for _ in range(MAX_USER_TOOL_ROUNDS):
-                message = await self.user.complete(self._user_view, tools=tools)
+                if self._session is None:
+                    self._session = aiohttp.ClientSession()
+                message = await self.user.complete(
+                    self._user_view, tools=tools, session=self._session
+                )
                 calls = message.get("tool_calls") or []
                 if not isinstance(calls, list) or not calls:
                     text = str(message.get("content") or "")

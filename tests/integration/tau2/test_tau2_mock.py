@@ -5,6 +5,7 @@ evaluator on tau2's real database."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
@@ -341,3 +342,55 @@ async def test_telecom_user_simulator_runs_its_own_tools(chat_server: FakeChatSe
     assert env.termination == "user_stop" and env.score is not None
     # Roaming on is one of the task's env assertions, so partial progress shows in the checks.
     assert 0.0 < env.score.partial <= 1.0
+
+
+async def test_the_user_simulator_keeps_one_session_that_close_ends(
+    chat_server: FakeChatServer,
+) -> None:
+    env, sample = await play(
+        chat_server,
+        "create_task_1",
+        [call("create_task", user_id="user_1", title="Important Meeting"), say("Done.")],
+        [OPENING, "Thanks. ###STOP###"],
+    )
+    assert not sample.masked and len(chat_server.requests) == 2
+    assert env._session is None  # the runner awaited close(), which closed the session
+    env = Tau2Env(domain="mock", user_url=chat_server.url)
+    chat_server.replies = [OPENING]
+    await env.reset(mock_task("create_task_1"))
+    session = env._session
+    assert session is not None and not session.closed
+    await env.close()
+    assert session.closed
+
+
+async def test_demonstrations_are_multi_turn_episodes_that_solve_the_tasks() -> None:
+    from dora.models.warmup import render_examples
+
+    tokenizer = char_tokenizer()
+    factory = functools.partial(Tau2Env, domain="mock", user="scripted")
+    tasks = mock_tasks()
+    examples = await asyncio.to_thread(render_examples, tokenizer, factory, tasks)
+    rewards = {}
+    for task, segments in zip(tasks, examples, strict=True):
+        assert segments is not None
+        turns = [tokenizer.decode(ids) for ids, trained in segments if trained]  # type: ignore[attr-defined]
+        env = factory()
+        sample = await run_episode(
+            sampler=ScriptedAgent(turns),
+            tokenizer=ChatRenderer(tokenizer),  # type: ignore[arg-type]
+            env=env,
+            task=task,
+            params=PARAMS,
+            limits=LIMITS,
+        )
+        # The runner rebuilds the warm-up's sequence token for token, loss mask included.
+        assert sample.tokens().tolist() == [t for ids, _ in segments for t in ids]
+        assert sample.mask().tolist() == [int(m) for ids, m in segments for _ in ids]
+        assert env.termination == "user_stop" and sample.num_turns >= 2
+        rewards[task["task_id"]] = (sample.reward, sample.num_tool_calls)
+    # Every task with reference actions makes its calls; the reference solves these tasks.
+    assert rewards["create_task_1"] == (1.0, 1)
+    assert rewards["update_task_with_message_history"] == (1.0, 1)
+    assert rewards["impossible_task_1"] == (1.0, 1)
+    assert sum(r for r, _ in rewards.values()) >= 6, rewards

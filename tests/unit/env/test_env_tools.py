@@ -8,7 +8,7 @@ from typing import Annotated, Literal
 
 import pytest
 
-from dora.tools import ToolBox, parse_tool_calls, tool_schema
+from dora.tools import CallId, Tool, ToolBox, ToolCall, parse_tool_calls, tool_schema
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -154,3 +154,96 @@ async def test_toolbox_times_out_async_tools_and_stays_usable() -> None:
 def test_duplicate_tool_names_are_refused() -> None:
     with pytest.raises(TypeError, match="two tools"):
         ToolBox([search, search])
+
+
+def tool_call(name: str, args: object, call_id: str = "c1") -> ToolCall:
+    return {
+        "id": call_id,
+        "type": "function",
+        "function": {"name": name, "arguments": json.dumps(args)},
+    }
+
+
+BOOK_SCHEMA: dict[str, object] = {
+    "type": "function",
+    "function": {
+        "name": "book",
+        "description": "Book a flight.",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "flight": {"type": "string"},
+                "passengers": {"type": "array", "items": {"type": "object"}},
+            },
+            "required": ["flight"],
+        },
+    },
+}
+
+
+async def test_a_ready_made_schema_is_sent_as_is_and_its_callable_gets_the_arguments() -> None:
+    got: list[dict[str, object]] = []
+
+    async def book(**arguments: object) -> dict[str, object]:
+        got.append(arguments)
+        return {"booked": arguments["flight"]}
+
+    box = ToolBox([Tool(schema=BOOK_SCHEMA, fn=book)])
+    assert box.schemas == [BOOK_SCHEMA]
+    passengers = [{"name": "Ada", "dob": "1815-12-10"}]
+    args = {"flight": "HAT001", "passengers": passengers}
+    assert await box.call(tool_call("book", args)) == ('{"booked": "HAT001"}', True)
+    assert got == [args]  # nested objects arrive as the model wrote them
+    content, ok = await box.call(tool_call("book", {"passengers": []}))
+    assert not ok and "missing required argument(s) 'flight'" in content
+    content, ok = await box.call(tool_call("book", {"flight": "X", "seat": "1A"}))
+    assert not ok and "unknown argument(s) 'seat'" in content
+    content, ok = await box.call(tool_call("book", ["HAT001"]))
+    assert not ok and "must be a JSON object" in content
+    assert len(got) == 1  # refused calls never reach the tool
+
+
+async def test_a_ready_made_schema_may_allow_extra_arguments_and_be_the_bare_function() -> None:
+    inner = {
+        "name": "note",
+        "parameters": {"type": "object", "properties": {}, "additionalProperties": True},
+    }
+    box = ToolBox([Tool(schema=inner, fn=lambda **kw: sorted(kw))])
+    assert box.schemas == [{"type": "function", "function": inner}]
+    assert await box.call(tool_call("note", {"b": 1, "a": 2})) == ('["a", "b"]', True)
+    with pytest.raises(TypeError, match="no function name"):
+        ToolBox([Tool(schema={"type": "function", "function": {}}, fn=print)])
+
+
+async def test_tools_receive_their_call_id_outside_the_schema() -> None:
+    seen: list[tuple[str, str]] = []
+
+    def lookup(key: str, call_id: CallId) -> str:
+        """Look a key up.
+
+        Args:
+            key: what to look up.
+        """
+        seen.append((key, call_id))
+        return key.upper()
+
+    def book(call_id: CallId, **arguments: object) -> str:
+        seen.append((str(arguments["flight"]), call_id))
+        return "ok"
+
+    schema = tool_schema(lookup)
+    assert schema["function"]["parameters"] == {  # type: ignore[index]
+        "type": "object",
+        "properties": {"key": {"type": "string", "description": "what to look up."}},
+        "required": ["key"],
+    }
+    box = ToolBox([lookup, Tool(schema=BOOK_SCHEMA, fn=book)])
+    assert await box.call(tool_call("lookup", {"key": "a"}, "call_7")) == ("A", True)
+    assert await box.call(tool_call("book", {"flight": "F1"}, "call_8")) == ("ok", True)
+    assert seen == [("a", "call_7"), ("F1", "call_8")]
+    content, ok = await box.call(tool_call("lookup", {"key": "a", "call_id": "forged"}))
+    assert not ok and "unknown field `call_id`" in content  # the model cannot set it
+
+    clash = {"name": "f", "parameters": {"type": "object", "properties": {"call_id": {}}}}
+    with pytest.raises(TypeError, match="both an argument and CallId"):
+        ToolBox([Tool(schema=clash, fn=book)])
