@@ -190,5 +190,7 @@ async def _prompt_length(
         log.debug("prompt of %r not measured: %r", task.prompt_id, exc)
         return None
     finally:
-        async with asyncio.timeout(timeout_s):
-            await env.close()
+        close = getattr(env, "close", None)  # an environment need not hold anything to release
+        if close is not None:
+            async with asyncio.timeout(timeout_s):
+                await call_maybe_async(close)
