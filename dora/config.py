@@ -263,8 +263,8 @@ class RunConfig(_Section):
         int,
         M(
             ge=0,
-            description="Restarts of a dead serve or learn (learn with --resume) before dora run "
-            "stops",
+            description="Restarts of each side that dies (serve; learn, with --resume) before "
+            "dora run stops",
         ),
     ] = 3
 

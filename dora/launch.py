@@ -4,7 +4,17 @@ Both sides get the same resolved config, the same run directory and a free port 
 link, chosen here so neither has to tell the other. Serve owns the terminal (its live display is
 the run's one progress display); the trainer writes to `learn.log` in the run directory.
 
-Stopping: Ctrl-C, or either side exiting, stops the other: SIGINT first, then SIGTERM after a
+Supervision (DESIGN §4, §7): a side that exits with an error is restarted, at most
+`run.max_restarts` times each. A dead `dora learn` is restarted with `--resume`: it continues from
+its last checkpoint under a new incarnation and serve rolls back. A dead `dora serve` is restarted
+on the same run directory and port: it restores its journal (`dora/serve/journal.py`). The trainer
+is restarted with it (`--resume`), because a trainer's link has no way to say hello to a new serve
+but to start again; the groups of its non-durable steps come back from serve's journal. Whatever
+is left of a dead side (its process group: instances, ranks) is killed first. Each exit and
+restart is a line in `{run_dir}/supervisor.jsonl`. When a side fails once more than allowed, the
+other is stopped and `dora run` exits 1, naming the side and the limit.
+
+Stopping: Ctrl-C (or SIGTERM), or the limit, stops both: SIGINT first, then SIGTERM after a
 grace period, then SIGKILL. Every child runs in its own process group so that the trainer's own
 worker ranks (torchrun) and the serve side's inference instances go down with their parent.
 """
@@ -14,6 +24,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib.util
+import json
 import os
 import signal
 import socket
@@ -71,34 +82,120 @@ def main(args: argparse.Namespace) -> int:
     print(f"dora run: run directory {run_dir}", flush=True)
 
     cli = [sys.executable, "-m", "dora.cli"]
-    learn_cmd = [*cli, "learn", args.config, *overrides]
-    if args.resume:
-        learn_cmd.append("--resume")
-    serve_cmd = [*cli, "serve", args.config, *overrides]
     env = {**os.environ, "DORA_SERVE_ADDRESS": f"tcp://{config.serve.host}:{port}"}
+    supervisor = Supervisor(
+        serve_cmd=[*cli, "serve", args.config, *overrides],
+        learn_cmd=[*cli, "learn", args.config, *overrides],
+        env=env,
+        run_dir=run_dir,
+        max_restarts=config.run.max_restarts,
+    )
+    # SIGTERM stops the run like Ctrl-C: the sides live in their own sessions and would outlive us
+    signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        code = supervisor.run(resume=args.resume)
+    except KeyboardInterrupt:
+        print("\ndora run: interrupted, stopping serve and learn", file=sys.stderr)
+        stop_all(supervisor.children)
+        return 130
+    finally:
+        supervisor.close()
+    if code == 0:
+        print(f"dora run: finished; run directory {run_dir}", flush=True)
+    return code
 
-    with open(run_dir / "learn.log", "ab") as learn_log:
-        serve = subprocess.Popen(serve_cmd, env=env, start_new_session=True)
-        learn = subprocess.Popen(
-            learn_cmd, env=env, stdout=learn_log, stderr=subprocess.STDOUT, start_new_session=True
-        )
-        children = {"serve": serve, "learn": learn}
-        try:
-            failed = _wait_first_failure(children)
-        except KeyboardInterrupt:
-            print("\ndora run: interrupted, stopping serve and learn", file=sys.stderr)
-            stop_all(children)
-            return 130
-        if failed:
+
+class Supervisor:
+    """Starts serve and learn, restarts the one that dies (see the module docstring)."""
+
+    def __init__(
+        self,
+        *,
+        serve_cmd: list[str],
+        learn_cmd: list[str],
+        env: dict[str, str],
+        run_dir: Path,
+        max_restarts: int,
+    ) -> None:
+        self.serve_cmd, self.learn_cmd, self.env = serve_cmd, learn_cmd, env
+        self.run_dir = run_dir
+        self.max_restarts = max_restarts
+        self.restarts = {"serve": 0, "learn": 0}
+        self.children: dict[str, subprocess.Popen[bytes]] = {}
+        self._learn_log = open(run_dir / "learn.log", "ab")  # noqa: SIM115 (closed by close())
+        self._log = open(run_dir / "supervisor.jsonl", "a")  # noqa: SIM115
+
+    def run(self, *, resume: bool) -> int:
+        self._start("serve")
+        self._start("learn", resume=resume)
+        while True:
+            failed = _wait_first_failure(self.children)
+            if failed is None:
+                return 0
+            code = self.children[failed].returncode
+            self._record("exit", failed, returncode=code)
+            serve_done = failed == "learn" and self.children["serve"].returncode == 0
+            if serve_done or self.restarts[failed] >= self.max_restarts:
+                why = (
+                    "serve had finished the run"
+                    if serve_done
+                    else f"{self.restarts[failed]} restarts used (run.max_restarts = "
+                    f"{self.max_restarts})"
+                )
+                print(
+                    f"dora run: {failed} exited with status {code}, {why}; not restarting it; "
+                    f"stopping the other side (logs in {self.run_dir})",
+                    file=sys.stderr,
+                )
+                stop_all(self.children)
+                return 1
+            self.restarts[failed] += 1
             print(
-                f"dora run: {failed} exited with status {children[failed].returncode}; "
-                f"stopping the other side (logs in {run_dir})",
+                f"dora run: {failed} exited with status {code}; restarting it "
+                f"({self.restarts[failed]} of {self.max_restarts})",
                 file=sys.stderr,
+                flush=True,
             )
-            stop_all(children)
-            return 1
-    print(f"dora run: finished; run directory {run_dir}", flush=True)
-    return 0
+            _kill_group(self.children[failed])
+            if failed == "serve":
+                # The trainer cannot say hello to a new serve but by starting again (resumed).
+                _kill_group(self.children["learn"])
+                self._start("serve")
+            self._start("learn", resume=True)
+
+    def _start(self, name: str, *, resume: bool = False) -> None:
+        if name == "serve":
+            proc = subprocess.Popen(self.serve_cmd, env=self.env, start_new_session=True)
+        else:
+            proc = subprocess.Popen(
+                [*self.learn_cmd, *(["--resume"] if resume else [])],
+                env=self.env,
+                stdout=self._learn_log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        self.children[name] = proc
+        self._record("start", name, pid=proc.pid, resume=resume, restart=self.restarts[name])
+
+    def _record(self, kind: str, component: str, **fields: object) -> None:
+        line = {"kind": kind, "component": component, "time": time.time(), **fields}
+        self._log.write(json.dumps(line) + "\n")
+        self._log.flush()
+
+    def close(self) -> None:
+        self._learn_log.close()
+        self._log.close()
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
+def _kill_group(proc: subprocess.Popen[bytes]) -> None:
+    """SIGKILL what is left of a side (its process group: instances, ranks) and reap it."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
 
 
 def _wait_first_failure(children: dict[str, subprocess.Popen[bytes]]) -> str | None:

@@ -130,6 +130,7 @@ class Dispatcher:
                 position=position,
             ).next()
             log.info("restarting group %s (lost with the previous serve) at v%d", gid, version)
+            r.restored.lost.remove(gid)
             r.assigned(q.restart(gid, version=version))
             self._place(gid, version)
             r.group_tasks[gid] = r.spawn(self._run_group(gid, task, version), name=f"group-{gid}")

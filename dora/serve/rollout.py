@@ -42,9 +42,10 @@ run; the replacement loads the version the orchestrator gives it from the weight
 load that times out is retried `serve.weight_load_retries` times; then the instance counts as
 dead and is replaced.
 
-The run ends when every step is filled and sent, the trainer acknowledged the last step (bounded
-wait), and `Shutdown` is sent. Every wait on the trainer that blocks progress has a deadline
-(`serve.request_timeout_s`), and says what it waited for.
+The run ends when every step is filled and sent, the trainer made the last step durable (`Durable`
+after its final checkpoint; bounded wait: a trainer that dies before it resumes and trains the last
+steps again from the groups serve holds), and `Shutdown` is sent. Every wait on the trainer that
+blocks progress has a deadline (`serve.request_timeout_s`), and says what it waited for.
 """
 
 from __future__ import annotations
@@ -187,6 +188,7 @@ class Rollout:
             every_s=config.log.metrics_every_s,
             progress=self._progress,
         )
+        self._restore()  # before the dispatcher, which continues the restored prompt stream
         self.dispatcher = dispatcher_factory(self)
         self.evaluator = evaluator_factory(self) if evaluator_factory is not None else None
 
@@ -194,7 +196,6 @@ class Rollout:
 
     async def run(self) -> RolloutReport:
         self.started_at = time.monotonic()
-        self._restore()
         try:
             async with asyncio.TaskGroup() as tg:
                 self._tg = tg
@@ -286,18 +287,23 @@ class Rollout:
         return self._tg.create_task(coro, name=name)
 
     async def _finish(self) -> None:
+        """Wait until the last step is durable (the trainer checkpoints it before it stops: a
+        trainer that dies before that resumes and needs the groups serve still holds)."""
         last = self.num_steps - 1
         timeout_s = self.config.serve.request_timeout_s
-        while self.trained_step < last:
+        while self._durable < last:
             await self._all_sent.wait()
             try:
                 async with asyncio.timeout(timeout_s):
                     # A roll-back clears `_all_sent` (and wakes this): the steps go out again.
-                    while self.trained_step < last and self._all_sent.is_set():
+                    while self._durable < last and self._all_sent.is_set():
                         self._trained_event.clear()
                         await self._trained_event.wait()
             except TimeoutError:
-                log.warning("the trainer did not acknowledge step %d within %g s", last, timeout_s)
+                log.warning(
+                    "the trainer did not make step %d durable within %g s (trained: %d)",
+                    *(last, timeout_s, self.trained_step),
+                )
                 break
         if self.evaluator is not None:
             await self._final_eval(timeout_s)
@@ -505,6 +511,7 @@ class Rollout:
                     self.queue.compact(list(self.groups.values()))
                     if inc == self.queue.incarnation:
                         self._durable = max(self._durable, step)
+                        self._trained_event.set()
                     self._retain_weights()
                 case Shutdown(reason=reason):
                     if not self.queue.finished or self.trained_step < self.num_steps - 1:
@@ -562,6 +569,7 @@ class Rollout:
         self.sent_per_step = {s: n for s, n in self.sent_per_step.items() if s <= c}
         self._step_versions = {s: v for s, v in self._step_versions.items() if s <= c}
         self.trained_step = c
+        self._durable = max(self._durable, c)
         self._all_sent.clear()
         self._trained_event.set()
         for inst in self.router.instances.values():

@@ -117,7 +117,9 @@ class ToyTrainer:
                     link.send(
                         StepDone(step=step, incarnation=self.incarnation, metrics={"groups": 1.0})
                     )
-                    if self.durable_every and (step + 1) % self.durable_every == 0:
+                    every = self.durable_every
+                    if (every and (step + 1) % every == 0) or step + 1 == self.steps:
+                        # like dora learn: a checkpoint every `durable_every` steps and at the end
                         link.send(Durable(step=step, incarnation=self.incarnation))
                     self.trained.append(step)
                     if self.on_trained is not None:

@@ -1,0 +1,221 @@
+"""Chaos: `dora run` on the math example, made small, while an instance, the trainer and `dora
+serve` are each killed once (SIGKILL) at random moments drawn from a seed.
+
+The run must finish on its own (dora run restarts what died, serve restores its journal, the
+trainer resumes from its last checkpoint; the checkpoint interval is 3, so every trainer restart
+rolls back non-durable steps), and its accounting, read from the run directory, must hold:
+admitted = consumed + filtered + rolled back (nothing left unassigned); every step trained on
+exactly B groups, no group in two steps, staleness at most K; every fault seen and recovered from
+(counted); the final checkpoint loads with transformers; no process is left behind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.chaos, pytest.mark.timeout(240)]
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLE = ROOT / "examples" / "math" / "config.toml"
+STEPS, B, G, K, EVERY = 12, 2, 4, 2, 3
+FAULTS = ("instance", "learn", "serve")
+
+
+def _children(pid: int) -> list[int]:
+    out: list[int] = []
+    for path in Path(f"/proc/{pid}/task").glob("*/children"):
+        try:
+            out += [int(p) for p in path.read_text().split()]
+        except FileNotFoundError:
+            continue
+    return out
+
+
+def _cmdline(pid: int) -> list[str]:
+    try:
+        raw = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except FileNotFoundError:
+        return []
+    return [part.decode() for part in raw.split(b"\0") if part]
+
+
+def _side(run_pid: int, name: str) -> int | None:
+    """The pid of dora run's `serve` or `learn` child."""
+    for pid in _children(run_pid):
+        argv = _cmdline(pid)
+        if "dora.cli" in argv and name in argv:
+            return pid
+    return None
+
+
+def _instances(serve_pid: int) -> list[int]:
+    return [pid for pid in _children(serve_pid) if "dora.engine" in _cmdline(pid)]
+
+
+def _trained(run_dir: Path) -> int:
+    """Steps trained so far (re-trained steps after a roll-back count again)."""
+    path = run_dir / "learn-metrics.jsonl"
+    return len(path.read_text().splitlines()) if path.exists() else 0
+
+
+def _kill(run_pid: int, fault: str) -> int | None:
+    serve = _side(run_pid, "serve")
+    if fault == "instance":
+        victims = _instances(serve) if serve else []
+        victim = victims[0] if victims else None
+    else:
+        victim = _side(run_pid, fault)
+    if victim is not None:
+        os.kill(victim, signal.SIGKILL)
+    return victim
+
+
+def _records(path: Path) -> list[dict[str, object]]:
+    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+
+
+RECOVERED = {"instance": "instance_failed", "serve": "restore", "learn": "rollback"}
+"""The rollout record that shows the run saw (instance: its requests moved on, a replacement is
+starting) or recovered from each fault (a new serve restored its journal; serve rolled back for
+the resumed trainer) before the next fault is injected."""
+
+
+def _count(run_dir: Path, kind: str) -> int:
+    path = run_dir / "rollout.jsonl"
+    return path.read_text().count(f'"kind":"{kind}"') if path.exists() else 0
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_chaos(tmp_path: Path, seed: int) -> None:
+    rng = random.Random(seed)
+    order = rng.sample(FAULTS, len(FAULTS))
+    # The trained-step counts that trigger each fault, then a random moment inside the step.
+    triggers = sorted(rng.sample(range(1, STEPS - 3), len(FAULTS)))
+    run_dir = tmp_path / "run"
+    overrides = [
+        f"learn.steps={STEPS}",
+        f"learn.checkpoint_every={EVERY}",
+        "learn.recv_timeout_s=90",
+        f"rollout.batch_size={B}",
+        f"rollout.group_size={G}",
+        f"rollout.staleness={K}",
+        "rollout.max_tokens=48",
+        "serve.instances=2",
+        "serve.max_running=16",
+        "serve.request_timeout_s=90",
+        "serve.weight_load_timeout_s=60",
+        "model.warmup_steps=10",
+        "data.eval_source=",
+        "log.progress=false",
+        "log.metrics_every_s=0.5",
+        f"log.run_dir={run_dir}",
+    ]
+    out = (tmp_path / "dora-run.log").open("wb")
+    run = subprocess.Popen(
+        [sys.executable, "-m", "dora.cli", "run", str(EXAMPLE), *overrides],
+        stdout=out,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+        cwd=tmp_path,
+    )
+    seen: set[int] = {run.pid}
+    killed: list[tuple[str, int]] = []
+    try:
+        deadline = time.monotonic() + 200
+        for fault, trigger in zip(order, triggers, strict=True):
+            # each fault after the run has recovered from the previous one and trained on
+            while _trained(run_dir) < trigger + len(killed) and run.poll() is None:
+                assert time.monotonic() < deadline, f"no progress to {trigger} before {fault}"
+                _remember(run.pid, seen)
+                time.sleep(0.1)
+            time.sleep(rng.uniform(0.0, 1.0))
+            _remember(run.pid, seen)
+            before = _count(run_dir, RECOVERED[fault])
+            victim = _kill(run.pid, fault)
+            if victim is None:
+                continue
+            killed.append((fault, victim))
+            while _count(run_dir, RECOVERED[fault]) == before and run.poll() is None:
+                assert time.monotonic() < deadline, f"no recovery from the {fault} fault"
+                _remember(run.pid, seen)
+                time.sleep(0.1)
+        while run.poll() is None and time.monotonic() < deadline:
+            _remember(run.pid, seen)
+            time.sleep(0.2)
+        code = run.wait(timeout=max(1.0, deadline - time.monotonic()))
+    finally:
+        if run.poll() is None:
+            os.killpg(run.pid, signal.SIGINT)
+            try:
+                run.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(run.pid, signal.SIGKILL)
+                run.wait()
+        out.close()
+    log = (tmp_path / "dora-run.log").read_text(errors="replace")
+    assert code == 0, log[-4000:]
+    assert [f for f, _ in killed] == list(order), f"every fault was injected: {killed}"
+
+    # --- the run's accounting, from the run directory -------------------------------------------
+    summary = json.loads((run_dir / "summary.json").read_text())
+    extra = summary["extra"]
+    assert extra["unassigned"] == 0
+    assert extra["admitted"] == extra["consumed"] + extra["filtered"] + extra["rolled_back"]
+    assert extra["consumed"] == STEPS * B
+    assert extra["serve_restarts"] == 1, extra
+
+    steps: dict[int, list[str]] = {}
+    staleness: dict[int, list[int]] = {}
+    for r in _records(run_dir / "rollout.jsonl"):
+        if r["kind"] == "step":  # a step sent again after a roll-back: the last sending counts
+            steps[int(r["step"])] = list(r["groups"])  # type: ignore[call-overload]
+            staleness[int(r["step"])] = list(r["staleness"])  # type: ignore[call-overload]
+    assert sorted(steps) == list(range(STEPS))
+    groups = [g for s in range(STEPS) for g in steps[s]]
+    assert all(len(steps[s]) == B for s in steps)
+    assert len(groups) == len(set(groups)), "no group trained in two steps"
+    assert all(0 <= x <= K for s in staleness for x in staleness[s]), staleness
+
+    trained = {int(r["step"]): r for r in _records(run_dir / "learn-metrics.jsonl")}
+    assert sorted(trained) == list(range(STEPS))
+    for step, r in trained.items():  # the last training of each step: B groups, none twice
+        assert r["groups"] == B and r["duplicate_groups"] == 0, (step, r)
+
+    restarts = [r for r in _records(run_dir / "supervisor.jsonl") if r["kind"] == "exit"]
+    assert sorted(r["component"] for r in restarts) == ["learn", "serve"], restarts
+    for kind in ("instance_failed", "restore", "rollback"):
+        assert _count(run_dir, kind) >= 1, kind
+
+    # --- the final checkpoint loads -----------------------------------------------------------
+    from transformers import AutoModelForCausalLM
+
+    latest = (run_dir / "checkpoints" / "latest").read_text().strip()
+    meta = json.loads((run_dir / "checkpoints" / latest / "trainer.json").read_text())
+    assert meta["step"] == STEPS - 1 and meta["version"] == STEPS
+    model = AutoModelForCausalLM.from_pretrained(run_dir / "checkpoints" / latest / "model")
+    assert sum(p.numel() for p in model.parameters()) > 0
+
+    # --- nothing left running ---------------------------------------------------------------
+    time.sleep(0.5)
+    alive = [pid for pid in seen if Path(f"/proc/{pid}").exists() and _cmdline(pid)]
+    assert not alive, f"processes left behind: {[(p, _cmdline(p)) for p in alive]}"
+
+
+def _remember(run_pid: int, seen: set[int]) -> None:
+    """Every process of the run (sides, instances, ranks), to check none is left at the end."""
+    frontier = [run_pid]
+    while frontier:
+        pid = frontier.pop()
+        for child in _children(pid):
+            if child not in seen:
+                seen.add(child)
+                frontier.append(child)

@@ -1,0 +1,66 @@
+"""`dora run`'s supervisor with stand-in sides (plain Python processes): a side that keeps dying is
+restarted `run.max_restarts` times, learn always with `--resume`, then both are stopped and the run
+fails, naming the limit; a clean exit of both ends the run."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from dora.launch import Supervisor
+
+pytestmark = pytest.mark.timeout(60)
+
+SLEEP = "import time; time.sleep(60)"
+
+
+def _supervisor(tmp_path: Path, serve: str, learn: str, max_restarts: int) -> Supervisor:
+    return Supervisor(
+        serve_cmd=[sys.executable, "-c", serve],
+        learn_cmd=[sys.executable, "-c", learn],
+        env={},
+        run_dir=tmp_path,
+        max_restarts=max_restarts,
+    )
+
+
+def _records(tmp_path: Path) -> list[dict[str, object]]:
+    lines = (tmp_path / "supervisor.jsonl").read_text().splitlines()
+    return [json.loads(x) for x in lines]
+
+
+def test_a_dying_serve_is_restarted_with_a_resumed_learn_until_the_limit(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    sup = _supervisor(tmp_path, "import sys; sys.exit(3)", SLEEP, max_restarts=2)
+    try:
+        assert sup.run(resume=False) == 1
+    finally:
+        sup.close()
+    records = _records(tmp_path)
+    exits = [r for r in records if r["kind"] == "exit"]
+    assert [(r["component"], r["returncode"]) for r in exits] == [("serve", 3)] * 3
+    starts = [(r["component"], r["resume"]) for r in records if r["kind"] == "start"]
+    # serve and learn, then twice: serve again, learn resumed (it cannot greet a new serve)
+    assert starts == [("serve", False), ("learn", False)] + [("serve", False), ("learn", True)] * 2
+    assert all(p.poll() is not None for p in sup.children.values()), "both sides stopped"
+    assert "2 restarts used (run.max_restarts = 2)" in capfd.readouterr().err
+
+
+def test_a_dying_learn_is_resumed_and_a_clean_finish_ends_the_run(tmp_path: Path) -> None:
+    # learn fails on its first start and succeeds once resumed; serve finishes after a while
+    learn = "import sys; sys.exit(0 if '--resume' in sys.argv else 5)"
+    sup = _supervisor(tmp_path, "import time; time.sleep(1.5)", learn, max_restarts=1)
+    try:
+        assert sup.run(resume=False) == 0
+    finally:
+        sup.close()
+    records = _records(tmp_path)
+    assert [(r["component"], r.get("returncode")) for r in records if r["kind"] == "exit"] == [
+        ("learn", 5)
+    ]
+    starts = [(r["component"], r["resume"]) for r in records if r["kind"] == "start"]
+    assert starts == [("serve", False), ("learn", False), ("learn", True)]
