@@ -451,15 +451,20 @@ class Rollout:
                     self.instance_failed(instance)
                     return
                 except ServerTimeout as exc:
-                    what = f"a path ({weights.path})" if weights.path else "inline tensors"
-                    log.warning(
-                        "instance %s did not load version %d from %s within %g s (attempt %d of "
-                        "%d): %s",
-                        *(instance, version, what, timeout_s, attempt + 1, retries + 1, exc),
+                    what = f"the path {weights.path}" if weights.path else "inline tensors"
+                    error = (
+                        f"instance {instance} did not load version {version} from {what} within "
+                        f"{timeout_s:g} s (attempt {attempt + 1} of {retries + 1}): {exc}"
                     )
+                    log.warning("%s", error)
                     self.metrics.write(
                         "weight_load_timeout",
-                        {"instance": instance, "version": version, "attempt": attempt + 1},
+                        {
+                            "instance": instance,
+                            "version": version,
+                            "attempt": attempt + 1,
+                            "error": error,
+                        },
                     )
                     if attempt == retries:  # stuck: replace it (bounded by its own limit)
                         self.instance_failed(instance)
@@ -581,7 +586,10 @@ class Rollout:
             "rollback",
             {"incarnation": q.incarnation, "step": c, "rolled_back": len(rolled_back)},
         )
-        self.apply(self.orchestrator.rollback(c + 1))
+        # A serve restored from its journal holds only version 0 until the trainer publishes its
+        # starting version again: the orchestrator must not plan loads of weights not here yet.
+        held = [v for v in self.store.versions() if v <= c + 1]
+        self.apply(self.orchestrator.rollback(c + 1 if c + 1 in held else max(held, default=0)))
         self.assigned(assigned)
 
     def _maybe_publish(self) -> None:

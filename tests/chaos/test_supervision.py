@@ -17,30 +17,30 @@ pytestmark = pytest.mark.timeout(60)
 SLEEP = "import time; time.sleep(60)"
 
 
-def _supervisor(tmp_path: Path, serve: str, learn: str, max_restarts: int) -> Supervisor:
-    return Supervisor(
+def _run(
+    tmp_path: Path, serve: str, learn: str, max_restarts: int
+) -> tuple[int, Supervisor, list[dict[str, object]]]:
+    """Supervise stand-in sides until the run ends: its exit code, the supervisor, its records."""
+    sup = Supervisor(
         serve_cmd=[sys.executable, "-c", serve],
         learn_cmd=[sys.executable, "-c", learn],
         env={},
         run_dir=tmp_path,
         max_restarts=max_restarts,
     )
-
-
-def _records(tmp_path: Path) -> list[dict[str, object]]:
+    try:
+        code = sup.run(resume=False)
+    finally:
+        sup.close()
     lines = (tmp_path / "supervisor.jsonl").read_text().splitlines()
-    return [json.loads(x) for x in lines]
+    return code, sup, [json.loads(x) for x in lines]
 
 
 def test_a_dying_serve_is_restarted_with_a_resumed_learn_until_the_limit(
     tmp_path: Path, capfd: pytest.CaptureFixture[str]
 ) -> None:
-    sup = _supervisor(tmp_path, "import sys; sys.exit(3)", SLEEP, max_restarts=2)
-    try:
-        assert sup.run(resume=False) == 1
-    finally:
-        sup.close()
-    records = _records(tmp_path)
+    code, sup, records = _run(tmp_path, "import sys; sys.exit(3)", SLEEP, max_restarts=2)
+    assert code == 1
     exits = [r for r in records if r["kind"] == "exit"]
     assert [(r["component"], r["returncode"]) for r in exits] == [("serve", 3)] * 3
     starts = [(r["component"], r["resume"]) for r in records if r["kind"] == "start"]
@@ -53,12 +53,8 @@ def test_a_dying_serve_is_restarted_with_a_resumed_learn_until_the_limit(
 def test_a_dying_learn_is_resumed_and_a_clean_finish_ends_the_run(tmp_path: Path) -> None:
     # learn fails on its first start and succeeds once resumed; serve finishes after a while
     learn = "import sys; sys.exit(0 if '--resume' in sys.argv else 5)"
-    sup = _supervisor(tmp_path, "import time; time.sleep(1.5)", learn, max_restarts=1)
-    try:
-        assert sup.run(resume=False) == 0
-    finally:
-        sup.close()
-    records = _records(tmp_path)
+    code, _, records = _run(tmp_path, "import time; time.sleep(1.5)", learn, max_restarts=1)
+    assert code == 0
     assert [(r["component"], r.get("returncode")) for r in records if r["kind"] == "exit"] == [
         ("learn", 5)
     ]

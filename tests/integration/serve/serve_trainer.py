@@ -4,10 +4,14 @@ It receives groups, checks the stream's shape (every group once, `StepClosed` af
 by sleeping, and publishes version `t + 1` as inline `WeightChunk`s of perturbed weights (so the
 engines really load new weights and logprobs change), then acknowledges with `StepDone(t)`.
 It runs on a thread: the trainer side of the link is blocking by design.
+
+`restart_config` and `check_resumed` are shared by the restart tests: a trainer that dies after
+step 4 (steps 1 and 3 durable) and a second incarnation that resumes at step 4.
 """
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from collections import defaultdict
@@ -17,6 +21,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
+from dora.config import DoraConfig, load_config
 from dora.link import LearnLink
 from dora.protocol import (
     Assigned,
@@ -96,6 +101,8 @@ class ToyTrainer:
         try:
             link.send(Hello(role="learn", incarnation=self.incarnation, step=self.start_step))
             step = self.start_step
+            if step > 0:  # like dora learn: a resumed trainer publishes its starting version again
+                self._publish(link, step)
             while not self.shutdown:
                 msg = link.recv(timeout_s=self.timeout_s, waiting_for=f"groups of step {step}")
                 match msg:
@@ -148,3 +155,69 @@ class ToyTrainer:
                 )
             )
         link.send(WeightsReady(version=version, incarnation=self.incarnation, num_chunks=2))
+
+
+def restart_config(
+    run_dir: Path, model_dir: Path, *, steps: int, batch_size: int, k: int
+) -> DoraConfig:
+    """The serve config of the restart tests: two in-process instances, short single-turn groups."""
+    return load_config(
+        None,
+        [
+            f"model.path={json.dumps(str(model_dir))}",
+            "model.max_model_len=256",
+            "serve.instances=2",
+            "serve.max_running=8",
+            "serve.request_timeout_s=60",
+            f"rollout.staleness={k}",
+            "rollout.group_size=2",
+            f"rollout.batch_size={batch_size}",
+            "rollout.max_tokens=32",
+            "rollout.max_turns=1",
+            f"learn.steps={steps}",
+            f"log.run_dir={json.dumps(str(run_dir))}",
+            "log.metrics_every_s=0.25",
+            "log.progress=false",
+        ],
+    )
+
+
+def dying_trainer(address: str, model_dir: Path, *, steps: int, batch_size: int) -> ToyTrainer:
+    """Trains steps 0..4, makes steps 1 and 3 durable, dies without a word."""
+    return ToyTrainer(
+        address,
+        model_dir=model_dir,
+        steps=steps,
+        batch_size=batch_size,
+        durable_every=2,
+        crash_after=4,
+    )
+
+
+def resumed_trainer(address: str, model_dir: Path, *, steps: int, batch_size: int) -> ToyTrainer:
+    """The next incarnation, resumed from the checkpoint of step 3."""
+    return ToyTrainer(
+        address,
+        model_dir=model_dir,
+        steps=steps,
+        batch_size=batch_size,
+        incarnation=1,
+        start_step=4,
+    )
+
+
+def check_resumed(first: ToyTrainer, second: ToyTrainer, *, steps: int, k: int) -> None:
+    """The resumed trainer (from the checkpoint of step 3) trained steps 4.. with exactly B groups
+    each, every group once, none of a durable step, C1 and C3."""
+    assert second.trained == list(range(4, steps)) and second.shutdown
+    assert sorted(second.by_step) == list(range(4, steps))
+    assert all(len(gs) == second.batch_size for gs in second.by_step.values())
+    ids = [g.id for _, g in second.received]
+    assert len(ids) == len(set(ids)), "every group once in the new run"
+    durable = {g.id for s, gs in first.by_step.items() if s <= 3 for g in gs}
+    assert not durable & set(ids), "durable steps are not trained again"
+    for step, group in second.received:
+        assert group.incarnation == 1
+        assert 0 <= step - group.version <= k
+        for s in group.samples:
+            assert (s.token_versions()[s.mask() == 1] == group.version).all(), "C1"

@@ -18,7 +18,7 @@ import json
 from pathlib import Path
 
 import pytest
-from serve_trainer import ToyTrainer
+from serve_trainer import ToyTrainer, check_resumed, dying_trainer, restart_config, resumed_trainer
 
 from dora.config import load_config
 from dora.link import ServeLink
@@ -30,34 +30,9 @@ STEPS, B, K = 8, 2, 2
 
 
 async def test_trainer_restart_rolls_back(tmp_path: Path, long_tail_model: Path) -> None:
-    config = load_config(
-        None,
-        [
-            f"model.path={json.dumps(str(long_tail_model))}",
-            "model.max_model_len=256",
-            "serve.instances=2",
-            "serve.max_running=8",
-            "serve.request_timeout_s=60",
-            f"rollout.staleness={K}",
-            "rollout.group_size=2",
-            f"rollout.batch_size={B}",
-            "rollout.max_tokens=32",
-            "rollout.max_turns=1",
-            f"learn.steps={STEPS}",
-            f"log.run_dir={json.dumps(str(tmp_path))}",
-            "log.metrics_every_s=0.25",
-            "log.progress=false",
-        ],
-    )
+    config = restart_config(tmp_path, long_tail_model, steps=STEPS, batch_size=B, k=K)
     link = ServeLink()
-    first = ToyTrainer(
-        link.address,
-        model_dir=long_tail_model,
-        steps=STEPS,
-        batch_size=B,
-        durable_every=2,
-        crash_after=4,
-    )
+    first = dying_trainer(link.address, long_tail_model, steps=STEPS, batch_size=B)
     first.start()
     serve = asyncio.ensure_future(run_serve(config, run_dir=tmp_path, in_process=True, link=link))
     try:
@@ -66,14 +41,7 @@ async def test_trainer_restart_rolls_back(tmp_path: Path, long_tail_model: Path)
         # The restart takes a while: meanwhile serve loads version 5 (published by the lost
         # step 4) and starts groups on it, which the roll-back must remove.
         await asyncio.sleep(2.0)
-        second = ToyTrainer(
-            link.address,
-            model_dir=long_tail_model,
-            steps=STEPS,
-            batch_size=B,
-            incarnation=1,
-            start_step=4,
-        )
+        second = resumed_trainer(link.address, long_tail_model, steps=STEPS, batch_size=B)
         second.start()
         report = await asyncio.wait_for(serve, 120)
         await asyncio.to_thread(second.join)
@@ -81,18 +49,7 @@ async def test_trainer_restart_rolls_back(tmp_path: Path, long_tail_model: Path)
         serve.cancel()
         link.close()
 
-    assert second.trained == list(range(4, STEPS)) and second.shutdown
-    assert sorted(second.by_step) == list(range(4, STEPS))
-    assert all(len(gs) == B for gs in second.by_step.values())
-    ids = [g.id for _, g in second.received]
-    assert len(ids) == len(set(ids)), "every group once in the new run"
-    durable = {g.id for s, gs in first.by_step.items() if s <= 3 for g in gs}
-    assert not durable & set(ids), "durable steps are not trained again"
-    for step, group in second.received:
-        assert group.incarnation == 1
-        assert 0 <= step - group.version <= K
-        for s in group.samples:
-            assert (s.token_versions()[s.mask() == 1] == group.version).all(), "C1"
+    check_resumed(first, second, steps=STEPS, k=K)
     records = [json.loads(x) for x in (tmp_path / "rollout.jsonl").read_text().splitlines()]
     rollbacks = [r for r in records if r["kind"] == "rollback"]
     assert len(rollbacks) == 1 and rollbacks[0]["step"] == 3

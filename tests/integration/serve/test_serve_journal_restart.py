@@ -1,0 +1,76 @@
+"""`dora serve` stopped in the middle of a run and started again on the same run directory
+(DESIGN §4): it restores its journal and the resumed trainer gets everything it needs.
+
+The first serve runs with a trainer that trains steps 0..4, makes steps 1 and 3 durable and dies
+without a word; then the first serve is stopped too (its task cancelled mid-run: the journal is
+written as operations happen, so this is what a crash leaves). A second serve on the same run
+directory restores the journal; a second trainer (incarnation 1) resumes at step 4. The groups
+step 4 trained in the lost run come back from the journal (same ids, not regenerated); groups
+still running when serve stopped are restarted and counted; every step from 4 on gets exactly B
+groups within K, none twice, none of a durable step; the accounting holds across both serves.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import pytest
+from serve_trainer import check_resumed, dying_trainer, restart_config, resumed_trainer
+
+from dora.link import ServeLink
+from dora.serve.main import run_serve
+
+pytestmark = pytest.mark.timeout(180)
+
+STEPS, B, K = 8, 2, 2
+
+
+async def test_a_restarted_serve_restores_its_journal(
+    tmp_path: Path, long_tail_model: Path
+) -> None:
+    config = restart_config(tmp_path, long_tail_model, steps=STEPS, batch_size=B, k=K)
+    link = ServeLink()
+    first = dying_trainer(link.address, long_tail_model, steps=STEPS, batch_size=B)
+    first.start()
+    serve = asyncio.ensure_future(run_serve(config, run_dir=tmp_path, in_process=True, link=link))
+    try:
+        await asyncio.to_thread(first.join, 60)
+        assert first.trained == [0, 1, 2, 3, 4]
+        await asyncio.sleep(1.0)  # serve goes on sampling for the trainer it waits for
+    finally:
+        serve.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await serve
+        link.close()
+
+    link = ServeLink()
+    second = resumed_trainer(link.address, long_tail_model, steps=STEPS, batch_size=B)
+    second.start()
+    try:
+        report = await asyncio.wait_for(
+            run_serve(config, run_dir=tmp_path, in_process=True, link=link), 120
+        )
+        await asyncio.to_thread(second.join)
+    finally:
+        link.close()
+
+    check_resumed(first, second, steps=STEPS, k=K)
+    # step 4 of the lost run (versions 2..4, all real) comes back from the journal, not resampled
+    lost_step = {g.id: g for g in first.by_step[4]}
+    again = {g.id: g for _, g in second.received if g.id in lost_step}
+    assert set(again) == set(lost_step)
+    for gid, group in again.items():
+        assert group.samples[0].tokens().tolist() == lost_step[gid].samples[0].tokens().tolist()
+
+    records = [json.loads(x) for x in (tmp_path / "rollout.jsonl").read_text().splitlines()]
+    (restore,) = [r for r in records if r["kind"] == "restore"]
+    assert restore["serve_start"] == 2 and restore["step"] >= 5
+    extra = report.extra  # type: ignore[attr-defined]
+    assert extra["serve_restarts"] == 1
+    assert extra["admitted"] == extra["consumed"] + extra["filtered"] + extra["rolled_back"]
+    assert extra["unassigned"] == 0 and extra["consumed"] == STEPS * B
+    # groups that were running when serve stopped (if any: timing decides; tests/chaos sees them):
+    # restarted (counted) or, if their version was a ghost of the lost trainer, rolled back
+    assert extra["groups_restarted"] + extra["rolled_back"] >= restore["lost"]
