@@ -36,6 +36,7 @@ import platform
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -49,6 +50,7 @@ __all__ = [
     "main",
     "median_run",
     "plan",
+    "profile_table",
     "ratio_lines",
     "summarise",
     "table",
@@ -155,6 +157,10 @@ class ModeResult:
     serve_cores_used: float | None = None
     """CPU-seconds of serve and its instances per second of the window (cores kept busy)."""
     learn_cores_used: float | None = None
+    serve_cpu_s_per_token: float | None = None
+    """Serve's and its instances' CPU-seconds per trained (= generated, single-turn) token."""
+    learn_cpu_s_per_token: float | None = None
+    """The trainer's CPU-seconds per trained token."""
 
 
 def summarise(run_dir: Path, *, name: str, placement: str) -> ModeResult:
@@ -210,6 +216,12 @@ def _summarise(run: RunData, *, name: str, placement: str, cpu: dict[str, float]
         load_avg=cpu.get("load_avg"),
         serve_cores_used=cpu["serve_cpu_s"] / window if "serve_cpu_s" in cpu and window else None,
         learn_cores_used=cpu["learn_cpu_s"] / window if "learn_cpu_s" in cpu and window else None,
+        serve_cpu_s_per_token=cpu["serve_cpu_s"] / tokens
+        if "serve_cpu_s" in cpu and tokens
+        else None,
+        learn_cpu_s_per_token=cpu["learn_cpu_s"] / tokens
+        if "learn_cpu_s" in cpu and tokens
+        else None,
     )
 
 
@@ -238,9 +250,6 @@ def table(results: list[ModeResult]) -> str:
     rows = [head]
     for r in results:
         cpu = f"{1000 * r.cpu_s_per_token:.2f}" if r.cpu_s_per_token is not None else "-"
-        used = "-"
-        if r.serve_cores_used is not None and r.learn_cores_used is not None:
-            used = f"{r.serve_cores_used:.2f}/{r.learn_cores_used:.2f}"
         rows.append(
             (
                 r.name,
@@ -248,7 +257,7 @@ def table(results: list[ModeResult]) -> str:
                 f"{r.tokens_per_s:.1f}",
                 f"{r.tokens / max(1, r.steps - 1):.0f}",
                 cpu,
-                used,
+                _cores_used(r),
                 f"{r.step_s:.2f}",
                 f"{100 * r.rollout_only_share:.0f}%",
                 f"{100 * r.instance_util:.0f}%",
@@ -257,7 +266,46 @@ def table(results: list[ModeResult]) -> str:
                 str(r.max_versions_serving),
             )
         )
-    widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
+    return _render(rows)
+
+
+def profile_table(results: list[ModeResult]) -> str:
+    """Where the time goes, per mode: CPU per token on each side, and who waits for whom."""
+    head = (
+        "mode",
+        "serve CPU-ms/tok",
+        "learn CPU-ms/tok",
+        "trainer busy",
+        "trainer waits",
+        "cores used s/l",
+    )
+    rows = [head]
+    for r in results:
+        rows.append(
+            (
+                r.name,
+                _ms(r.serve_cpu_s_per_token),
+                _ms(r.learn_cpu_s_per_token),
+                f"{100 * (1 - r.trainer_idle_share):.0f}%",
+                f"{100 * r.rollout_only_share:.0f}%",
+                _cores_used(r),
+            )
+        )
+    return _render(rows)
+
+
+def _cores_used(r: ModeResult) -> str:
+    if r.serve_cores_used is None or r.learn_cores_used is None:
+        return "-"
+    return f"{r.serve_cores_used:.2f}/{r.learn_cores_used:.2f}"
+
+
+def _ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{1000 * seconds:.3f}"
+
+
+def _render(rows: Sequence[tuple[str, ...]]) -> str:
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)) for row in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)
@@ -468,6 +516,8 @@ def main(argv: list[str] | None = None) -> int:
         + (f"{min(loads):.1f}-{max(loads):.1f}" if loads else "unknown")
     )
     print(table(results))
+    print("\nwhere the time goes (trainer waits: share of its step spent waiting for groups)")
+    print(profile_table(results))
     if args.repeats > 1:
         print("(the run with the median tokens/s of each mode; all runs, tokens/s:)")
         for name, rs in runs.items():

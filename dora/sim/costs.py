@@ -125,6 +125,19 @@ class Setup:
     stream_training: bool = True
     """Disaggregated trainers start on groups as they arrive (dora's trainer; every disaggregated
     mode gets it, so that no baseline is weakened). Off: a step starts once it is full."""
+    # --- CPU machines (off for the GPU presets) -------------------------------------------------
+    pool_instances: int = 0
+    """Instances in each pool whatever its size (CPU: instances are processes that share cores,
+    so their number is not `gpus // gpus_per_instance`); 0 derives it from the GPUs."""
+    shared_cores: bool = False
+    """The instances of a pool share its cores (`gpus` colocated, `rollout_gpus` disaggregated),
+    each using `gpus_per_instance` of them: while `n` instances are busy, a decode or prefill
+    step takes `max(1, n * gpus_per_instance / cores)` times longer (time-sliced processes). Off:
+    every instance has its own accelerators, as on a GPU cluster."""
+    train_parallel_efficiency: float = 1.0
+    """Share of a linear speed-up the trainer gets from each GPU (or core) beyond the first:
+    time = tokens * train_gpu_s_per_token / (1 + (gpus - 1) * efficiency). 1 on GPUs (the
+    paper's calibration assumes linear scaling); measured on a CPU."""
     # --- calibrated on the paper's synchronous baseline only ----------------------------------
     decode_overhead_ms: float = 13.0
     """Per-step decode overhead beyond the weight read (calibrated: sync rollout 14.9 min at 64
@@ -140,11 +153,11 @@ class Setup:
     @property
     def instances(self) -> int:
         """Instances that generate in the disaggregated modes."""
-        return max(1, self.rollout_gpus // self.gpus_per_instance)
+        return self.pool_instances or max(1, self.rollout_gpus // self.gpus_per_instance)
 
     @property
     def colocated_instances(self) -> int:
-        return max(1, self.gpus // self.gpus_per_instance)
+        return self.pool_instances or max(1, self.gpus // self.gpus_per_instance)
 
     @property
     def train_gpus(self) -> int:
@@ -186,7 +199,8 @@ class Setup:
 
     def train_s(self, tokens: float, gpus: int) -> float:
         """Per-token training time of `tokens` on `gpus` GPUs (without the step overhead)."""
-        return tokens * self.train_gpu_s_per_token / max(1, gpus)
+        speedup = 1.0 + (max(1, gpus) - 1) * self.train_parallel_efficiency
+        return tokens * self.train_gpu_s_per_token / speedup
 
 
 _PAPER_64 = Setup()
@@ -292,6 +306,12 @@ def validate(s: Setup) -> None:
         raise ConfigError(
             f"group_size {s.group_size} exceeds max_seqs {s.max_seqs}: a group starts on one"
             " instance"
+        )
+    if s.pool_instances < 0:
+        raise ConfigError(f"pool_instances must be >= 0, got {s.pool_instances}")
+    if not 0 <= s.train_parallel_efficiency <= 1:
+        raise ConfigError(
+            f"train_parallel_efficiency must be in [0, 1], got {s.train_parallel_efficiency}"
         )
     if s.turns < 1:
         raise ConfigError(f"turns must be >= 1, got {s.turns}")

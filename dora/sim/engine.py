@@ -290,7 +290,7 @@ class _Sim:
 
     def sync(self, inst: _Inst) -> None:
         """Advance `inst` to now (no event of its own happened in between)."""
-        dt = self.now - inst.t
+        dt = (self.now - inst.t) / self.slowdown()
         inst.t = self.now
         if dt <= 0 or inst.paused or not inst.ready:
             return
@@ -314,8 +314,27 @@ class _Sim:
             self.start_waiting(inst)
         busy = inst.ready and not inst.paused and (bool(inst.running) or inst.stall > 0)
         if busy != inst.busy:
+            # shared cores: every other busy instance speeds up or slows down from now on
+            others = []
+            if self.s.shared_cores:
+                others = [i for i in self.insts.values() if i.busy and i is not inst]
+                for other in others:
+                    self.sync(other)
             self.n_busy += 1 if busy else -1
             inst.busy = busy
+            for other in others:
+                self.schedule(other)
+        self.schedule(inst)
+
+    def slowdown(self) -> float:
+        """How much longer a step takes while `n_busy` instances share the pool's cores."""
+        if not self.s.shared_cores:
+            return 1.0
+        cores = self.s.gpus if self.p.colocated else self.s.rollout_gpus
+        return max(1.0, self.n_busy * self.s.gpus_per_instance / cores)
+
+    def schedule(self, inst: _Inst) -> None:
+        """The instance's next event: its next completion or a full KV cache."""
         inst.token += 1
         if not inst.running or inst.paused or not inst.ready:
             return
@@ -330,6 +349,7 @@ class _Sim:
         dp = max(0.0, min(dp, (self.kvcap - inst.kv) / b))
         t0, c, k = self.co
         dt = inst.stall + (t0 + c * b + k * inst.kv) * dp + 0.5 * k * b * dp * dp
+        dt *= self.slowdown()
         inst.target = inst.prog + dp
         self.at(self.now + dt, _INST, inst, inst.token)
 

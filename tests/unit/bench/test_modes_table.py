@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from dora.bench.modes import median_run, plan, ratio_lines, summarise, table
+from dora.bench.modes import median_run, plan, profile_table, ratio_lines, summarise, table
 from tests.unit.bench.fixtures import write_run
 
 
@@ -75,6 +75,10 @@ def test_numbers_come_from_the_steady_window(tmp_path: Path) -> None:
     assert r.load_avg == 3.0 and r.max_versions_serving == 3
     assert r.serve_cores_used == r.learn_cores_used == pytest.approx(1.0)
     assert "1.00/1.00" in table([r])
+    # where the time goes: 8 CPU-s per side over 1600 tokens; the trainer computes half the window
+    assert r.serve_cpu_s_per_token == r.learn_cpu_s_per_token == pytest.approx(0.005)
+    row = profile_table([r]).splitlines()[-1].split()
+    assert row == ["dora", "5.000", "5.000", "50%", "25%", "1.00/1.00"]
 
 
 def test_table_and_ratio_lines_end_with_dora_over_sync(tmp_path: Path) -> None:

@@ -1,0 +1,102 @@
+"""The CPU calibration (dora/sim/cpu.py) and the cost model's CPU knobs: instances that share
+cores, a trainer that does not scale linearly with threads."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from dora.config import load_config
+from dora.sim import plan, simulate
+from dora.sim.costs import PRESETS, Setup
+from dora.sim.cpu import Costs, fit_decode, setup_for
+from dora.sim.report import summarize
+from tests.unit.sim.test_engine import check_run
+
+COSTS = Costs(
+    decode_t0_s=3e-3,
+    decode_c_s=4e-5,
+    decode_k_s=2e-8,
+    prefill_s_per_token=1e-5,
+    train_s_per_token=4e-4,
+    train_step_s=0.05,
+    train_speedup=1.3,
+    weight_sync_s=0.02,
+    prompt_median=60,
+    prompt_sigma=0.3,
+    prompt_max=200,
+    response_median=20,
+    response_sigma=1.0,
+    group_share=0.8,
+    response_mean=36,
+    response_max=512,
+    params=500_000,
+    layers=2,
+    hidden=128,
+    kv_heads=4,
+    head_dim=32,
+    cores=2,
+)
+
+
+def test_fit_decode_recovers_the_coefficients() -> None:
+    samples = [(b, s, 3e-3 + 4e-5 * b + 2e-8 * s) for b in (1, 4, 16, 64) for s in (100, 5000)]
+    t0, c, k = fit_decode(samples)
+    assert t0 == pytest.approx(3e-3) and c == pytest.approx(4e-5) and k == pytest.approx(2e-8)
+
+
+def test_setup_for_reproduces_the_measured_costs() -> None:
+    config = load_config("examples/math/bench.toml")
+    s = setup_for(config, COSTS)
+    assert s.decode_coefficients() == pytest.approx((3e-3, 4e-5, 2e-8), rel=1e-6)
+    assert s.prefill_s(0, 60) == pytest.approx(60 * 1e-5)  # at the median prompt
+    assert s.train_s(1000, 1) == pytest.approx(0.4)
+    assert s.train_s(1000, 2) == pytest.approx(0.4 / 1.3)
+    assert s.kv_capacity_tokens == pytest.approx(
+        config.serve.max_running * config.model.max_model_len
+    )
+    assert (s.instances, s.colocated_instances) == (4, 4)  # 4 processes on 1 core, or on 2
+    assert (s.gpus, s.rollout_gpus, s.gpus_per_instance) == (2, 1, 1)
+    assert s.groups_per_step == config.rollout.batch_size
+    assert s.response_max == config.rollout.max_tokens
+
+
+COSTS_GROUP = 8
+
+
+def _rollout_bound(**changes: object) -> Setup:
+    base = dataclasses.replace(
+        setup_for(load_config("examples/math/bench.toml"), COSTS),
+        response_sigma=0.0,  # every sample decodes the same number of tokens
+        group_share=0.0,
+        prompt_sigma=0.0,
+        train_gpu_s_per_token=1e-9,
+        train_step_overhead_s=0.0,
+        weight_sync_s=1e-6,
+        max_seqs=COSTS_GROUP,  # one group per instance: all four decode at once
+        steps=6,
+    )
+    return dataclasses.replace(base, **changes)  # type: ignore[arg-type]
+
+
+def test_instances_sharing_one_core_decode_as_slowly_as_time_slicing_says() -> None:
+    # one_step_off: 4 instances, one group each, on serve's one core
+    alone = summarize(
+        simulate(_rollout_bound(shared_cores=False), plan("one_step_off", _rollout_bound()))
+    )
+    shared_setup = _rollout_bound()
+    run = simulate(shared_setup, plan("one_step_off", shared_setup))
+    check_run(run, shared_setup)
+    shared = summarize(run)
+    assert shared["step_min"] / alone["step_min"] == pytest.approx(4.0, rel=0.1)
+    # colocated sync: the same 4 instances on 2 cores
+    sync = summarize(simulate(shared_setup, plan("sync", shared_setup)))
+    assert shared["step_min"] / sync["step_min"] == pytest.approx(2.0, rel=0.1)
+
+
+def test_gpu_presets_are_unchanged_by_the_cpu_knobs() -> None:
+    for s in PRESETS.values():
+        if s.name.startswith("paper"):
+            assert (s.pool_instances, s.shared_cores, s.train_parallel_efficiency) == (0, False, 1)
+            assert s.train_s(1000, 4) == pytest.approx(1000 * s.train_gpu_s_per_token / 4)
