@@ -161,6 +161,8 @@ class ModeResult:
     """Serve's and its instances' CPU-seconds per trained (= generated, single-turn) token."""
     learn_cpu_s_per_token: float | None = None
     """The trainer's CPU-seconds per trained token."""
+    serve_self_cpu_s_per_token: float | None = None
+    """The `dora serve` process alone (dispatcher, router, HTTP, episodes), without instances."""
 
 
 def summarise(run_dir: Path, *, name: str, placement: str) -> ModeResult:
@@ -222,6 +224,9 @@ def _summarise(run: RunData, *, name: str, placement: str, cpu: dict[str, float]
         learn_cpu_s_per_token=cpu["learn_cpu_s"] / tokens
         if "learn_cpu_s" in cpu and tokens
         else None,
+        serve_self_cpu_s_per_token=(
+            cpu["serve_self_cpu_s"] / tokens if "serve_self_cpu_s" in cpu and tokens else None
+        ),
     )
 
 
@@ -274,6 +279,7 @@ def profile_table(results: list[ModeResult]) -> str:
     head = (
         "mode",
         "serve CPU-ms/tok",
+        "of it serve proc",
         "learn CPU-ms/tok",
         "trainer busy",
         "trainer waits",
@@ -285,6 +291,7 @@ def profile_table(results: list[ModeResult]) -> str:
             (
                 r.name,
                 _ms(r.serve_cpu_s_per_token),
+                _ms(r.serve_self_cpu_s_per_token),
                 _ms(r.learn_cpu_s_per_token),
                 f"{100 * (1 - r.trainer_idle_share):.0f}%",
                 f"{100 * r.rollout_only_share:.0f}%",
@@ -351,6 +358,16 @@ def _tree_cpu_s(roots: list[int]) -> float:
             total += int(st[11]) + int(st[12]) + int(st[13]) + int(st[14])
         todo.extend(children.get(pid, []))
     return total / TICKS_PER_S
+
+
+def _own_cpu_s(pid: int) -> float:
+    """CPU seconds of `pid` alone (not its children): `dora serve` without its instances."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / TICKS_PER_S
 
 
 class _TrainedCounter:
@@ -426,7 +443,9 @@ def run_mode(
             while any(p.poll() is None for p in procs.values()):
                 if any(p.returncode not in (None, 0) for p in procs.values()):
                     break
-                cpu = last_cpu = {side: _tree_cpu_s([p.pid]) for side, p in procs.items()}
+                cpu = {side: _tree_cpu_s([p.pid]) for side, p in procs.items()}
+                cpu["serve_self"] = _own_cpu_s(procs["serve"].pid)
+                last_cpu = cpu
                 n = counter.poll()
                 if n >= 1 and at_first is None:
                     at_first = cpu
@@ -441,7 +460,7 @@ def run_mode(
             at_last = last_cpu  # the run ended within one poll of its last step: the last sample
     record: dict[str, float] = {}
     if at_first is not None and at_last is not None:
-        for side in procs:
+        for side in (*procs, "serve_self"):
             record[f"{side}_cpu_s"] = at_last[side] - at_first[side]
         record["window_cpu_s"] = record["serve_cpu_s"] + record["learn_cpu_s"]
     if loads:

@@ -60,7 +60,15 @@ def test_numbers_come_from_the_steady_window(tmp_path: Path) -> None:
         util=0.8,
     )
     (run / "bench-cpu.json").write_text(
-        json.dumps({"window_cpu_s": 16.0, "serve_cpu_s": 8.0, "learn_cpu_s": 8.0, "load_avg": 3.0})
+        json.dumps(
+            {
+                "window_cpu_s": 16.0,
+                "serve_cpu_s": 8.0,
+                "serve_self_cpu_s": 2.0,
+                "learn_cpu_s": 8.0,
+                "load_avg": 3.0,
+            }
+        )
     )
     r = summarise(run, name="dora", placement="serve 0 | learn 1")
     # steps 1..4 trained between t=1 and t=9: 1600 tokens in 8 s
@@ -78,7 +86,7 @@ def test_numbers_come_from_the_steady_window(tmp_path: Path) -> None:
     # where the time goes: 8 CPU-s per side over 1600 tokens; the trainer computes half the window
     assert r.serve_cpu_s_per_token == r.learn_cpu_s_per_token == pytest.approx(0.005)
     row = profile_table([r]).splitlines()[-1].split()
-    assert row == ["dora", "5.000", "5.000", "50%", "25%", "1.00/1.00"]
+    assert row == ["dora", "5.000", "1.250", "5.000", "50%", "25%", "1.00/1.00"]
 
 
 def test_table_and_ratio_lines_end_with_dora_over_sync(tmp_path: Path) -> None:
