@@ -322,8 +322,10 @@ class Tau2Env(Env):
             box.close()
         info = " ".join(criteria.communicate_info or [])
         text = f"{DONE} {info}".strip()
-        for _ in range(DEMONSTRATION_TEXT_TURNS):
+        for turn in range(DEMONSTRATION_TEXT_TURNS):
             out.append({"role": "assistant", "content": text})
+            if turn + 1 == DEMONSTRATION_TEXT_TURNS:
+                break  # a demonstration ends with the agent's turn
             reply, done = await self.step([*self._prompt, *out])
             if done or isinstance(reply, str):
                 break
