@@ -98,8 +98,8 @@ def main(args: argparse.Namespace) -> int:
     if args.plot:
         write_plot([run for run, _ in runs], args.plot)
     if len(summaries) > 1:
-        print(
-            "step time (min): " + ", ".join(f"{s['mode']} {s['step_min']:.2f}" for s in summaries)
-        )
+        unit, scale = ("s", 60.0) if max(s["step_min"] for s in summaries) < 1 else ("min", 1.0)
+        steps = ", ".join(f"{s['mode']} {s['step_min'] * scale:.2f}" for s in summaries)
+        print(f"step time ({unit}): {steps}")
     print(f"dora/sync throughput ratio: {'n/a' if ratio is None else f'{ratio:.2f}'}")
     return 0

@@ -233,11 +233,15 @@ short turns over a long context), for the scale runs; not a paper number."""
 
 
 def preset(name: str) -> Setup:
+    if name == "cpu-bench":  # `dora bench modes examples/math/bench.toml` on the 2-core machine
+        from dora.sim.cpu import bench_preset
+
+        return bench_preset()
     try:
         return PRESETS[name]
     except KeyError:
         raise ConfigError(
-            f"unknown preset {name!r}; choose one of {', '.join(sorted(PRESETS))}"
+            f"unknown preset {name!r}; choose one of {', '.join(sorted([*PRESETS, 'cpu-bench']))}"
         ) from None
 
 

@@ -408,6 +408,51 @@ def setup_for(config: DoraConfig, costs: Costs, *, trainer_cores: int | None = N
     return setup
 
 
+BENCH_SETTINGS = (
+    "model.max_model_len=768",
+    "serve.instances=4",
+    "serve.max_running=64",
+    "rollout.staleness=2",
+    "rollout.group_size=8",
+    "rollout.batch_size=4",
+    "rollout.max_tokens=512",
+    "learn.steps=20",
+)
+"""The settings of examples/math/bench.toml that shape the cost model (a test keeps them equal)."""
+
+BENCH_COSTS = Costs(
+    decode_t0_s=0.0038320963056243163,
+    decode_c_s=0.0002543600871629845,
+    decode_k_s=0.0,
+    prefill_s_per_token=4.561893238936496e-05,
+    train_s_per_token=0.00013564810380375098,
+    train_step_s=0.05817910914396327,
+    train_speedup=1.0,
+    weight_sync_s=0.005339736000678386,
+    prompt_median=94.0,
+    prompt_sigma=0.08239029035435884,
+    prompt_max=142,
+    response_median=18.999999999999996,
+    response_sigma=0.65062591793385,
+    group_share=0.665515570038602,
+    response_mean=39.119791666666664,
+    response_max=512,
+    params=538624,
+    layers=2,
+    hidden=128,
+    kv_heads=4,
+    head_dim=32,
+    cores=2,
+)
+"""`python -m dora.sim.cpu examples/math/bench.toml` on the 2-core machine, 2026-11-29 22:40 UTC,
+load average 6-8 (other jobs running; the two-thread trainer was not measured usefully, so 1.0)."""
+
+
+def bench_preset() -> Setup:
+    """The `cpu-bench` preset: the benchmark's setup with the costs measured above."""
+    return setup_for(load_config(None, list(BENCH_SETTINGS)), BENCH_COSTS)
+
+
 def overrides(setup: Setup, base: Setup) -> list[str]:
     """`key=value` for every field of `setup` that differs from `base`."""
     out = []
@@ -435,9 +480,8 @@ def main(argv: list[str] | None = None) -> int:
     costs = measure(config)
     setup = setup_for(config, costs)
     print(f"\nmeasured: {costs}")
-    print(
-        "\ndora simulate --preset paper-64 \\\n  " + " ".join(overrides(setup, preset("paper-64")))
-    )
+    changed = overrides(setup, preset("cpu-bench"))
+    print("\nthe same setup: dora simulate --preset cpu-bench " + " ".join(changed))
     modes = ["sync", "one_step_off", "partial", "dora"]
     summaries = [summarize(run) for run, _ in run_modes(setup, modes, seed=args.seed)]
     print(render(summaries, title=f"{setup.name} (predicted for {args.config})"), end="")

@@ -4,13 +4,15 @@ cores, a trainer that does not scale linearly with threads."""
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import pytest
 
+from dora.cli import main
 from dora.config import load_config
 from dora.sim import plan, simulate
-from dora.sim.costs import PRESETS, Setup
-from dora.sim.cpu import Costs, fit_decode, setup_for
+from dora.sim.costs import PRESETS, Setup, preset
+from dora.sim.cpu import BENCH_COSTS, BENCH_SETTINGS, Costs, fit_decode, setup_for
 from dora.sim.report import summarize
 from tests.unit.sim.test_engine import check_run
 
@@ -100,3 +102,27 @@ def test_gpu_presets_are_unchanged_by_the_cpu_knobs() -> None:
         if s.name.startswith("paper"):
             assert (s.pool_instances, s.shared_cores, s.train_parallel_efficiency) == (0, False, 1)
             assert s.train_s(1000, 4) == pytest.approx(1000 * s.train_gpu_s_per_token / 4)
+
+
+def test_the_cpu_bench_preset_is_the_benchmark_config() -> None:
+    # the preset's settings must be those of examples/math/bench.toml, or its prediction is of
+    # another workload
+    bench = load_config("examples/math/bench.toml")
+    stored = load_config(None, list(BENCH_SETTINGS))
+    for section in ("model", "serve", "rollout", "learn"):
+        for item in BENCH_SETTINGS:
+            key, _, _ = item.partition("=")
+            if key.startswith(f"{section}."):
+                name = key.split(".", 1)[1]
+                got = getattr(getattr(stored, section), name)
+                assert getattr(getattr(bench, section), name) == got, key
+    s = preset("cpu-bench")
+    assert s == setup_for(bench, BENCH_COSTS)
+    assert s.shared_cores and s.pool_instances == bench.serve.instances
+
+
+def test_simulate_the_cpu_bench_preset_in_seconds(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["simulate", "--preset", "cpu-bench", "--steps", "6"]) == 0
+    text = capsys.readouterr().out
+    assert "step time (s)" in text and "step time (min)" not in text
+    assert re.search(r"dora/sync throughput ratio: \d+\.\d\d\n$", text)
