@@ -65,8 +65,22 @@ def test_dora_report_on_a_real_run(tmp_path: Path) -> None:
     config = tmp_path / "tiny.toml"
     config.write_text(TINY)
     run_dir = tmp_path / "run"
-    done = _dora("run", str(config), f"log.run_dir={run_dir}", cwd=tmp_path, timeout_s=240)
+    done = _dora(
+        "run",
+        str(config),
+        f"log.run_dir={run_dir}",
+        "log.tensorboard=true",
+        cwd=tmp_path,
+        timeout_s=240,
+    )
     assert done.returncode == 0, done.stdout + done.stderr
+    # TensorBoard got serve's ticks and the trainer's steps through dora serve (dora/tracking.py)
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(run_dir / "tensorboard"))
+    events.Reload()
+    assert [e.step for e in events.Scalars("learn/loss")] == [0, 1, 2]
+    assert events.Scalars("serve/instances/i0/util")
     out = tmp_path / "report"
     rep = _dora("report", str(run_dir), "--out", str(out), cwd=tmp_path, timeout_s=120)
     assert rep.returncode == 0, rep.stdout + rep.stderr
