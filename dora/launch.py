@@ -90,16 +90,7 @@ def main(args: argparse.Namespace) -> int:
         run_dir=run_dir,
         max_restarts=config.run.max_restarts,
     )
-    # SIGTERM stops the run like Ctrl-C: the sides live in their own sessions and would outlive us
-    signal.signal(signal.SIGTERM, _interrupt)
-    try:
-        code = supervisor.run(resume=args.resume)
-    except KeyboardInterrupt:
-        print("\ndora run: interrupted, stopping serve and learn", file=sys.stderr)
-        stop_all(supervisor.children)
-        return 130
-    finally:
-        supervisor.close()
+    code = supervisor.supervise(resume=args.resume)
     if code == 0:
         print(f"dora run: finished; run directory {run_dir}", flush=True)
     return code
@@ -125,7 +116,22 @@ class Supervisor:
         self._learn_log = open(run_dir / "learn.log", "ab")  # noqa: SIM115 (closed by close())
         self._log = open(run_dir / "supervisor.jsonl", "a")  # noqa: SIM115
 
+    def supervise(self, *, resume: bool) -> int:
+        """`run` until the run ends (its exit code); Ctrl-C or SIGTERM stops both sides (130)."""
+        # SIGTERM stops the run like Ctrl-C: the sides live in their own sessions and would
+        # outlive us
+        signal.signal(signal.SIGTERM, _interrupt)
+        try:
+            return self.run(resume=resume)
+        except KeyboardInterrupt:
+            print("\ndora run: interrupted, stopping serve and learn", file=sys.stderr)
+            stop_all(self.children)
+            return 130
+        finally:
+            self.close()
+
     def run(self, *, resume: bool) -> int:
+        """Start both sides, restart the one that dies; 0 when both finished, 1 past the limit."""
         self._start("serve")
         self._start("learn", resume=resume)
         while True:

@@ -46,6 +46,10 @@ The run ends when every step is filled and sent, the trainer made the last step 
 after its final checkpoint; bounded wait: a trainer that dies before it resumes and trains the last
 steps again from the groups serve holds), and `Shutdown` is sent. Every wait on the trainer that
 blocks progress has a deadline (`serve.request_timeout_s`), and says what it waited for.
+
+Length: past STYLE.md's 600 lines, on purpose: this is the one place where the trainer link, the
+instances' lifetimes (loads, failures, replacements) and the journal meet the pure core, in one
+event loop; split up, each part would need the others' state (queue, orchestrator, router, store).
 """
 
 from __future__ import annotations

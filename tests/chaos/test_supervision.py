@@ -1,11 +1,15 @@
 """`dora run`'s supervisor with stand-in sides (plain Python processes): a side that keeps dying is
 restarted `run.max_restarts` times, learn always with `--resume`, then both are stopped and the run
-fails, naming the limit; a clean exit of both ends the run."""
+fails, naming the limit; a clean exit of both ends the run; Ctrl-C or SIGTERM stops both sides."""
 
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -60,3 +64,27 @@ def test_a_dying_learn_is_resumed_and_a_clean_finish_ends_the_run(tmp_path: Path
     ]
     starts = [(r["component"], r["resume"]) for r in records if r["kind"] == "start"]
     assert starts == [("serve", False), ("learn", False), ("learn", True)]
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_ctrl_c_or_sigterm_stops_both_sides(tmp_path: Path, sig: signal.Signals) -> None:
+    script = (
+        "import sys; from pathlib import Path; from dora.launch import Supervisor\n"
+        f"sides = [sys.executable, '-c', {SLEEP!r}]\n"
+        "sup = Supervisor(serve_cmd=sides, learn_cmd=sides, env={}, "
+        f"run_dir=Path({str(tmp_path)!r}), max_restarts=1)\n"
+        "sys.exit(sup.supervise(resume=False))\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", script], stderr=subprocess.PIPE, text=True)
+    log = tmp_path / "supervisor.jsonl"
+    deadline = time.monotonic() + 30
+    while not (log.exists() and log.read_text().count('"start"') == 2):
+        assert time.monotonic() < deadline and proc.poll() is None, "both sides started"
+        time.sleep(0.05)
+    pids = [int(r["pid"]) for r in map(json.loads, log.read_text().splitlines())]
+    proc.send_signal(sig)
+    _, err = proc.communicate(timeout=40)
+    assert proc.returncode == 130 and "interrupted, stopping serve and learn" in err
+    for pid in pids:  # reaped by the supervisor: gone, not even a zombie
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
