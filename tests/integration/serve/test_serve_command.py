@@ -5,6 +5,7 @@ and a replacement process starts and loads the version it is given."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -38,20 +39,21 @@ def _engine_children(parent: int) -> list[int]:
     return sorted(pids)
 
 
-def test_dora_serve_command_survives_a_dead_instance(tmp_path: Path, long_tail_model: Path) -> None:
-    port = free_port("127.0.0.1")
-    run_dir = tmp_path / "run"
+def _config(
+    tmp_path: Path, model: Path, port: int, *, instances: int, serve_extra: str = ""
+) -> Path:
     config = tmp_path / "serve.toml"
     config.write_text(
         f"""
 [model]
-path = {json.dumps(str(long_tail_model))}
+path = {json.dumps(str(model))}
 max_model_len = 256
 [serve]
-instances = {INSTANCES}
+instances = {instances}
 max_running = 8
 port = {port}
 request_timeout_s = 120
+{serve_extra}
 [rollout]
 mode = "dora"
 staleness = 1
@@ -62,11 +64,18 @@ max_turns = 1
 [learn]
 steps = {STEPS}
 [log]
-run_dir = {json.dumps(str(run_dir))}
+run_dir = {json.dumps(str(tmp_path / "run"))}
 metrics_every_s = 0.5
 progress = false
 """
     )
+    return config
+
+
+def test_dora_serve_command_survives_a_dead_instance(tmp_path: Path, long_tail_model: Path) -> None:
+    port = free_port("127.0.0.1")
+    run_dir = tmp_path / "run"
+    config = _config(tmp_path, long_tail_model, port, instances=INSTANCES)
     serve: list[subprocess.Popen[str]] = []
     killed: list[int] = []
 
@@ -133,3 +142,47 @@ progress = false
     for pid in pids:  # every instance process was stopped by its handle
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
+
+
+def test_dora_serve_stops_with_a_clear_error_when_no_instance_is_left(
+    tmp_path: Path, long_tail_model: Path
+) -> None:
+    """One instance, no replacements allowed: its death ends the run with an error that names the
+    limit (instead of waiting for an instance that will never come)."""
+    port = free_port("127.0.0.1")
+    config = _config(
+        tmp_path, long_tail_model, port, instances=1, serve_extra="max_instance_restarts = 0"
+    )
+    serve: list[subprocess.Popen[str]] = []
+
+    def kill_the_instance(step: int) -> None:
+        if step == 1:
+            os.kill(_engine_children(serve[0].pid)[0], signal.SIGKILL)
+
+    trainer = ToyTrainer(
+        f"tcp://127.0.0.1:{port}",
+        model_dir=long_tail_model,
+        steps=STEPS,
+        batch_size=B,
+        timeout_s=20,  # serve is gone without a word: the trainer gives up after this
+        on_trained=kill_the_instance,
+    )
+    trainer.start()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "dora.cli", "serve", str(config)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    serve.append(proc)
+    try:
+        _, stderr = proc.communicate(timeout=200)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    with contextlib.suppress(Exception):  # the trainer times out once serve is gone
+        trainer.join(60)
+    assert proc.returncode != 0
+    assert "every inference instance is gone" in stderr, stderr[-3000:]
+    assert "0 of serve.max_instance_restarts = 0" in stderr, stderr[-3000:]

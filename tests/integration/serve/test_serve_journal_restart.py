@@ -13,12 +13,21 @@ groups within K, none twice, none of a durable step; the accounting holds across
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from pathlib import Path
 
 import pytest
-from serve_trainer import check_resumed, dying_trainer, restart_config, resumed_trainer
+from serve_trainer import (
+    ToyTrainer,
+    check_resumed,
+    dying_trainer,
+    restart_config,
+    resumed_trainer,
+)
 
+from dora.config import DoraConfig
+from dora.errors import ProtocolError
 from dora.link import ServeLink
 from dora.serve.main import run_serve
 
@@ -27,14 +36,12 @@ pytestmark = pytest.mark.timeout(180)
 STEPS, B, K = 8, 2, 2
 
 
-async def test_a_restarted_serve_restores_its_journal(
-    tmp_path: Path, long_tail_model: Path
-) -> None:
-    config = restart_config(tmp_path, long_tail_model, steps=STEPS, batch_size=B, k=K)
+async def _serve_until_stopped(config: DoraConfig, run_dir: Path, model: Path) -> ToyTrainer:
+    """The first serve, with a trainer that dies after step 4; then serve is stopped too."""
     link = ServeLink()
-    first = dying_trainer(link.address, long_tail_model, steps=STEPS, batch_size=B)
+    first = dying_trainer(link.address, model, steps=STEPS, batch_size=B)
     first.start()
-    serve = asyncio.ensure_future(run_serve(config, run_dir=tmp_path, in_process=True, link=link))
+    serve = asyncio.ensure_future(run_serve(config, run_dir=run_dir, in_process=True, link=link))
     try:
         await asyncio.to_thread(first.join, 60)
         assert first.trained == [0, 1, 2, 3, 4]
@@ -44,6 +51,14 @@ async def test_a_restarted_serve_restores_its_journal(
         with pytest.raises(asyncio.CancelledError):
             await serve
         link.close()
+    return first
+
+
+async def test_a_restarted_serve_restores_its_journal(
+    tmp_path: Path, long_tail_model: Path
+) -> None:
+    config = restart_config(tmp_path, long_tail_model, steps=STEPS, batch_size=B, k=K)
+    first = await _serve_until_stopped(config, tmp_path, long_tail_model)
 
     link = ServeLink()
     second = resumed_trainer(link.address, long_tail_model, steps=STEPS, batch_size=B)
@@ -74,3 +89,30 @@ async def test_a_restarted_serve_restores_its_journal(
     # groups that were running when serve stopped (if any: timing decides; tests/chaos sees them):
     # restarted (counted) or, if their version was a ghost of the lost trainer, rolled back
     assert extra["groups_restarted"] + extra["rolled_back"] >= restore["lost"]
+
+
+async def test_a_restored_serve_refuses_a_trainer_that_was_not_restarted(
+    tmp_path: Path, long_tail_model: Path
+) -> None:
+    """A restored serve cannot continue a trainer's step that lived in the lost serve's memory: a
+    trainer of the incarnation the journal already knows gets an error that says what to do."""
+    config = restart_config(tmp_path, long_tail_model, steps=STEPS, batch_size=B, k=K)
+    await _serve_until_stopped(config, tmp_path, long_tail_model)
+
+    link = ServeLink()
+    same = ToyTrainer(
+        link.address, model_dir=long_tail_model, steps=STEPS, batch_size=B, timeout_s=5
+    )
+    same.start()
+    try:
+        with pytest.raises(ExceptionGroup) as caught:
+            await asyncio.wait_for(
+                run_serve(config, run_dir=tmp_path, in_process=True, link=link), 60
+            )
+    finally:
+        link.close()
+        with contextlib.suppress(Exception):  # its serve is gone: it times out
+            await asyncio.to_thread(same.join, 30)
+    (error,) = caught.value.exceptions
+    assert isinstance(error, ProtocolError)
+    assert "restart it with `dora learn --resume`" in str(error)
