@@ -51,7 +51,11 @@ class ModelConfig(_Section):
     seed: Annotated[int, M(description="Seed of the tiny model's random initialisation")] = 0
     warmup_steps: Annotated[
         int,
-        M(ge=0, description="Supervised warm-up steps on the tasks' reference answers; 0 is off"),
+        M(
+            ge=0,
+            description="Supervised warm-up steps on the env's demonstrations or the tasks' "
+            "answers; 0 is off",
+        ),
     ] = 0
     warmup_lr: Annotated[float, M(gt=0, description="Learning rate of the warm-up")] = 3e-3
     warmup_batch_size: Annotated[int, M(ge=1, description="Sequences per warm-up step")] = 32
