@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from dora.config import ServeConfig
 from dora.errors import DoraError
 from dora.link import LearnLink
 from dora.protocol import LearnMessage, ServeMessage, Shutdown, decode_from_serve, encode
@@ -34,13 +35,18 @@ class Receiver:
         world: int,
         group: dist.ProcessGroup | None,
         recv_timeout_s: float,
+        serve: ServeConfig | None = None,
     ) -> None:
         self.address = address
         self.recv_timeout_s = recv_timeout_s  # learn.recv_timeout_s: generous, groups take long
         self.rank = rank
         self.world = world
         self._group = group
-        self._link = LearnLink(address) if rank == 0 else None
+        self._link: LearnLink | None = None
+        if rank == 0:
+            self._link = (
+                LearnLink.from_config(address, serve) if serve is not None else LearnLink(address)
+            )
         self._aborted = False
 
     def send(self, message: LearnMessage) -> None:

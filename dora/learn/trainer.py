@@ -106,6 +106,7 @@ class Trainer:
             world=self.world,
             group=group,
             recv_timeout_s=self.cfg.recv_timeout_s,
+            serve=config.serve,  # CURVE keys and the message size limit of the link
         )
         self._group = group
 
