@@ -9,6 +9,13 @@ that are already running (`serve.urls`).
 A `ProcessPool` can start more instances while it runs: `dora serve` replaces an instance that
 died (`Rollout._replace`); a replacement gets the next free id (`i3` after `i0`..`i2`).
 
+Engines this pool starts bind 127.0.0.1 whatever `serve.host` says: they are serve's private
+children (dora serve, on this host, is their only client, as with the vLLM servers the launcher
+starts), so nothing off this machine can reach them. With `serve.token` set they get it too (a
+process reads it from `DORA_ENGINE_TOKEN`, never from its command line, which any local user can
+read) and every client sends it: control then needs the token even from loopback. Engines at
+`serve.urls` are someone else's; their clients send the token when one is set.
+
 Every instance starts with version 0 (the model folder) loaded. Stopping goes through the handle
 that started the instance (the process object, or the in-process server's context): SIGTERM, a
 bounded wait, then SIGKILL; never a search by name.
@@ -75,10 +82,11 @@ class InstanceClient(Protocol):
 
 @dataclass(frozen=True, kw_only=True)
 class InstanceSpec:
-    """How to start embedded instances."""
+    """How to start embedded instances (always on 127.0.0.1: see the module docstring)."""
 
     model_dir: str
-    host: str = "127.0.0.1"
+    token: str = ""
+    """Bearer token of the engines' control endpoints ('' is none: loopback callers only)."""
     threads: int = 1
     max_running: int = 64
     max_model_len: int | None = None
@@ -101,7 +109,10 @@ def _client(url: str, spec: InstanceSpec) -> InstanceClient:
     from dora.engine.client import EngineClient
 
     return EngineClient(
-        url, timeout_s=spec.request_timeout_s, control_timeout_s=spec.control_timeout_s
+        url,
+        timeout_s=spec.request_timeout_s,
+        control_timeout_s=spec.control_timeout_s,
+        token=spec.token or None,
     )
 
 
@@ -152,7 +163,7 @@ async def _start_process(
     spec: InstanceSpec, instance_id: str, procs: list[asyncio.subprocess.Process]
 ) -> InstanceHandle:
     args = [
-        *("-m", "dora.engine", "--model", spec.model_dir, "--host", spec.host, "--port", "0"),
+        *("-m", "dora.engine", "--model", spec.model_dir, "--host", "127.0.0.1", "--port", "0"),
         *("--version", "0", "--threads", str(spec.threads)),
         *("--max-running", str(spec.max_running)),
     ]
@@ -160,6 +171,9 @@ async def _start_process(
         args += ["--max-model-len", str(spec.max_model_len)]
     # Progress bars of model loading from N processes would garble the terminal.
     env = {"HF_HUB_DISABLE_PROGRESS_BARS": "1", **os.environ}
+    env.pop("DORA_ENGINE_TOKEN", None)  # only serve.token, never one inherited by accident
+    if spec.token:
+        env["DORA_ENGINE_TOKEN"] = spec.token
     proc = await asyncio.create_subprocess_exec(
         sys.executable,
         *args,
@@ -218,11 +232,12 @@ async def start_in_process(spec: InstanceSpec, count: int) -> AsyncIterator[list
             server = await stack.enter_async_context(
                 EngineServer.start(
                     Path(spec.model_dir),
-                    host=spec.host,
+                    host="127.0.0.1",
                     port=0,
                     version=0,
                     threads=spec.threads,
                     config=config,
+                    control_token=spec.token or None,
                 )
             )
             client = _client(server.url, spec)

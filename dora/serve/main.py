@@ -1,12 +1,16 @@
 """`dora serve CONFIG [key=value ...]`: the rollout side of a run.
 
 Starts `serve.instances` embedded engine processes (version 0 is the run's initial model from
-`dora.models.prepare`: `model.path`, or the tiny model, warmed up if asked), binds the trainer
-link on `serve.host:serve.port`, and runs the rollout loop (`rollout.py`) until every step of
-`learn.steps` is filled, sent and acknowledged; with `data.eval_source` set, `data.eval_size`
-held-out tasks are evaluated greedily every `data.eval_every` steps (`evaluate.py`). Metrics go
-to `{run_dir}/rollout.jsonl` and `{run_dir}/summary.json`; the live display goes to the terminal
-when `log.progress` is on and stderr is a terminal.
+`dora.models.prepare`: `model.path`, or the tiny model, warmed up if asked; the engines bind
+127.0.0.1 whatever `serve.host` says, see `instances.py`), binds the trainer link on
+`serve.host:serve.port` (with the CURVE keys, token and message size limit of `serve.*`; off
+loopback it needs the keys), drops the tasks whose prompt cannot fit `model.max_model_len`
+(`dora.data.fit_context`; counted as `prompts_skipped` in the summary), and runs the rollout
+loop (`rollout.py`) until every step of `learn.steps` is filled, sent and acknowledged; with
+`data.eval_source` set, `data.eval_size` held-out tasks are evaluated greedily every
+`data.eval_every` steps (`evaluate.py`). Metrics go to `{run_dir}/rollout.jsonl` and
+`{run_dir}/summary.json`; the live display goes to the terminal when `log.progress` is on and
+stderr is a terminal.
 
 The trainer connects to the address printed at start (`dora run` chooses the port and passes it to
 both sides). Stopping (Ctrl-C, SIGTERM, or an error) cancels the task group and stops every
@@ -69,7 +73,7 @@ async def _instances(
         return
     spec = InstanceSpec(
         model_dir=str(model_dir),
-        host=config.serve.host,
+        token=config.serve.token,
         threads=config.serve.threads_per_instance,
         max_running=config.serve.max_running,
         max_model_len=config.model.max_model_len,
@@ -102,7 +106,7 @@ async def run_serve(
     in this process) and their own `ServeLink` (to know its address before the run starts)."""
     from transformers import AutoTokenizer
 
-    from dora.data import load_tasks
+    from dora.data import fit_context, load_tasks
     from dora.env import PromptStream, load_env
     from dora.link import ServeLink
     from dora.models.prepare import prepare_model
@@ -115,26 +119,35 @@ async def run_serve(
     # lock, by whichever side comes first): version 0 must be the same on both sides.
     model_dir = await asyncio.to_thread(prepare_model, config)
     env_factory = load_env(config.env.cls, **config.env.kwargs)
-    tasks = PromptStream(
-        load_tasks(config.data.source, kwargs=config.data.kwargs, seed=config.data.seed),
-        seed=config.data.seed,
-    )
-    eval_tasks = []
-    if config.data.eval_source and config.data.eval_size > 0:
-        eval_tasks = load_tasks(
-            config.data.eval_source,
-            kwargs=config.data.eval_kwargs,
-            seed=config.data.seed,
-            key="data.eval_source",
-        )[: config.data.eval_size]
     tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, str(model_dir))
     renderer = ChatRenderer(tokenizer)
-    own_link = link is None
-    serve_link = (
-        ServeLink(host=config.serve.host, port=config.serve.port, token=config.serve.token)
-        if link is None
-        else link
+    # Rows whose prompt cannot fit are left out before the prompt stream is built, so a restarted
+    # serve (same data, same tokenizer) drops the same rows and its journaled position still holds.
+    train = await fit_context(
+        load_tasks(config.data.source, kwargs=config.data.kwargs, seed=config.data.seed),
+        env_factory=env_factory,
+        renderer=renderer,
+        context_limit=config.model.max_model_len,
     )
+    tasks = PromptStream(train.tasks, seed=config.data.seed)
+    eval_tasks = []
+    eval_skipped = 0
+    if config.data.eval_source and config.data.eval_size > 0:
+        held_out = await fit_context(
+            load_tasks(
+                config.data.eval_source,
+                kwargs=config.data.eval_kwargs,
+                seed=config.data.seed,
+                key="data.eval_source",
+            )[: config.data.eval_size],
+            env_factory=env_factory,
+            renderer=renderer,
+            context_limit=config.model.max_model_len,
+            key="data.eval_source",
+        )
+        eval_tasks, eval_skipped = held_out.tasks, len(held_out.skipped)
+    own_link = link is None
+    serve_link = ServeLink.from_config(config.serve) if link is None else link
     assert isinstance(serve_link, ServeLink)
     if progress is None:
         progress = config.log.progress and sys.stderr.isatty()
@@ -162,6 +175,8 @@ async def run_serve(
                 ),
                 progress=progress,
                 replace_instance=replace,
+                prompts_skipped=len(train.skipped),
+                eval_prompts_skipped=eval_skipped,
             )
             report = await rollout.run()
     finally:

@@ -124,6 +124,8 @@ class Rollout:
         evaluator_factory: Callable[[Rollout], Evaluator] | None = None,
         progress: bool = False,
         replace_instance: Callable[[str], Awaitable[InstanceHandle]] | None = None,
+        prompts_skipped: int = 0,
+        eval_prompts_skipped: int = 0,
     ) -> None:
         r = config.rollout
         self.config = config
@@ -160,6 +162,9 @@ class Rollout:
         self._replace_instance = replace_instance
         self.instance_restarts = 0
         self.weight_load_retries = 0
+        self.prompts_skipped = prompts_skipped
+        """Training tasks left out at load because their prompt does not fit the context."""
+        self.eval_prompts_skipped = eval_prompts_skipped
         self.restored = Restored()
         """What the journal held at start (`restored.starts > 0`: this serve is a restart)."""
         self._lost_ready = asyncio.Event()
@@ -234,6 +239,8 @@ class Rollout:
                 serve_restarts=self.restored.starts,
                 instance_restarts=self.instance_restarts,
                 weight_load_retries=self.weight_load_retries,
+                prompts_skipped=self.prompts_skipped,
+                eval_prompts_skipped=self.eval_prompts_skipped,
             )
             self.metrics.write("summary", msgspec.to_builtins(report))
             self.metrics.close()

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from dora.config import DoraConfig, load_config
+from dora.config import DoraConfig, ServeConfig, load_config
 from dora.link import LearnLink
 from dora.protocol import (
     Assigned,
@@ -52,8 +52,11 @@ class ToyTrainer:
         start_step: int = 0,
         durable_every: int | None = None,
         crash_after: int | None = None,
+        link_config: ServeConfig | None = None,
     ) -> None:
         self.address = address
+        self.link_config = link_config
+        """The trainer's `serve.*` (CURVE keys, token), as `dora learn` reads it; None: plain."""
         self.steps = steps
         self.batch_size = batch_size
         self.step_time_s = step_time_s
@@ -97,9 +100,17 @@ class ToyTrainer:
             self.error = exc
 
     def _run(self) -> None:
-        link = LearnLink(self.address)
+        serve = self.link_config or ServeConfig()
+        link = LearnLink.from_config(self.address, serve)
         try:
-            link.send(Hello(role="learn", incarnation=self.incarnation, step=self.start_step))
+            link.send(
+                Hello(
+                    role="learn",
+                    incarnation=self.incarnation,
+                    step=self.start_step,
+                    token=serve.token,
+                )
+            )
             step = self.start_step
             if step > 0:  # like dora learn: a resumed trainer publishes its starting version again
                 self._publish(link, step)
