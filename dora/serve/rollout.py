@@ -550,7 +550,13 @@ class Rollout:
         self._lost_ready.set()
         log.info("trainer connected (incarnation %d, step %d)", hello.incarnation, hello.step)
         self._hello_seen.set()
-        await self.link.send(Hello(role="serve", incarnation=q.incarnation, step=q.step))
+        try:
+            await self.link.send(Hello(role="serve", incarnation=q.incarnation, step=q.step))
+        except ServerUnavailable:
+            # It said hello and left before the answer (a trainer resumed past its last step has
+            # nothing to train). Not an error: a send that needs a trainer waits for the next
+            # hello (`_deliver`), and a finished run needs none.
+            log.info("the trainer left before serve answered its hello")
 
     def _rollback(self, hello: Hello) -> None:
         """A restarted trainer resumes at `hello.step` from the checkpoint of the step before

@@ -28,7 +28,8 @@ from serve_trainer import (
 
 from dora.config import DoraConfig
 from dora.errors import ProtocolError
-from dora.link import ServeLink
+from dora.link import LearnLink, ServeLink
+from dora.protocol import Hello
 from dora.serve.main import run_serve
 
 pytestmark = pytest.mark.timeout(180)
@@ -116,3 +117,36 @@ async def test_a_restored_serve_refuses_a_trainer_that_was_not_restarted(
     (error,) = caught.value.exceptions
     assert isinstance(error, ProtocolError)
     assert "restart it with `dora learn --resume`" in str(error)
+
+
+async def test_a_serve_restored_after_the_last_step_finishes_for_a_trainer_with_nothing_left(
+    tmp_path: Path, long_tail_model: Path
+) -> None:
+    """Serve killed after every step was durable: the resumed trainer has nothing to train, so it
+    says hello and exits before serve answers. That is no error: the restored serve finishes the
+    run (before, its answer to the hello failed and `dora run` restarted it until its limit)."""
+    steps = 2
+    config = restart_config(tmp_path, long_tail_model, steps=steps, batch_size=B, k=K)
+    link = ServeLink()
+    first = ToyTrainer(link.address, model_dir=long_tail_model, steps=steps, batch_size=B)
+    first.start()
+    try:
+        await asyncio.wait_for(run_serve(config, run_dir=tmp_path, in_process=True, link=link), 60)
+        await asyncio.to_thread(first.join)
+    finally:
+        link.close()
+    assert first.trained == [0, 1]
+
+    link = ServeLink()
+    try:
+        done = LearnLink(link.address)  # a resumed `dora learn` past its last step
+        done.send(Hello(role="learn", incarnation=1, step=steps))
+        done.close()  # flushes the hello, then goes: serve reads it from a peer already gone
+        report = await asyncio.wait_for(
+            run_serve(config, run_dir=tmp_path, in_process=True, link=link), 60
+        )
+    finally:
+        link.close()
+    extra = report.extra  # type: ignore[attr-defined]
+    assert extra["serve_restarts"] == 1 and extra["consumed"] == steps * B
+    assert extra["admitted"] == extra["consumed"] + extra["filtered"] + extra["rolled_back"]
