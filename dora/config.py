@@ -79,7 +79,13 @@ class ServeConfig(_Section):
     urls: Annotated[
         list[str], M(description="Attach to instances already running at these URLs (vllm)")
     ] = msgspec.field(default_factory=list)
-    host: Annotated[str, M(description="Address every dora server binds to")] = "127.0.0.1"
+    host: Annotated[
+        str,
+        M(
+            description="Address the trainer link binds to (off loopback it needs the CURVE keys); "
+            "the engines serve starts always bind 127.0.0.1"
+        ),
+    ] = "127.0.0.1"
     port: Annotated[
         int, M(ge=0, le=65535, description="ZMQ port for the trainer link; 0 picks a free one")
     ] = 0
