@@ -34,6 +34,8 @@ _EXPORTS: dict[str, str] = {
     "ScorerPool": "dora.env",
     "load_env": "dora.env",
     "tool_schema": "dora.tools",
+    "Tool": "dora.tools",
+    "CallId": "dora.tools",
     # running episodes against an inference instance
     "Sampler": "dora.serve.episode",
     "PinnedSampler": "dora.serve.episode",
