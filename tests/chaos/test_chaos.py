@@ -87,6 +87,14 @@ def _kill(run_pid: int, fault: str) -> int | None:
     return victim
 
 
+def _step_time(run_dir: Path) -> float:
+    """How long the trainer's last step took (0 before any)."""
+    path = run_dir / "learn-metrics.jsonl"
+    text = path.read_text() if path.exists() else ""
+    lines = text[: text.rfind("\n") + 1].splitlines()
+    return float(json.loads(lines[-1])["step_time_s"]) if lines else 0.0
+
+
 def _records(path: Path) -> list[dict[str, object]]:
     return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
 
@@ -153,7 +161,10 @@ def test_chaos(tmp_path: Path, seed: int) -> None:
                     break
                 assert time.monotonic() < deadline, "no step two past a checkpoint"
                 time.sleep(0.02)
-            time.sleep(rng.uniform(0.0, 0.5 if fault == "learn" else 1.0))
+            # a random moment inside the next step: steps take 0.1 s on a quiet machine and over
+            # 1 s on a loaded one, so a fixed delay could outlast the rest of the run
+            limit = 0.5 if fault == "learn" else 1.0
+            time.sleep(rng.uniform(0.0, min(limit, _step_time(run_dir))))
             _remember(run.pid, seen)
             before = _count(run_dir, RECOVERED[fault])
             victim = _kill(run.pid, fault)
