@@ -12,13 +12,21 @@ runs), with nothing taken from a benchmark run, so every mode's numbers are pred
   `serve.max_running` sequences decoding together from the workload's prompts, every engine step
   timed; `t = t0 + c*b + k*S` fitted by least squares (`S`: context tokens of the running rows);
 - *prefill*: `G` prompts prefilled together, seconds per prompt token;
-- *lengths*: `G` samples of each of 48 prompts at the config's temperature and `max_tokens`: the
-  median and log-normal sigma of prompt and response lengths, and the share of the log-length
-  variance a group's samples have in common (hard prompts: long answers for the whole group);
+- *lengths*: `G` samples of each of 192 prompts at the config's temperature and `max_tokens`,
+  written one group per line to a lengths file (`--lengths-out`) that the simulator draws groups
+  from: a log-normal fit misses this workload's tail (its mean answer was 40% short of the
+  measured one, so the synchronous rollout's tail was predicted short); the median and log-normal
+  sigma of prompt and response lengths and the share of the log-length variance a group's samples
+  have in common are printed with the costs;
 - *training*: `B` groups of those lengths per step, packed as the trainer packs them
   (`learn.micro_batch_tokens`), forward + the policy loss + backward, one AdamW step; at one
   thread and at every core; seconds per token and per step fitted over the steps;
 - *weight sync*: the inline transport's chunks of the state dict, encoded, decoded and loaded.
+
+It also prints the best serve side one core can give this workload: every measured group decoded
+by one engine with continuous batching (`serve.max_running` rows), the fitted decode and prefill
+costs replayed step by step. Split modes run serve on one core, so none of them can beat that
+rate, however well it schedules.
 
 On the cost model a GPU is a core: `gpus` = the cores this process may use, `rollout_gpus` = the
 cores `dora bench modes` pins serve to (the rest train), `gpus_per_instance` = threads per
@@ -46,9 +54,17 @@ import numpy as np
 from dora.config import DoraConfig, load_config
 from dora.sim.costs import Setup, validate
 
-__all__ = ["Costs", "fit_decode", "fit_linear", "measure", "setup_for"]
+__all__ = [
+    "Costs",
+    "fit_decode",
+    "fit_linear",
+    "measure",
+    "one_core_serve",
+    "setup_for",
+    "write_lengths",
+]
 
-_PROMPTS = 48
+_PROMPTS = 192
 _NOMINAL_TFLOPS = 1.0  # the cost model's unit of compute; the fitted efficiencies absorb it
 
 
@@ -108,8 +124,9 @@ def _group_share(groups: list[list[int]]) -> float:
     return 0.0 if total <= 0 else min(1.0, max(0.0, 1.0 - within / total))
 
 
-def measure(config: DoraConfig, *, log: bool = True) -> Costs:
-    """Measure the costs of `config`'s tiny model on this machine (see the module docstring)."""
+def measure(config: DoraConfig, *, log: bool = True) -> tuple[Costs, list[tuple[int, list[int]]]]:
+    """Measure the costs of `config`'s tiny model on this machine (see the module docstring);
+    also return the sampled groups as `(prompt tokens, response lengths)`."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -151,6 +168,7 @@ def measure(config: DoraConfig, *, log: bool = True) -> Costs:
     response_median, response_sigma = _lognormal([float(n) for n in responses])
     hf: Any = model.config
     heads = int(hf.num_attention_heads)
+    sampled = [(len(prompts[i % len(prompts)]), g) for i, g in enumerate(groups)]
     return Costs(
         decode_t0_s=t0,
         decode_c_s=c,
@@ -174,7 +192,7 @@ def measure(config: DoraConfig, *, log: bool = True) -> Costs:
         kv_heads=int(getattr(hf, "num_key_value_heads", None) or heads),
         head_dim=int(getattr(hf, "head_dim", None) or hf.hidden_size // heads),
         cores=cores,
-    )
+    ), sampled
 
 
 def _prompts(config: DoraConfig, tok: Any) -> list[list[int]]:
@@ -347,8 +365,49 @@ def _time_training(
     return per_token, per_step
 
 
-def setup_for(config: DoraConfig, costs: Costs, *, trainer_cores: int | None = None) -> Setup:
-    """The cost model of `dora bench modes CONFIG` on this machine (see the module docstring)."""
+def write_lengths(path: Path, groups: list[tuple[int, list[int]]]) -> Path:
+    """A lengths file of the sampled groups, one group's response lengths per line."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    lines = ["# response lengths of one group per line (python -m dora.sim.cpu)"]
+    lines += [" ".join(map(str, g)) for _, g in groups]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def one_core_serve(costs: Costs, groups: list[tuple[int, list[int]]], *, max_running: int) -> float:
+    """Seconds per response token when one engine on one core decodes every group: all queued at
+    once, continuous batching over `max_running` rows, each step costing the fitted
+    `t0 + c*b + k*S` and each admitted prompt its prefill (pure)."""
+    waiting = [(p, n) for p, g in groups for n in g]
+    waiting.reverse()
+    running: list[list[int]] = []  # [tokens left, context]
+    seconds = 0.0
+    tokens = 0
+    while waiting or running:
+        while waiting and len(running) < max_running:
+            prompt, n = waiting.pop()
+            seconds += prompt * costs.prefill_s_per_token
+            running.append([n, prompt])
+        b = len(running)
+        seconds += costs.decode_t0_s + costs.decode_c_s * b
+        seconds += costs.decode_k_s * sum(ctx for _, ctx in running)
+        tokens += b
+        for row in running:
+            row[0] -= 1
+            row[1] += 1
+        running = [row for row in running if row[0] > 0]
+    return seconds / max(1, tokens)
+
+
+def setup_for(
+    config: DoraConfig,
+    costs: Costs,
+    *,
+    trainer_cores: int | None = None,
+    lengths_file: str | Path = "",
+) -> Setup:
+    """The cost model of `dora bench modes CONFIG` on this machine (see the module docstring);
+    `lengths_file` (from `write_lengths`) gives the measured groups' response lengths."""
     serve_cores = costs.cores - (trainer_cores or max(1, costs.cores // 2))
     tp = config.serve.threads_per_instance
     params_b = costs.params / 1e9
@@ -403,6 +462,7 @@ def setup_for(config: DoraConfig, costs: Costs, *, trainer_cores: int | None = N
         decode_overhead_ms=1e3 * max(0.0, costs.decode_t0_s - weight_read_s),
         train_gpu_s_per_token=costs.train_s_per_token,
         train_step_overhead_s=costs.train_step_s,
+        lengths_file=str(lengths_file),
     )
     validate(setup)
     return setup
@@ -421,21 +481,21 @@ BENCH_SETTINGS = (
 """The settings of examples/math/bench.toml that shape the cost model (a test keeps them equal)."""
 
 BENCH_COSTS = Costs(
-    decode_t0_s=0.0038320963056243163,
-    decode_c_s=0.0002543600871629845,
-    decode_k_s=0.0,
-    prefill_s_per_token=4.561893238936496e-05,
-    train_s_per_token=0.00013564810380375098,
-    train_step_s=0.05817910914396327,
-    train_speedup=1.0,
-    weight_sync_s=0.005339736000678386,
+    decode_t0_s=0.0009205619098392255,
+    decode_c_s=7.229364000819194e-05,
+    decode_k_s=1.1299961196786009e-07,
+    prefill_s_per_token=1.997556802277619e-05,
+    train_s_per_token=8.857245849186017e-05,
+    train_step_s=0.0,
+    train_speedup=1.0827192954740923,
+    weight_sync_s=0.0016610029997536913,
     prompt_median=94.0,
-    prompt_sigma=0.08239029035435884,
-    prompt_max=142,
+    prompt_sigma=0.09073789412504636,
+    prompt_max=166,
     response_median=18.999999999999996,
-    response_sigma=0.65062591793385,
-    group_share=0.665515570038602,
-    response_mean=39.119791666666664,
+    response_sigma=0.6385161806764883,
+    group_share=0.6494899126132465,
+    response_mean=36.692057291666664,
     response_max=512,
     params=538624,
     layers=2,
@@ -444,13 +504,19 @@ BENCH_COSTS = Costs(
     head_dim=32,
     cores=2,
 )
-"""`python -m dora.sim.cpu examples/math/bench.toml` on the 2-core machine, 2026-11-29 22:40 UTC,
-load average 6-8 (other jobs running; the two-thread trainer was not measured usefully, so 1.0)."""
+"""`python -m dora.sim.cpu examples/math/bench.toml` on the 2-core machine, 2026-11-30 00:50 UTC,
+load average 1.5-2.5 (quieter than any earlier calibration)."""
+
+
+BENCH_LENGTHS = Path(__file__).with_name("cpu_bench_lengths.txt")
+"""The groups sampled in the same measurement (`--lengths-out`)."""
 
 
 def bench_preset() -> Setup:
     """The `cpu-bench` preset: the benchmark's setup with the costs measured above."""
-    return setup_for(load_config(None, list(BENCH_SETTINGS)), BENCH_COSTS)
+    return setup_for(
+        load_config(None, list(BENCH_SETTINGS)), BENCH_COSTS, lengths_file=BENCH_LENGTHS
+    )
 
 
 def overrides(setup: Setup, base: Setup) -> list[str]:
@@ -472,14 +538,27 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("config", help="the config of `dora bench modes`, e.g. examples/math/bench.toml")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="dotted config overrides")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--lengths-out",
+        type=Path,
+        default=Path("runs/sim-cpu-lengths.txt"),
+        help="where to write the sampled groups' lengths (default: %(default)s)",
+    )
     args = p.parse_intermixed_args(argv)
     # as `dora bench modes` runs every process: a 2-thread trainer spins at each OpenMP barrier
     # otherwise, and measured 10x slower than 1 thread on a loaded machine (docs/benchmarks.md)
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     config = load_config(args.config, args.overrides)
-    costs = measure(config)
-    setup = setup_for(config, costs)
+    costs, groups = measure(config)
+    lengths = write_lengths(args.lengths_out, groups)
+    setup = setup_for(config, costs, lengths_file=lengths)
     print(f"\nmeasured: {costs}")
+    print(f"sampled groups: {lengths}")
+    serve_s = one_core_serve(costs, groups, max_running=config.serve.max_running)
+    print(
+        f"best serve side on one core (every group batched on one engine): "
+        f"{1e3 * serve_s:.3f} ms per response token, {1 / serve_s:,.0f} tokens/s"
+    )
     changed = overrides(setup, preset("cpu-bench"))
     print("\nthe same setup: dora simulate --preset cpu-bench " + " ".join(changed))
     modes = ["sync", "one_step_off", "partial", "dora"]

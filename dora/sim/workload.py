@@ -5,11 +5,14 @@ tokens, then (except after the last) waits for a tool and appends the tool's tok
 Single-turn math is one turn.
 
 Response lengths are log-normal and truncated at the maximum (the DAPO-Math shape: a median about
-1/28 of the maximum, p99 more than 10x the median), or drawn from a file of real lengths. Samples
-of one prompt share part of their log-length (`group_share`): hard prompts give long answers to
-all their samples, which is what makes a group's last sample so late. Draws come from one seeded
-numpy generator in admission order, so a run is reproducible and every mode sees the same stream
-of groups.
+1/28 of the maximum, p99 more than 10x the median), or drawn from a file of real lengths
+(`lengths_file`). Samples of one prompt share part of their log-length (`group_share`): hard
+prompts give long answers to all their samples, which is what makes a group's last sample so late.
+A lengths file keeps that in its own form: a file with one length per line is one pool (every
+length drawn independently), and a file whose lines each hold the lengths of one measured group
+is drawn a line per group, so a hard prompt's long answers arrive together as measured. Draws
+come from one seeded numpy generator in admission order, so a run is reproducible and every mode
+sees the same stream of groups.
 """
 
 from __future__ import annotations
@@ -49,9 +52,14 @@ class Workload:
     def __init__(self, setup: Setup, *, seed: int) -> None:
         self._s = setup
         self._rng = np.random.default_rng(seed)
-        self._lengths: np.ndarray | None = None
+        self._pool: np.ndarray | None = None
+        self._groups: list[np.ndarray] = []
         if setup.lengths_file:
-            self._lengths = _read_lengths(setup.lengths_file)
+            lines = _read_lengths(setup.lengths_file)
+            if all(len(line) == 1 for line in lines):
+                self._pool = np.concatenate(lines)
+            else:
+                self._groups = lines
 
     def group(self) -> list[Episode]:
         s, rng = self._s, self._rng
@@ -63,8 +71,11 @@ class Workload:
         if s.turns > 1:
             n_turns += rng.geometric(1.0 / s.turns, size=g) - 1
         total = int(n_turns.sum())
-        if self._lengths is not None:
-            lengths = rng.choice(self._lengths, size=total)
+        if self._pool is not None:
+            lengths = rng.choice(self._pool, size=total)
+        elif self._groups:
+            line = self._groups[int(rng.integers(len(self._groups)))]
+            lengths = line if len(line) == total else rng.choice(line, size=total)
         else:
             # per-turn lengths share the prompt's part of the log-variance
             shared = rng.normal(0.0, s.response_sigma * math.sqrt(s.group_share))
@@ -90,26 +101,31 @@ class Workload:
         return out
 
 
-def _read_lengths(path: str) -> np.ndarray:
+def _read_lengths(path: str) -> list[np.ndarray]:
+    """The lines of a lengths file: one length each, or each the lengths of one group."""
     try:
         text = Path(path).read_text()
     except OSError as exc:
         raise ConfigError(f"lengths_file {path!r}: {exc.strerror}") from None
-    values: list[int] = []
+    lines: list[np.ndarray] = []
     for n, line in enumerate(text.splitlines(), 1):
-        line = line.strip()
-        if not line or line.startswith("#"):
+        line = line.split("#", 1)[0].strip()
+        if not line:
             continue
         try:
-            v = int(float(line))
+            values = [int(float(v)) for v in line.replace(",", " ").split()]
         except ValueError:
             raise ConfigError(f"lengths_file {path!r} line {n}: not a number: {line!r}") from None
-        if v < 1:
+        if min(values) < 1:
             raise ConfigError(f"lengths_file {path!r} line {n}: lengths must be >= 1")
-        values.append(v)
-    if not values:
+        lines.append(np.asarray(values, dtype=np.int64))
+    if not lines:
         raise ConfigError(f"lengths_file {path!r} holds no lengths")
-    return np.asarray(values, dtype=np.int64)
+    if len({len(line) == 1 for line in lines}) > 1:
+        raise ConfigError(
+            f"lengths_file {path!r} mixes lines of one length with lines of a group's lengths"
+        )
+    return lines
 
 
 @functools.lru_cache(maxsize=32)

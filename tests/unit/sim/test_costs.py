@@ -65,6 +65,10 @@ def test_lengths_file_and_agentic_context_limit(tmp_path: Path) -> None:
     bad.write_text("100\nlots\n")
     with pytest.raises(ConfigError, match="line 2"):
         Workload(dataclasses.replace(s, lengths_file=str(bad)), seed=0)
+    mixed = tmp_path / "mixed.txt"
+    mixed.write_text("100\n100 200\n")
+    with pytest.raises(ConfigError, match="mixes"):
+        Workload(dataclasses.replace(s, lengths_file=str(mixed)), seed=0)
     a = dataclasses.replace(preset("agentic"), context_max=4000)
     for e in Workload(a, seed=0).group():
         assert len(e.tool_s) == len(e.turns) - 1

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from pathlib import Path
 
 import pytest
 
@@ -12,8 +13,18 @@ from dora.cli import main
 from dora.config import load_config
 from dora.sim import plan, simulate
 from dora.sim.costs import PRESETS, Setup, preset
-from dora.sim.cpu import BENCH_COSTS, BENCH_SETTINGS, Costs, fit_decode, setup_for
+from dora.sim.cpu import (
+    BENCH_COSTS,
+    BENCH_LENGTHS,
+    BENCH_SETTINGS,
+    Costs,
+    fit_decode,
+    one_core_serve,
+    setup_for,
+    write_lengths,
+)
 from dora.sim.report import summarize
+from dora.sim.workload import Workload
 from tests.unit.sim.test_engine import check_run
 
 COSTS = Costs(
@@ -117,8 +128,33 @@ def test_the_cpu_bench_preset_is_the_benchmark_config() -> None:
                 got = getattr(getattr(stored, section), name)
                 assert getattr(getattr(bench, section), name) == got, key
     s = preset("cpu-bench")
-    assert s == setup_for(bench, BENCH_COSTS)
+    assert s == setup_for(bench, BENCH_COSTS, lengths_file=BENCH_LENGTHS)
     assert s.shared_cores and s.pool_instances == bench.serve.instances
+    # the stored groups are of the benchmark's group size and max_tokens
+    groups = [line.split() for line in BENCH_LENGTHS.read_text().splitlines() if line[0] != "#"]
+    assert {len(g) for g in groups} == {bench.rollout.group_size}
+    assert max(int(n) for g in groups for n in g) <= bench.rollout.max_tokens
+
+
+def test_measured_groups_are_drawn_whole(tmp_path: Path) -> None:
+    groups = [(90, [5, 6, 7, 8, 9, 10, 11, 12]), (100, [300, 400, 500, 512, 200, 250, 260, 270])]
+    path = write_lengths(tmp_path / "lengths.txt", groups)
+    s = setup_for(load_config("examples/math/bench.toml"), COSTS, lengths_file=path)
+    w = Workload(s, seed=0)
+    drawn = {tuple(sorted(t for e in w.group() for t in e.turns)) for _ in range(40)}
+    assert drawn == {tuple(sorted(g)) for _, g in groups}  # a hard prompt's answers stay together
+
+
+def test_one_core_serve_replays_continuous_batching() -> None:
+    costs = dataclasses.replace(COSTS, decode_k_s=0.0, prefill_s_per_token=0.0)
+    # 4 sequences of 3 tokens, 2 rows: two rounds of 3 steps at b = 2
+    two_rows = one_core_serve(costs, [(10, [3, 3, 3, 3])], max_running=2)
+    assert two_rows == pytest.approx(6 * (3e-3 + 2 * 4e-5) / 12)
+    # a long answer alone at the end costs a whole step per token: the tail is the expense
+    tail = one_core_serve(costs, [(10, [1, 1, 1, 100])], max_running=64)
+    assert tail == pytest.approx((3e-3 + 4 * 4e-5 + 99 * (3e-3 + 4e-5)) / 103)
+    with_prefill = one_core_serve(COSTS, [(10, [3])], max_running=1)
+    assert with_prefill == pytest.approx((10 * 1e-5 + 3 * 3e-3 + 3 * 4e-5 + 2e-8 * 33) / 3)
 
 
 def test_simulate_the_cpu_bench_preset_in_seconds(capsys: pytest.CaptureFixture[str]) -> None:
