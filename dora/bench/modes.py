@@ -33,6 +33,7 @@ import contextlib
 import json
 import os
 import platform
+import statistics
 import subprocess
 import sys
 import time
@@ -163,6 +164,13 @@ class ModeResult:
     """The trainer's CPU-seconds per trained token."""
     serve_self_cpu_s_per_token: float | None = None
     """The `dora serve` process alone (dispatcher, router, HTTP, episodes), without instances."""
+    busy_instances: float = 0.0
+    """Instances with calls in flight, averaged over the window's ticks."""
+    calls_per_busy_instance: float = 0.0
+    """Calls in flight on an instance that has any (the engine's batch, roughly): the median over
+    the busy instances of the window's ticks (the mean is pulled up by the burst of new groups at
+    each step's start). On shared cores every busy instance pays its own decode step, so few
+    calls each is what makes a token expensive."""
 
 
 def summarise(run_dir: Path, *, name: str, placement: str) -> ModeResult:
@@ -187,12 +195,14 @@ def _summarise(run: RunData, *, name: str, placement: str, cpu: dict[str, float]
     step_time = sum(float(m["step_time_s"]) for m in later)
     wait = sum(float(m["wait_s"]) for m in later)
     train = sum(float(m["train_s"]) for m in later)
-    utils = [
-        float(inst["util"])
+    ticks = [
+        tick
         for tick in run.ticks
         if float(first["time_s"]) < float(tick["time_s"]) <= float(last["time_s"])
-        for inst in tick["instances"]
     ]
+    utils = [float(inst["util"]) for tick in ticks for inst in tick["instances"]]
+    busy = [int(inst["inflight"]) for tick in ticks for inst in tick["instances"]]
+    busy = [n for n in busy if n > 0]
     staleness = [s for rec in run.steps for s in rec["staleness"]]
     cpu_s = cpu.get("window_cpu_s")
     rewards = [float(r["metrics"]["reward_mean"]) for r in trained]
@@ -227,6 +237,8 @@ def _summarise(run: RunData, *, name: str, placement: str, cpu: dict[str, float]
         serve_self_cpu_s_per_token=(
             cpu["serve_self_cpu_s"] / tokens if "serve_self_cpu_s" in cpu and tokens else None
         ),
+        busy_instances=len(busy) / len(ticks) if ticks else 0.0,
+        calls_per_busy_instance=statistics.median(busy) if busy else 0.0,
     )
 
 
@@ -281,6 +293,8 @@ def profile_table(results: list[ModeResult]) -> str:
         "serve CPU-ms/tok",
         "of it serve proc",
         "learn CPU-ms/tok",
+        "busy inst",
+        "calls/busy inst",
         "trainer busy",
         "trainer waits",
         "cores used s/l",
@@ -293,6 +307,8 @@ def profile_table(results: list[ModeResult]) -> str:
                 _ms(r.serve_cpu_s_per_token),
                 _ms(r.serve_self_cpu_s_per_token),
                 _ms(r.learn_cpu_s_per_token),
+                f"{r.busy_instances:.2f}",
+                f"{r.calls_per_busy_instance:.1f}",
                 f"{100 * (1 - r.trainer_idle_share):.0f}%",
                 f"{100 * r.rollout_only_share:.0f}%",
                 _cores_used(r),

@@ -18,14 +18,17 @@ def write_run(
     staleness: int = 0,
     util: float = 0.5,
     instances: int = 2,
+    inflight: tuple[int, ...] | None = None,
     finished: bool = True,
     partial_last_line: bool = False,
     evals: bool = False,
 ) -> Path:
     """A run whose step t is trained at `1 + t * step_s` seconds, each with `tokens` tokens.
 
-    Instance i loads version t at `0.9 + t * step_s` (0.1 s), and ticks every 0.5 s report `util`.
+    Instance i loads version t at `0.9 + t * step_s` (0.1 s), and ticks every 0.5 s report `util`
+    and `inflight[i]` calls in flight (1 each by default).
     """
+    calls = inflight or (1,) * instances
     run_dir.mkdir(parents=True, exist_ok=True)
     records: list[dict[str, object]] = []
     end = 1 + (steps - 1) * step_s
@@ -48,7 +51,7 @@ def write_run(
                         "draining": False,
                         "leases": 1,
                         "capacity": 8,
-                        "inflight": 1,
+                        "inflight": calls[i],
                         "util": util,
                         "tokens": cumulative,
                     }
