@@ -64,7 +64,8 @@ class Setup:
     """Share of the log-length variance common to a prompt's samples (assumed; the paper's
     appendix C says hard prompts give long samples)."""
     lengths_file: str = ""
-    """A file of real response lengths, one per line, sampled instead of the log-normal."""
+    """A file of real response lengths, drawn instead of the log-normal: one length per line (a
+    pool, drawn length by length), or one measured group's lengths per line (drawn whole)."""
     # --- agentic episodes (0 turns-extra: single-turn math) ----------------------------------
     turns: float = 1.0
     """Mean turns per episode; 1 means single-turn. Turns beyond the first are geometric."""

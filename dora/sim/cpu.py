@@ -1,9 +1,9 @@
 """Calibrate the simulator on this machine for the tiny model of a dora config, and predict the
 modes of `dora bench modes` for that config.
 
-    python -m dora.sim.cpu examples/math/bench.toml       # measure, fit, predict (about 1 min)
+    python -m dora.sim.cpu examples/math/bench.toml       # measure, fit, predict (~1.2 min)
     dora simulate --preset cpu-bench                        # the same prediction, from the
-                                                            # constants measured on 2026-11-29
+                                                            # constants measured on 2026-11-30
 
 Everything is measured in this process on the config's prepared model (the one the benchmark
 runs), with nothing taken from a benchmark run, so every mode's numbers are predictions:

@@ -10,7 +10,9 @@ Response lengths are log-normal and truncated at the maximum (the DAPO-Math shap
 prompts give long answers to all their samples, which is what makes a group's last sample so late.
 A lengths file keeps that in its own form: a file with one length per line is one pool (every
 length drawn independently), and a file whose lines each hold the lengths of one measured group
-is drawn a line per group, so a hard prompt's long answers arrive together as measured. Draws
+is drawn a line per group, so a hard prompt's long answers arrive together as measured (a group
+of another size takes that many of the line's lengths, without repeats while the line has enough;
+`#` starts a comment, commas may separate). Draws
 come from one seeded numpy generator in admission order, so a run is reproducible and every mode
 sees the same stream of groups.
 """
@@ -75,7 +77,9 @@ class Workload:
             lengths = rng.choice(self._pool, size=total)
         elif self._groups:
             line = self._groups[int(rng.integers(len(self._groups)))]
-            lengths = line if len(line) == total else rng.choice(line, size=total)
+            # a group of another size (or a multi-turn episode) draws from the measured line,
+            # repeating answers only when it needs more than the line holds
+            lengths = line if len(line) == total else rng.choice(line, total, total > len(line))
         else:
             # per-turn lengths share the prompt's part of the log-variance
             shared = rng.normal(0.0, s.response_sigma * math.sqrt(s.group_share))
@@ -114,8 +118,10 @@ def _read_lengths(path: str) -> list[np.ndarray]:
             continue
         try:
             values = [int(float(v)) for v in line.replace(",", " ").split()]
-        except ValueError:
-            raise ConfigError(f"lengths_file {path!r} line {n}: not a number: {line!r}") from None
+        except (ValueError, OverflowError):
+            values = []
+        if not values:
+            raise ConfigError(f"lengths_file {path!r} line {n}: not a number: {line!r}")
         if min(values) < 1:
             raise ConfigError(f"lengths_file {path!r} line {n}: lengths must be >= 1")
         lines.append(np.asarray(values, dtype=np.int64))

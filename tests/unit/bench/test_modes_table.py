@@ -58,8 +58,8 @@ def test_numbers_come_from_the_steady_window(tmp_path: Path) -> None:
         train_s=1.0,
         staleness=2,
         util=0.8,
-        instances=3,
-        inflight=(6, 0, 2),
+        instances=4,
+        inflight=(6, 0, 1, 2),
     )
     (run / "bench-cpu.json").write_text(
         json.dumps(
@@ -87,10 +87,11 @@ def test_numbers_come_from_the_steady_window(tmp_path: Path) -> None:
     assert "1.00/1.00" in table([r])
     # where the time goes: 8 CPU-s per side over 1600 tokens; the trainer computes half the window
     assert r.serve_cpu_s_per_token == r.learn_cpu_s_per_token == pytest.approx(0.005)
-    # two of three instances busy at every tick, with 6 and 2 calls
-    assert r.busy_instances == pytest.approx(2.0) and r.calls_per_busy_instance == pytest.approx(4)
+    # three of four instances busy at every tick, with 6, 1 and 2 calls: the median is 2 (the mean
+    # would be 3)
+    assert r.busy_instances == pytest.approx(3.0) and r.calls_per_busy_instance == pytest.approx(2)
     row = profile_table([r]).splitlines()[-1].split()
-    assert row == ["dora", "5.000", "1.250", "5.000", "2.00", "4.0", "50%", "25%", "1.00/1.00"]
+    assert row == ["dora", "5.000", "1.250", "5.000", "3.00", "2.0", "50%", "25%", "1.00/1.00"]
 
 
 def test_table_and_ratio_lines_end_with_dora_over_sync(tmp_path: Path) -> None:

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from dora.errors import ConfigError
-from dora.sim.costs import PRESETS, apply_overrides, preset
-from dora.sim.workload import Workload, mean_stats
+from dora.sim.costs import PRESETS, Setup, apply_overrides, preset
+from dora.sim.workload import Episode, Workload, mean_stats
 
 
 def test_qwen_32b_on_tp4_h800() -> None:
@@ -55,6 +55,11 @@ def test_group_samples_share_their_difficulty() -> None:
     assert within < s.response_sigma**2
 
 
+def _groups(s: Setup, n: int) -> list[list[Episode]]:
+    w = Workload(s, seed=0)
+    return [w.group() for _ in range(n)]
+
+
 def test_lengths_file_and_agentic_context_limit(tmp_path: Path) -> None:
     f = tmp_path / "lengths.txt"
     f.write_text("# real lengths\n100\n200\n\n300\n")
@@ -69,6 +74,16 @@ def test_lengths_file_and_agentic_context_limit(tmp_path: Path) -> None:
     mixed.write_text("100\n100 200\n")
     with pytest.raises(ConfigError, match="mixes"):
         Workload(dataclasses.replace(s, lengths_file=str(mixed)), seed=0)
+    empty = tmp_path / "empty-line.txt"
+    empty.write_text("100 200\n , \n")
+    with pytest.raises(ConfigError, match="line 2: not a number"):
+        Workload(dataclasses.replace(s, lengths_file=str(empty)), seed=0)
+    # group lines: commas and comments allowed, each group drawn whole
+    groups = tmp_path / "groups.txt"
+    groups.write_text("# measured\n" + "5, 6, 7, 8 # easy\n" * 2 + "400 " * s.group_size + "\n")
+    g = dataclasses.replace(s, lengths_file=str(groups), group_size=4)
+    seen = {tuple(sorted(t for e in w_group for t in e.turns)) for w_group in _groups(g, 30)}
+    assert seen == {(5, 6, 7, 8), (400, 400, 400, 400)}
     a = dataclasses.replace(preset("agentic"), context_max=4000)
     for e in Workload(a, seed=0).group():
         assert len(e.tool_s) == len(e.turns) - 1

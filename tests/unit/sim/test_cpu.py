@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import statistics
 from pathlib import Path
 
 import pytest
@@ -18,13 +19,15 @@ from dora.sim.cpu import (
     BENCH_LENGTHS,
     BENCH_SETTINGS,
     Costs,
+    _group_share,
+    _lognormal,
     fit_decode,
     one_core_serve,
     setup_for,
     write_lengths,
 )
 from dora.sim.report import summarize
-from dora.sim.workload import Workload
+from dora.sim.workload import Workload, _read_lengths
 from tests.unit.sim.test_engine import check_run
 
 COSTS = Costs(
@@ -130,10 +133,17 @@ def test_the_cpu_bench_preset_is_the_benchmark_config() -> None:
     s = preset("cpu-bench")
     assert s == setup_for(bench, BENCH_COSTS, lengths_file=BENCH_LENGTHS)
     assert s.shared_cores and s.pool_instances == bench.serve.instances
-    # the stored groups are of the benchmark's group size and max_tokens
-    groups = [line.split() for line in BENCH_LENGTHS.read_text().splitlines() if line[0] != "#"]
+    # the stored groups are of the benchmark's group size and max_tokens, and the stored costs'
+    # length statistics are theirs
+    groups = [[int(n) for n in g] for g in _read_lengths(str(BENCH_LENGTHS))]
     assert {len(g) for g in groups} == {bench.rollout.group_size}
-    assert max(int(n) for g in groups for n in g) <= bench.rollout.max_tokens
+    assert max(n for g in groups for n in g) == bench.rollout.max_tokens
+    every = [float(n) for g in groups for n in g]
+    assert statistics.fmean(every) == pytest.approx(BENCH_COSTS.response_mean)
+    assert _lognormal(every) == pytest.approx(
+        (BENCH_COSTS.response_median, BENCH_COSTS.response_sigma)
+    )
+    assert _group_share(groups) == pytest.approx(BENCH_COSTS.group_share)
 
 
 def test_measured_groups_are_drawn_whole(tmp_path: Path) -> None:
@@ -143,6 +153,11 @@ def test_measured_groups_are_drawn_whole(tmp_path: Path) -> None:
     w = Workload(s, seed=0)
     drawn = {tuple(sorted(t for e in w.group() for t in e.turns)) for _ in range(40)}
     assert drawn == {tuple(sorted(g)) for _, g in groups}  # a hard prompt's answers stay together
+    # a smaller group takes that many of one line's answers, none twice
+    small = Workload(dataclasses.replace(s, group_size=4), seed=0)
+    for _ in range(20):
+        got = sorted(t for e in small.group() for t in e.turns)
+        assert len(set(got)) == 4 and any(set(got) <= set(g) for _, g in groups)
 
 
 def test_one_core_serve_replays_continuous_batching() -> None:
