@@ -222,6 +222,33 @@ def version_segments(run: RunData) -> dict[str, list[tuple[float, float, int, bo
 
 
 def plot_timeline(run: RunData, path: Path) -> None:
+    names = list(version_segments(run))
+    fig, ax = _plt().subplots(figsize=(12, 0.6 * len(names) + 1.8))
+    draw_timeline(ax, run)
+    _save(fig, path)
+
+
+def plot_timelines(panels: list[tuple[str, RunData]], path: Path, *, seconds: float) -> None:
+    """Several runs' timelines stacked, each over `seconds` from its first trained step (the same
+    scale for all), titled by the given labels: the modes of `dora bench modes` side by side."""
+    rows = [len(version_segments(run)) for _, run in panels]
+    fig, axes = _plt().subplots(
+        len(panels),
+        1,
+        figsize=(12, sum(0.5 * n + 1.3 for n in rows)),
+        gridspec_kw={"height_ratios": [n + 2.6 for n in rows]},
+        squeeze=False,
+    )
+    for ax, (label, run) in zip(axes[:, 0], panels, strict=True):
+        first = min((float(r["time_s"]) for r in run.trained), default=0.0)
+        draw_timeline(ax, run, span=(first, first + seconds), title=label)
+    _save(fig, path)
+
+
+def draw_timeline(
+    ax: Any, run: RunData, *, span: tuple[float, float] | None = None, title: str | None = None
+) -> None:
+    """One row per instance on `ax`, coloured by the version it holds (`span`: seconds shown)."""
     plt = _plt()
     segments = version_segments(run)
     names = list(segments)
@@ -231,7 +258,6 @@ def plot_timeline(run: RunData, path: Path) -> None:
     def colour(v: int) -> Any:
         return cmap(v % 10)
 
-    fig, ax = plt.subplots(figsize=(12, 0.6 * len(names) + 1.8))
     util: dict[str, list[tuple[float, float, float]]] = {n: [] for n in names}
     for a, b in zip([{"time_s": 0.0, "instances": []}, *run.ticks], run.ticks, strict=False):
         for inst in b["instances"]:
@@ -254,18 +280,23 @@ def plot_timeline(run: RunData, path: Path) -> None:
                 if hi > lo:
                     ax.broken_barh([(lo, hi - lo)], (y - 0.4 * u, 0.8 * u), facecolors=colour(v))
     end = max((seg[1] for segs in segments.values() for seg in segs), default=1.0)
+    lo, hi = span if span is not None else (0.0, end)
     for y, name in enumerate(names):  # name the version of every block wide enough for a label
         for start, stop, v, loading in segments[name]:
-            if not loading and stop - start > 0.025 * end:
-                ax.text((start + stop) / 2, y, f"v{v}", ha="center", va="center", fontsize=7)
+            shown = min(stop, hi) - max(start, lo)
+            if not loading and shown > 0.025 * (hi - lo):
+                mid = (max(start, lo) + min(stop, hi)) / 2
+                ax.text(mid, y, f"v{v}", ha="center", va="center", fontsize=7)
     for rec in run.trained:
         ax.axvline(rec["time_s"], color="black", alpha=0.25, linewidth=0.8)
+    if span is not None:
+        ax.set_xlim(lo, hi)
     ax.set_yticks(range(len(names)), names)
     ax.set_xlabel(
         "time (s); bar height: utilisation (pale: idle); hatched: loading; grey: a step trained"
     )
     mode = run.summary.get("mode", "")
-    ax.set_title(f"{mode} instances x time, coloured by the version each holds".strip())
+    ax.set_title(title or f"{mode} instances x time, coloured by the version each holds".strip())
     from matplotlib.patches import Patch
 
     handles = [Patch(color=colour(v), label=f"v{v}") for v in versions[:10]]
@@ -273,7 +304,6 @@ def plot_timeline(run: RunData, path: Path) -> None:
         handles = [Patch(color=colour(v), label=f"v{v}, v{v + 10}, ...") for v in range(10)]
     handles.append(Patch(facecolor="white", edgecolor="black", hatch="////", label="loading"))
     ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize="small")
-    _save(fig, path)
 
 
 def _save(fig: Any, path: Path) -> None:

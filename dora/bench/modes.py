@@ -22,8 +22,8 @@ What is measured, all over the steady part of the run: from the `trained` record
 that of the last step (serve's clock), so process start-up and the first fill are left out of every
 mode alike. Trained tokens are the trainer's loss tokens of steps 1..T-1. CPU-seconds are those of
 every process of the run (utime + stime, reaped children included, from /proc), sampled every
-`POLL_S` and read at the two ends of that window. The last line is
-`dora/sync throughput ratio: X.XX`.
+`POLL_S` and read at the two ends of that window. The runs' instance x time timelines are drawn
+stacked in `OUT/modes.png`. The last line is `dora/sync throughput ratio: X.XX`.
 """
 
 from __future__ import annotations
@@ -51,6 +51,7 @@ __all__ = [
     "main",
     "median_run",
     "plan",
+    "plot_modes",
     "profile_table",
     "ratio_lines",
     "summarise",
@@ -166,6 +167,7 @@ class ModeResult:
     """The `dora serve` process alone (dispatcher, router, HTTP, episodes), without instances."""
     busy_instances: float = 0.0
     """Instances with calls in flight, averaged over the window's ticks."""
+    run_dir: str = ""
     calls_per_busy_instance: float = 0.0
     """Calls in flight on an instance that has any (the engine's batch, roughly): the median over
     the busy instances of the window's ticks (the mean is pulled up by the burst of new groups at
@@ -237,6 +239,7 @@ def _summarise(run: RunData, *, name: str, placement: str, cpu: dict[str, float]
         serve_self_cpu_s_per_token=(
             cpu["serve_self_cpu_s"] / tokens if "serve_self_cpu_s" in cpu and tokens else None
         ),
+        run_dir=str(run.run_dir),
         busy_instances=len(busy) / len(ticks) if ticks else 0.0,
         calls_per_busy_instance=statistics.median(busy) if busy else 0.0,
     )
@@ -332,6 +335,24 @@ def _render(rows: Sequence[tuple[str, ...]]) -> str:
     lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)) for row in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)
+
+
+def plot_modes(results: list[ModeResult], path: Path) -> Path:
+    """The instance x time timeline of each mode's run, stacked, over the same number of seconds
+    (the shortest steady window) from each run's first trained step."""
+    from dora.report import plot_timelines
+
+    seconds = min(r.window_s for r in results)
+    panels = [
+        (
+            f"{r.name} ({r.placement}): {r.tokens_per_s:.0f} tokens/s, "
+            f"{r.max_versions_serving} version(s) at once",
+            load_run(Path(r.run_dir)),
+        )
+        for r in results
+    ]
+    plot_timelines(panels, path, seconds=seconds)
+    return path
 
 
 def ratio_lines(results: list[ModeResult]) -> list[str]:
@@ -557,6 +578,8 @@ def main(argv: list[str] | None = None) -> int:
         print("(the run with the median tokens/s of each mode; all runs, tokens/s:)")
         for name, rs in runs.items():
             print(f"  {name}: " + ", ".join(f"{r.tokens_per_s:.0f}" for r in rs))
+    picture = plot_modes(results, out / "modes.png")
+    print(f"\ntimelines of these runs, side by side: {picture}")
     ratios = ratio_lines(results)
     (out / "bench-modes.json").write_text(
         json.dumps(

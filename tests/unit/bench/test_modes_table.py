@@ -8,7 +8,16 @@ from pathlib import Path
 
 import pytest
 
-from dora.bench.modes import median_run, plan, profile_table, ratio_lines, summarise, table
+from dora.bench.modes import (
+    ModeResult,
+    median_run,
+    plan,
+    plot_modes,
+    profile_table,
+    ratio_lines,
+    summarise,
+    table,
+)
 from tests.unit.bench.fixtures import write_run
 
 
@@ -94,19 +103,29 @@ def test_numbers_come_from_the_steady_window(tmp_path: Path) -> None:
     assert row == ["dora", "5.000", "1.250", "5.000", "3.00", "2.0", "50%", "25%", "1.00/1.00"]
 
 
-def test_table_and_ratio_lines_end_with_dora_over_sync(tmp_path: Path) -> None:
-    results = []
-    for name, step_s in (("sync", 4.0), ("one_step_off", 2.5), ("partial", 2.2), ("dora", 2.0)):
-        run = write_run(
-            tmp_path / name,
-            mode=name,
-            steps=4,
-            step_s=step_s,
-            tokens=300.0,
-            wait_s=1.0,
-            train_s=1.0,
+def _modes(tmp_path: Path, step_s: dict[str, float]) -> list[ModeResult]:
+    """One 4-step run per mode, 300 tokens a step, at the given step times."""
+    return [
+        summarise(
+            write_run(
+                tmp_path / name,
+                mode=name,
+                steps=4,
+                step_s=seconds,
+                tokens=300.0,
+                wait_s=1.0,
+                train_s=1.0,
+            ),
+            name=name,
+            placement="x",
         )
-        results.append(summarise(run, name=name, placement="x"))
+        for name, seconds in step_s.items()
+    ]
+
+
+def test_table_and_ratio_lines_end_with_dora_over_sync(tmp_path: Path) -> None:
+    steps = {"sync": 4.0, "one_step_off": 2.5, "partial": 2.2, "dora": 2.0}
+    results = _modes(tmp_path, steps)
     text = table(results)
     assert text.splitlines()[0].split()[:3] == ["mode", "cores", "tokens/s"]
     assert len(text.splitlines()) == 2 + 4
@@ -147,3 +166,15 @@ def test_the_median_run_stands_for_its_mode(tmp_path: Path) -> None:
     ]
     assert median_run(runs) is runs[2]
     assert median_run(runs[:2]) is runs[1]  # even count: the lower middle one
+
+
+def test_the_modes_are_drawn_side_by_side(tmp_path: Path) -> None:
+    results = _modes(tmp_path, {"sync": 3.0, "dora": 2.0})
+    assert results[0].run_dir == str(tmp_path / "sync")
+    path = plot_modes(results, tmp_path / "modes.png")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    from PIL import Image
+
+    with Image.open(path) as image:  # two stacked panels: one run's timeline is 12 x 3 inches
+        width, height = image.size
+    assert height / width > 0.3
