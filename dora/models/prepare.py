@@ -4,14 +4,17 @@ sides.
 `model.path = "tiny"` builds the tiny character-level model; `model.warmup_steps > 0` then
 fine-tunes it (or any other model) on the tasks' reference answers (see `dora.models.warmup`). Serve
 and learn must start from the same weights, so the result is cached under a key of everything that
-shapes it (model settings, environment, task source, seeds): whichever side comes first builds it
-under a file lock, the other finds it ready. `dora run` prepares it before starting either side.
+shapes it (model settings, environment, task source, seeds, and the contents of the environment's
+module file and of the task source's module or dataset file, so that editing a prompt format or
+regenerating a dataset builds a new model): whichever side comes first builds it under a file lock,
+the other finds it ready. `dora run` prepares it before starting either side.
 """
 
 from __future__ import annotations
 
 import fcntl
 import hashlib
+import importlib
 import os
 import tempfile
 from pathlib import Path
@@ -26,14 +29,38 @@ def cache_root() -> Path:
 
 
 def model_key(config: DoraConfig) -> str:
-    """A digest of every setting that changes the initial weights."""
+    """A digest of every setting, and of the user code and data, that change the initial weights."""
     shaping = {
         "model": msgspec.to_builtins(config.model),
         "env": msgspec.to_builtins(config.env),
         "data": [config.data.source, config.data.kwargs, config.data.seed],
+        "code": [source_digest(config.env.cls), source_digest(config.data.source)],
         "version": 1,
     }
     return hashlib.sha256(msgspec.json.encode(shaping)).hexdigest()[:16]
+
+
+def source_digest(spec: str) -> str:
+    """sha256 of what `spec` reads: a dataset file's bytes, or the source file of the module of
+    `"module:Name"`; "" when there is none (a spec that does not load fails later, with its own
+    error)."""
+    path = Path(spec)
+    if not path.is_file():
+        module_name, sep, _ = spec.partition(":")
+        if not sep or not module_name:
+            return ""
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError:
+            return ""
+        path = Path(getattr(module, "__file__", None) or "")
+        if not path.is_file():
+            return ""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def prepare_model(config: DoraConfig, *, log: bool = True) -> Path:

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from dora.config import load_config
-from dora.models.prepare import model_key, prepare_model
+from dora.models.prepare import model_key, prepare_model, source_digest
 
 SMALL = [
     "model.path=tiny",
@@ -56,3 +56,22 @@ def test_warmup_learns_and_prepared_model_is_cached(
 def test_a_user_model_without_warmup_is_used_as_is() -> None:
     config = load_config(None, ["model.path=/models/mine"])
     assert prepare_model(config, log=False) == Path("/models/mine")
+
+
+def test_the_cache_key_covers_the_environment_code_and_the_data(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    module = tmp_path / "keyed_env.py"
+    module.write_text("from envs.math import ChainArithmeticEnv as Env\n")
+    data = tmp_path / "tasks.jsonl"
+    data.write_text('{"prompt": "1+1", "answer": "2"}\n')
+    monkeypatch.syspath_prepend(str(tmp_path))
+    config = load_config(None, ["env.cls=keyed_env:Env", f"data.source={data}"])
+    key = model_key(config)
+    assert model_key(config) == key  # stable
+    module.write_text("from envs.math import ChainArithmeticEnv as Env  # a new prompt format\n")
+    edited = model_key(config)
+    assert edited != key
+    data.write_text('{"prompt": "1+2", "answer": "3"}\n')
+    assert model_key(config) not in (key, edited)
+    assert source_digest("no_such_module_here:Env") == "" == source_digest("")
