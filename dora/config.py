@@ -149,6 +149,10 @@ class RolloutConfig(_Section):
     max_tokens: Annotated[
         int, M(ge=1, description="Most tokens the policy samples in one episode, all turns")
     ] = 256
+    max_tokens_per_turn: Annotated[
+        int,
+        M(ge=0, description="Most tokens the policy samples in one turn (0: only max_tokens)"),
+    ] = 0
     temperature: Annotated[float, M(gt=0, description="Sampling temperature")] = 1.0
     top_p: Annotated[
         float, M(gt=0, le=1, description="Nucleus sampling; keep 1 for unbiased training")

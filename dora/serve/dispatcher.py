@@ -67,7 +67,7 @@ class Dispatcher:
         self._env_factory = env_factory
         self._renderer = renderer
         self._params = SamplingParams(
-            max_tokens=cfg.rollout.max_tokens,
+            max_tokens=turn_max_tokens(cfg),
             temperature=cfg.rollout.temperature,
             top_p=cfg.rollout.top_p,
         )
@@ -233,6 +233,12 @@ class Dispatcher:
                 task_now = asyncio.current_task()
                 if task_now is None or not task_now.cancelling():  # no new tasks while stopping
                     r.apply(actions)
+
+
+def turn_max_tokens(cfg: DoraConfig) -> int:
+    """The sampling cap of one LLM call: `rollout.max_tokens_per_turn`, or with 0 the whole
+    episode's `rollout.max_tokens` (which also bounds every turn together, in `EpisodeLimits`)."""
+    return cfg.rollout.max_tokens_per_turn or cfg.rollout.max_tokens
 
 
 def episode_limits(cfg: DoraConfig) -> EpisodeLimits:

@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING
 from dora.env import Env, Task
 from dora.errors import SchedulingError
 from dora.protocol import Sample, SamplingParams
-from dora.serve.dispatcher import episode_limits, episode_on_lease
+from dora.serve.dispatcher import episode_limits, episode_on_lease, turn_max_tokens
 from dora.serve.episode import ChatRenderer
 
 if TYPE_CHECKING:
@@ -67,7 +67,7 @@ class Evaluator:
         self._env_factory = env_factory
         self._renderer = renderer
         self._every = cfg.data.eval_every
-        self._params = SamplingParams(max_tokens=cfg.rollout.max_tokens, temperature=0.0, top_p=1.0)
+        self._params = SamplingParams(max_tokens=turn_max_tokens(cfg), temperature=0.0, top_p=1.0)
         self._limits = episode_limits(cfg)
         self._workers = max(1, min(len(tasks), cfg.serve.max_running // 2))
         self._next_due = 0

@@ -350,6 +350,42 @@ async def test_limits_end_the_episode(tokenizer, scripted) -> None:
     assert sample.masked and sample.finish_reason == "context"
 
 
+async def test_serve_caps_each_turn_with_rollout_max_tokens_per_turn(tokenizer, scripted) -> None:
+    # the sampling parameters and limits `dora serve` builds from its config
+    from dora.config import load_config
+    from dora.serve.dispatcher import episode_limits, turn_max_tokens
+
+    looping = [call("add", a=1, b=1) + END]
+    turn = len(tokenizer.encode(looping[0], add_special_tokens=False))
+
+    async def run(*overrides: str) -> tuple[Sample, object]:
+        cfg = load_config(None, ["rollout.max_turns=3", *overrides])
+        sampler = scripted(looping)
+        sample = await run_episode(
+            sampler=sampler,
+            tokenizer=tokenizer,
+            env=CalcEnv(),
+            task=TASK,
+            params=SamplingParams(max_tokens=turn_max_tokens(cfg)),
+            limits=episode_limits(cfg),
+        )
+        return sample, sampler
+
+    # without a per-turn cap, a turn may take what the episode has left
+    sample, sampler = await run("rollout.max_tokens=256")
+    assert [p.max_tokens for p in sampler.params] == [256, 256 - turn, 256 - 2 * turn]
+    assert sample.finish_reason == "tool_limit"
+    # a cap above a turn's length bounds every call and changes nothing else
+    sample, sampler = await run("rollout.max_tokens=256", f"rollout.max_tokens_per_turn={turn + 1}")
+    assert [p.max_tokens for p in sampler.params] == [turn + 1] * 3
+    assert sample.finish_reason == "tool_limit"
+    # a turn that runs into the cap is cut there, and the episode ends as too long
+    sample, sampler = await run("rollout.max_tokens=256", f"rollout.max_tokens_per_turn={turn - 4}")
+    assert [p.max_tokens for p in sampler.params] == [turn - 4]
+    assert (sample.finish_reason, sample.num_turns) == ("length", 1)
+    assert sample.mask().sum() == turn - 4
+
+
 class TextEnv(Env):
     """Completion-style: a plain-text prompt, and a reply appended as raw text."""
 
