@@ -203,8 +203,7 @@ def _summarise(run: RunData, *, name: str, placement: str, cpu: dict[str, float]
         if float(first["time_s"]) < float(tick["time_s"]) <= float(last["time_s"])
     ]
     utils = [float(inst["util"]) for tick in ticks for inst in tick["instances"]]
-    busy = [int(inst["inflight"]) for tick in ticks for inst in tick["instances"]]
-    busy = [n for n in busy if n > 0]
+    busy = [n for tick in ticks for inst in tick["instances"] if (n := int(inst["inflight"])) > 0]
     staleness = [s for rec in run.steps for s in rec["staleness"]]
     cpu_s = cpu.get("window_cpu_s")
     rewards = [float(r["metrics"]["reward_mean"]) for r in trained]

@@ -153,7 +153,8 @@ def measure(config: DoraConfig, *, log: bool = True) -> tuple[Costs, list[tuple[
     sync_s = _time_weight_sync(model)
     say(f"weight sync: {1e3 * sync_s:.1f} ms")
     responses = [n for g in groups for n in g]
-    lengths = [[len(prompts[i % len(prompts)]) + n for n in g] for i, g in enumerate(groups)]
+    sampled = [(len(prompts[i % len(prompts)]), g) for i, g in enumerate(groups)]
+    lengths = [[prompt + n for n in g] for prompt, g in sampled]
     cores = len(os.sched_getaffinity(0))
     per_token, per_step = _time_training(path, config, lengths, threads=1)
     per_token_all, per_step_all = _time_training(path, config, lengths, threads=cores)
@@ -168,7 +169,6 @@ def measure(config: DoraConfig, *, log: bool = True) -> tuple[Costs, list[tuple[
     response_median, response_sigma = _lognormal([float(n) for n in responses])
     hf: Any = model.config
     heads = int(hf.num_attention_heads)
-    sampled = [(len(prompts[i % len(prompts)]), g) for i, g in enumerate(groups)]
     return Costs(
         decode_t0_s=t0,
         decode_c_s=c,
