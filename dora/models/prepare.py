@@ -4,8 +4,8 @@ sides.
 `model.path = "tiny"` builds the tiny character-level model; `model.warmup_steps > 0` then
 fine-tunes it (or any other model) on the tasks' reference answers (see `dora.models.warmup`). Serve
 and learn must start from the same weights, so the result is cached under a key of everything that
-shapes it (model settings, environment, task source, seeds, and the contents of the environment's
-module file and of the task source's module or dataset file, so that editing a prompt format or
+shapes it (model settings, environment, task source, seeds, and the source of the environment's
+package and of the task source's package or dataset file, so that editing a prompt format or
 regenerating a dataset builds a new model): whichever side comes first builds it under a file lock,
 the other finds it ready. `dora run` prepares it before starting either side.
 """
@@ -35,32 +35,47 @@ def model_key(config: DoraConfig) -> str:
         "env": msgspec.to_builtins(config.env),
         "data": [config.data.source, config.data.kwargs, config.data.seed],
         "code": [source_digest(config.env.cls), source_digest(config.data.source)],
-        "version": 1,
+        "version": 2,
     }
     return hashlib.sha256(msgspec.json.encode(shaping)).hexdigest()[:16]
 
 
 def source_digest(spec: str) -> str:
-    """sha256 of what `spec` reads: a dataset file's bytes, or the source file of the module of
-    `"module:Name"`; "" when there is none (a spec that does not load fails later, with its own
-    error)."""
+    """sha256 of what `spec` reads: a dataset file's bytes, or for `"module:Name"` every `.py` file
+    of the module's top-level package (`envs.math:Env` reads `envs/**/*.py`: a package's
+    `__init__` often only re-exports, and the code that shapes the prompts lives beside it), or the
+    module's own file when it is not in a package. "" when there is none (a spec that does not
+    load fails later, with its own error)."""
     path = Path(spec)
-    if not path.is_file():
+    if path.is_file():
+        files = [(path.name, path)]
+    else:
         module_name, sep, _ = spec.partition(":")
         if not sep or not module_name:
             return ""
         try:
-            module = importlib.import_module(module_name)
+            importlib.import_module(module_name)
         except ImportError:
             return ""
-        path = Path(getattr(module, "__file__", None) or "")
-        if not path.is_file():
+        files = _package_sources(module_name.partition(".")[0])
+        if not files:
             return ""
     digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
+    for name, file in files:
+        digest.update(name.encode() + b"\0")
+        digest.update(hashlib.sha256(file.read_bytes()).digest())
     return digest.hexdigest()
+
+
+def _package_sources(top: str) -> list[tuple[str, Path]]:
+    """(path relative to its root, path) of each `.py` file of module `top`, sorted."""
+    module = importlib.import_module(top)
+    roots = [Path(p) for p in getattr(module, "__path__", [])]
+    if not roots:
+        file = Path(getattr(module, "__file__", None) or "")
+        return [(file.name, file)] if file.is_file() else []
+    found = {str(f.relative_to(root)): f for root in roots for f in root.rglob("*.py")}
+    return sorted(found.items())
 
 
 def prepare_model(config: DoraConfig, *, log: bool = True) -> Path:

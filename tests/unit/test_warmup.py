@@ -75,3 +75,25 @@ def test_the_cache_key_covers_the_environment_code_and_the_data(
     data.write_text('{"prompt": "1+2", "answer": "3"}\n')
     assert model_key(config) not in (key, edited)
     assert source_digest("no_such_module_here:Env") == "" == source_digest("")
+
+
+def test_the_cache_key_covers_the_modules_beside_the_environment_in_its_package(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`envs.math`'s `__init__` only re-exports: the prompt format lives in a sibling module."""
+    package = tmp_path / "keyed_pkg"
+    (package / "prompts").mkdir(parents=True)
+    (package / "__init__.py").write_text("from keyed_pkg.env import Env\n")
+    (package / "env.py").write_text("from envs.math import ChainArithmeticEnv as Env\n")
+    (package / "prompts" / "__init__.py").write_text("FORMAT = 'Q: {q}'\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    config = load_config(None, ["env.cls=keyed_pkg:Env"])
+    keys = [model_key(config)]
+    (package / "env.py").write_text("from envs.math import ChainArithmeticEnv as Env  # edited\n")
+    keys.append(model_key(config))
+    (package / "prompts" / "__init__.py").write_text("FORMAT = 'Question: {q}'\n")
+    keys.append(model_key(config))
+    (package / "prompts" / "__init__.py").rename(package / "prompts" / "formats.py")
+    keys.append(model_key(config))
+    assert len(set(keys)) == 4
+    assert model_key(config) == keys[-1]  # stable
