@@ -63,7 +63,8 @@ def source_digest(spec: str) -> str:
     digest = hashlib.sha256()
     for name, file in files:
         digest.update(name.encode() + b"\0")
-        digest.update(hashlib.sha256(file.read_bytes()).digest())
+        with open(file, "rb") as f:  # a dataset may be large: read in blocks
+            digest.update(hashlib.file_digest(f, "sha256").digest())
     return digest.hexdigest()
 
 
