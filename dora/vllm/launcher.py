@@ -22,7 +22,10 @@ dora never imports vLLM: each server runs under the vllm venv's python (`DORA_VL
 Each server writes its log to a file; a server that exits or is not healthy within the start
 timeout fails with the tail of that log. Each is started in its own process group and stopped
 through its handle (SIGTERM to the group, a bounded wait, then SIGKILL), because vLLM's engine core
-is a child process that must not outlive it.
+is a child process that must not outlive it. Each also gets a temporary folder of its own
+(`TMPDIR`), removed when it stops: vLLM leaves its ZMQ IPC socket files and `vllm_dist_*` folders
+there, a dozen per start, and nothing else cleans them up. Torch's compile cache stays where it
+would be without it (`TORCHINDUCTOR_CACHE_DIR`), so that a restart reuses it.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import shutil
 import signal
 import tempfile
 from collections.abc import AsyncIterator, Mapping, Sequence
@@ -177,6 +181,8 @@ class VllmServer:
     url: str
     process: asyncio.subprocess.Process
     log_path: Path
+    scratch: Path | None = None
+    """Removed once the process group is gone."""
 
     def log_tail(self, lines: int = _LOG_TAIL_LINES) -> str:
         try:
@@ -198,6 +204,8 @@ class VllmServer:
         # The engine core is a child in the same group; make sure none of the group survives.
         _signal_group(proc.pid, signal.SIGKILL)
         await proc.wait()
+        if self.scratch is not None:
+            shutil.rmtree(self.scratch, ignore_errors=True)
 
 
 def _signal_group(pgid: int, sig: signal.Signals) -> None:
@@ -221,18 +229,32 @@ async def start_server(
     os.makedirs(log_dir, exist_ok=True)
     log_path = Path(log_dir) / f"vllm-{instance_id}.log"
     command = server_command(spec, port, bootstrap=True)
-    with open(log_path, "wb") as out:  # noqa: ASYNC230 (local file, opened once per start)
-        proc = await asyncio.create_subprocess_exec(
-            *command,
-            stdin=asyncio.subprocess.DEVNULL,
-            stdout=out,
-            stderr=asyncio.subprocess.STDOUT,
-            env=server_env(spec, index),
-            start_new_session=True,  # its own process group, stopped as a whole
-        )
+    scratch = _scratch_folder()
+    env = server_env(spec, index)
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir  # 1 s: only here
+
+    env.setdefault("TORCHINDUCTOR_CACHE_DIR", default_cache_dir())
+    env["TMPDIR"] = spec.env.get("TMPDIR", str(scratch))
+    try:
+        with open(log_path, "wb") as out:  # noqa: ASYNC230 (local file, opened once per start)
+            proc = await asyncio.create_subprocess_exec(
+                *command,
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=out,
+                stderr=asyncio.subprocess.STDOUT,
+                env=env,
+                start_new_session=True,  # its own process group, stopped as a whole
+            )
+    except BaseException:
+        shutil.rmtree(scratch, ignore_errors=True)
+        raise
     host = f"[{spec.host}]" if ":" in spec.host else spec.host
     server = VllmServer(
-        id=instance_id, url=f"http://{host}:{port}", process=proc, log_path=log_path
+        id=instance_id,
+        url=f"http://{host}:{port}",
+        process=proc,
+        log_path=log_path,
+        scratch=scratch,
     )
     log.info("vLLM %s (pid %d) starting at %s; log %s", instance_id, proc.pid, server.url, log_path)
     try:
@@ -241,6 +263,17 @@ async def start_server(
         await server.stop()
         raise
     return server
+
+
+def _scratch_folder() -> Path:
+    """A new folder for one server's temporary files. vLLM puts ZMQ IPC sockets in it, named by a
+    36-character uuid, and a socket's path holds at most 107 bytes: under a deeply nested `TMPDIR`
+    the folder goes to /tmp instead."""
+    scratch = tempfile.mkdtemp(prefix="dora-vllm-")
+    if len(scratch) > 64 and os.path.isdir("/tmp"):
+        os.rmdir(scratch)
+        scratch = tempfile.mkdtemp(prefix="dora-vllm-", dir="/tmp")
+    return Path(scratch)
 
 
 async def _wait_healthy(server: VllmServer, timeout_s: float) -> None:
