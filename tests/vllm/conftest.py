@@ -5,7 +5,9 @@ session's event loop (`loop_scope="session"`), the loop the servers' clients bel
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import shutil
+import tempfile
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
@@ -47,3 +49,15 @@ async def vllm_servers(
     )
     async with start_vllm(spec, 2) as handles:
         yield handles
+
+
+@pytest.fixture
+def own_tmpdir(monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """A new temporary folder for this process and the servers it starts (`TMPDIR`), removed at
+    the end. Short, so that the servers' scratch folders go inside it (vLLM's IPC socket paths
+    must fit in 107 bytes)."""
+    folder = Path(tempfile.mkdtemp(prefix="t"))
+    monkeypatch.setattr(tempfile, "tempdir", str(folder))
+    monkeypatch.setenv("TMPDIR", str(folder))
+    yield folder
+    shutil.rmtree(folder, ignore_errors=True)

@@ -17,7 +17,7 @@ What it shows:
 from __future__ import annotations
 
 import asyncio
-import tempfile
+import os
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -252,17 +252,11 @@ async def test_attach_resets_to_version_0(
             assert max_abs_diff(out.logprobs, ref) < TOL
 
 
-async def test_start_failure_shows_log_tail(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    scratch = tmp_path / "tmp"
-    scratch.mkdir()
-    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
-    monkeypatch.setenv("TMPDIR", str(scratch))
+async def test_start_failure_shows_log_tail(tmp_path: Path, own_tmpdir: Path) -> None:
     spec = VllmSpec(
         model_dir=str(tmp_path / "no-such-model"), log_dir=str(tmp_path), start_timeout_s=120
     )
     with pytest.raises(ServerUnavailable, match="tail of") as info:
         await start_server(spec, "bad")
     assert "no-such-model" in str(info.value)
-    assert list(scratch.iterdir()) == []  # the server's scratch folder went with it
+    assert os.listdir(own_tmpdir) == []  # the server's scratch folder went with it

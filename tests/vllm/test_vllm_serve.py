@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -34,13 +34,7 @@ pytestmark = [*needs_vllm, pytest.mark.asyncio(loop_scope="session"), pytest.mar
 STEPS, B, G, K = 6, 2, 4, 2
 
 
-async def test_dora_serve_on_vllm(
-    tiny_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    scratch = tmp_path / "tmp"  # the temporary folder of this process and the servers it starts
-    scratch.mkdir()
-    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
-    monkeypatch.setenv("TMPDIR", str(scratch))
+async def test_dora_serve_on_vllm(tiny_model: Path, tmp_path: Path, own_tmpdir: Path) -> None:
     tasks = tmp_path / "tasks.jsonl"
     tasks.write_text(
         "".join(
@@ -112,4 +106,4 @@ async def test_dora_serve_on_vllm(
     logs = sorted(p.name for p in (run_dir / "vllm").iterdir())
     assert logs == ["vllm-i0.log", "vllm-i1.log"], logs
     # vLLM's IPC socket files went to each server's scratch folder, removed when it stopped
-    assert list(scratch.iterdir()) == []
+    assert os.listdir(own_tmpdir) == []
