@@ -4,8 +4,8 @@ sides.
 `model.path = "tiny"` builds the tiny character-level model; `model.warmup_steps > 0` then
 fine-tunes it (or any other model) on the tasks' reference answers (see `dora.models.warmup`). Serve
 and learn must start from the same weights, so the result is cached under a key of everything that
-shapes it (model settings, environment, task source, seeds, and the source of the environment's
-package and of the task source's package or dataset file, so that editing a prompt format or
+shapes it (model settings, environment, task source, seeds, and the source of the packages of
+the environment and of the task source, or the dataset file, so that editing a prompt format or
 regenerating a dataset builds a new model): whichever side comes first builds it under a file lock,
 the other finds it ready. `dora run` prepares it before starting either side.
 """
@@ -16,8 +16,10 @@ import fcntl
 import hashlib
 import importlib
 import os
+import sys
 import tempfile
 from pathlib import Path
+from types import ModuleType
 
 import msgspec
 
@@ -42,7 +44,7 @@ def model_key(config: DoraConfig) -> str:
 
 def source_digest(spec: str) -> str:
     """sha256 of what `spec` reads: a dataset file's bytes, or for `"module:Name"` every `.py` file
-    of the module's top-level package (`envs.math:Env` reads `envs/**/*.py`: a package's
+    of the package that holds the module (`envs.math:Env` reads `envs/math/**/*.py`: a package's
     `__init__` often only re-exports, and the code that shapes the prompts lives beside it), or the
     module's own file when it is not in a package. "" when there is none (a spec that does not
     load fails later, with its own error)."""
@@ -54,29 +56,39 @@ def source_digest(spec: str) -> str:
         if not sep or not module_name:
             return ""
         try:
-            importlib.import_module(module_name)
+            module = importlib.import_module(module_name)
         except ImportError:
             return ""
-        files = _package_sources(module_name.partition(".")[0])
+        files = _package_sources(module)
         if not files:
             return ""
     digest = hashlib.sha256()
     for name, file in files:
-        digest.update(name.encode() + b"\0")
-        with open(file, "rb") as f:  # a dataset may be large: read in blocks
-            digest.update(hashlib.file_digest(f, "sha256").digest())
+        try:
+            with open(file, "rb") as f:  # a dataset may be large: read in blocks
+                content = hashlib.file_digest(f, "sha256").digest()
+        except FileNotFoundError:  # deleted since it was listed
+            continue
+        digest.update(name.encode() + b"\0" + content)
     return digest.hexdigest()
 
 
-def _package_sources(top: str) -> list[tuple[str, Path]]:
-    """(path relative to its root, path) of each `.py` file of module `top`, sorted."""
-    module = importlib.import_module(top)
+def _package_sources(module: ModuleType) -> list[tuple[str, Path]]:
+    """(name, path) of each `.py` file of the package that holds `module` (itself if it is one),
+    sorted; hidden files and folders (an editor's lock files) and dangling links left out."""
+    if not hasattr(module, "__path__") and "." in module.__name__:
+        module = sys.modules[module.__name__.rpartition(".")[0]]
     roots = [Path(p) for p in getattr(module, "__path__", [])]
     if not roots:
         file = Path(getattr(module, "__file__", None) or "")
         return [(file.name, file)] if file.is_file() else []
-    found = {str(f.relative_to(root)): f for root in roots for f in root.rglob("*.py")}
-    return sorted(found.items())
+    found = [
+        (f"{i}/{f.relative_to(root)}", f)
+        for i, root in enumerate(roots)
+        for f in root.rglob("*.py")
+        if f.is_file() and not any(part.startswith(".") for part in f.relative_to(root).parts)
+    ]
+    return sorted(found)
 
 
 def prepare_model(config: DoraConfig, *, log: bool = True) -> Path:

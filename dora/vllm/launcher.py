@@ -23,9 +23,10 @@ Each server writes its log to a file; a server that exits or is not healthy with
 timeout fails with the tail of that log. Each is started in its own process group and stopped
 through its handle (SIGTERM to the group, a bounded wait, then SIGKILL), because vLLM's engine core
 is a child process that must not outlive it. Each also gets a temporary folder of its own
-(`TMPDIR`), removed when it stops: vLLM leaves its ZMQ IPC socket files and `vllm_dist_*` folders
-there, a dozen per start, and nothing else cleans them up. Torch's compile cache stays where it
-would be without it (`TORCHINDUCTOR_CACHE_DIR`), so that a restart reuses it.
+(`TMPDIR=<tmp>/dora-vllm-tmp-*`, unless `spec.env` sets one), removed when it stops: vLLM leaves
+its ZMQ IPC socket files and `vllm_dist_*` folders there, a dozen per start, and nothing else
+cleans them up. Torch's compile cache stays where it would be without it
+(`TORCHINDUCTOR_CACHE_DIR`), so that a restart reuses it.
 """
 
 from __future__ import annotations
@@ -54,6 +55,8 @@ if TYPE_CHECKING:
     from dora.config import DoraConfig
 
 __all__ = [
+    "SCRATCH_MAX_LEN",
+    "SCRATCH_PREFIX",
     "VllmServer",
     "VllmSpec",
     "attach",
@@ -66,6 +69,10 @@ __all__ = [
 ]
 
 log = logging.getLogger("dora.vllm")
+
+SCRATCH_PREFIX = "dora-vllm-tmp-"
+SCRATCH_MAX_LEN = 64
+"""Longest scratch folder path: vLLM's socket names (36 characters) must still fit in 107 bytes."""
 
 _REPO = Path(__file__).resolve().parents[2]
 _LOG_TAIL_LINES = 40
@@ -194,18 +201,22 @@ class VllmServer:
     async def stop(self, grace_s: float = 15.0) -> None:
         """SIGTERM to the server's process group, then SIGKILL after `grace_s`."""
         proc = self.process
-        if proc.returncode is None:
-            _signal_group(proc.pid, signal.SIGTERM)
-            try:
-                async with asyncio.timeout(grace_s):
-                    await proc.wait()
-            except TimeoutError:
-                log.warning("vLLM %s (pid %d) ignored SIGTERM; killing it", self.id, proc.pid)
-        # The engine core is a child in the same group; make sure none of the group survives.
-        _signal_group(proc.pid, signal.SIGKILL)
-        await proc.wait()
-        if self.scratch is not None:
-            shutil.rmtree(self.scratch, ignore_errors=True)
+        try:
+            if proc.returncode is None:
+                _signal_group(proc.pid, signal.SIGTERM)
+                try:
+                    async with asyncio.timeout(grace_s):
+                        await proc.wait()
+                except TimeoutError:
+                    log.warning("vLLM %s (pid %d) ignored SIGTERM; killing it", self.id, proc.pid)
+            # The engine core is a child in the same group; make sure none of the group survives.
+            _signal_group(proc.pid, signal.SIGKILL)
+            await proc.wait()
+        finally:
+            if proc.returncode is None:  # this stop was cancelled: still kill the group
+                _signal_group(proc.pid, signal.SIGKILL)
+            if self.scratch is not None:
+                shutil.rmtree(self.scratch, ignore_errors=True)
 
 
 def _signal_group(pgid: int, sig: signal.Signals) -> None:
@@ -229,12 +240,14 @@ async def start_server(
     os.makedirs(log_dir, exist_ok=True)
     log_path = Path(log_dir) / f"vllm-{instance_id}.log"
     command = server_command(spec, port, bootstrap=True)
-    scratch = _scratch_folder()
     env = server_env(spec, index)
     from torch._inductor.runtime.cache_dir_utils import default_cache_dir  # 1 s: only here
 
     env.setdefault("TORCHINDUCTOR_CACHE_DIR", default_cache_dir())
-    env["TMPDIR"] = spec.env.get("TMPDIR", str(scratch))
+    scratch = None
+    if "TMPDIR" not in spec.env:
+        scratch = _scratch_folder()
+        env["TMPDIR"] = str(scratch)
     try:
         with open(log_path, "wb") as out:  # noqa: ASYNC230 (local file, opened once per start)
             proc = await asyncio.create_subprocess_exec(
@@ -246,7 +259,8 @@ async def start_server(
                 start_new_session=True,  # its own process group, stopped as a whole
             )
     except BaseException:
-        shutil.rmtree(scratch, ignore_errors=True)
+        if scratch is not None:
+            shutil.rmtree(scratch, ignore_errors=True)
         raise
     host = f"[{spec.host}]" if ":" in spec.host else spec.host
     server = VllmServer(
@@ -269,10 +283,10 @@ def _scratch_folder() -> Path:
     """A new folder for one server's temporary files. vLLM puts ZMQ IPC sockets in it, named by a
     36-character uuid, and a socket's path holds at most 107 bytes: under a deeply nested `TMPDIR`
     the folder goes to /tmp instead."""
-    scratch = tempfile.mkdtemp(prefix="dora-vllm-")
-    if len(scratch) > 64 and os.path.isdir("/tmp"):
+    scratch = tempfile.mkdtemp(prefix=SCRATCH_PREFIX)
+    if len(scratch) > SCRATCH_MAX_LEN and os.path.isdir("/tmp"):
         os.rmdir(scratch)
-        scratch = tempfile.mkdtemp(prefix="dora-vllm-", dir="/tmp")
+        scratch = tempfile.mkdtemp(prefix=SCRATCH_PREFIX, dir="/tmp")
     return Path(scratch)
 
 

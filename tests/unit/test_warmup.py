@@ -96,4 +96,8 @@ def test_the_cache_key_covers_the_modules_beside_the_environment_in_its_package(
     (package / "prompts" / "__init__.py").rename(package / "prompts" / "formats.py")
     keys.append(model_key(config))
     assert len(set(keys)) == 4
-    assert model_key(config) == keys[-1]  # stable
+    # an editor's lock file (a dangling link) and a hidden folder neither break nor change it
+    (package / ".#env.py").symlink_to("user@host.1234")
+    (package / ".backup").mkdir()
+    (package / ".backup" / "env.py").write_text("old = 1\n")
+    assert model_key(config) == keys[-1]

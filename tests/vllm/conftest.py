@@ -16,7 +16,7 @@ from vllm_helpers import perturbed
 
 from dora.models.tiny import TinyModelSpec, build_tiny_model
 from dora.serve.instances import InstanceHandle
-from dora.vllm.launcher import VllmSpec, start_vllm
+from dora.vllm.launcher import SCRATCH_MAX_LEN, SCRATCH_PREFIX, VllmSpec, start_vllm
 
 
 @pytest.fixture(scope="session")
@@ -57,6 +57,9 @@ def own_tmpdir(monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     the end. Short, so that the servers' scratch folders go inside it (vLLM's IPC socket paths
     must fit in 107 bytes)."""
     folder = Path(tempfile.mkdtemp(prefix="t"))
+    if len(str(folder)) + len(SCRATCH_PREFIX) + 10 > SCRATCH_MAX_LEN:
+        folder.rmdir()
+        folder = Path(tempfile.mkdtemp(prefix="t", dir="/tmp"))
     monkeypatch.setattr(tempfile, "tempdir", str(folder))
     monkeypatch.setenv("TMPDIR", str(folder))
     yield folder
