@@ -241,11 +241,12 @@ async def start_server(
     log_path = Path(log_dir) / f"vllm-{instance_id}.log"
     command = server_command(spec, port, bootstrap=True)
     env = server_env(spec, index)
-    from torch._inductor.runtime.cache_dir_utils import default_cache_dir  # 1 s: only here
-
-    env.setdefault("TORCHINDUCTOR_CACHE_DIR", default_cache_dir())
     scratch = None
     if "TMPDIR" not in spec.env:
+        from torch._inductor.runtime.cache_dir_utils import default_cache_dir  # 1 s: only here
+
+        # the compile cache keeps the place it has under the TMPDIR this one replaces
+        env.setdefault("TORCHINDUCTOR_CACHE_DIR", default_cache_dir())
         scratch = _scratch_folder()
         env["TMPDIR"] = str(scratch)
     try:
