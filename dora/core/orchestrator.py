@@ -85,6 +85,9 @@ __all__ = [
 ]
 
 
+_UNLIMITED = 1 << 62  # the KV-token room of an instance without a token capacity
+
+
 class Mode(enum.Enum):
     SYNC = "sync"
     ONE_STEP_OFF = "one_step_off"
@@ -192,7 +195,8 @@ class Orchestrator:
         self._newest = newest
         self._instances: dict[str, _Instance] = {}
         self._requests: dict[str, _Request] = {}
-        self._live: dict[int, int] = {}  # version -> live requests (R_w)
+        self._live: dict[int, int] = {}  # version -> live requests (R_w); no zero entries
+        self._live_tokens: dict[int, int] = {}  # version -> context tokens of its live requests
         self._parked: dict[int, list[str]] = {}  # version -> parked requests, in park order
         self._demand: int | None = None  # requests waiting for room (None: not reported)
         self._joined = 0
@@ -234,7 +238,7 @@ class Orchestrator:
 
     def live(self) -> dict[int, int]:
         """`R_w`: live requests per version (placed or parked)."""
-        return {w: n for w, n in sorted(self._live.items()) if n}
+        return dict(sorted(self._live.items()))
 
     def loaded_versions(self) -> set[int]:
         """Versions held or being loaded by some instance."""
@@ -310,7 +314,7 @@ class Orchestrator:
         self._newest = version
         actions: list[Action] = []
         if self._mode is Mode.ONE_STEP_OFF:
-            if any(n for n in self._live.values()):
+            if self._live:
                 for inst in self._instances.values():
                     if inst.version is not None and not inst.draining:
                         self._set_draining(inst, True)
@@ -343,6 +347,7 @@ class Orchestrator:
         req = self._req(request)
         if req.instance is not None:
             self._instances[req.instance].used_tokens += tokens - req.size
+        self._count_live(req.version, 0, tokens - req.size)
         req.size = tokens
 
     def can_place(self, n: int, *, version: int) -> str | None:
@@ -364,7 +369,7 @@ class Orchestrator:
                 raise SchedulingError(f"request {rid!r} is already live")
             self._requests[rid] = _Request(version, None)
             self._attach(best, rid)
-        self._live[version] = self._live.get(version, 0) + len(requests)
+        self._count_live(version, len(requests), 0)
         return best.id
 
     def finish(self, request: str) -> list[Action]:
@@ -378,7 +383,7 @@ class Orchestrator:
         else:
             self._detach(inst, request)
         del self._requests[request]
-        self._live[req.version] -= 1
+        self._count_live(req.version, -1, -req.size)
         if self._parked or self._draining or self._mode not in (Mode.DORA, Mode.SYNC):
             return self._plan()
         if req.version == self._newest or inst is None:
@@ -410,6 +415,7 @@ class Orchestrator:
                 del self._requests[rid]
         self._parked = {w: q for w, q in self._parked.items() if w <= newest}
         self._live = {w: n for w, n in self._live.items() if w <= newest}
+        self._live_tokens = {w: n for w, n in self._live_tokens.items() if w <= newest}
         for inst in list(self._instances.values()):
             if inst.version is not None and inst.version > newest:
                 self._unindex(inst)
@@ -429,11 +435,12 @@ class Orchestrator:
                 self._load(inst, self._newest, actions)
         else:
             self._plan_multi_version(actions)
+            return actions
         self._resume_parked(actions)
         return actions
 
     def _plan_one_step_off(self, actions: list[Action]) -> None:
-        old = sorted(w for w, n in self._live.items() if n and w != self._newest)
+        old = sorted(w for w in self._live if w != self._newest)
         if not old:
             for inst in [self._instances[i] for i in self._draining]:
                 self._set_draining(inst, False)
@@ -452,12 +459,15 @@ class Orchestrator:
 
     def _plan_multi_version(self, actions: list[Action]) -> None:
         newest = self._newest
-        old = sorted(w for w, n in self._live.items() if n and w != newest)
+        old = sorted(w for w in self._live if w != newest)
         keep: set[str] = set()
         for w in old:  # deadline order: the oldest version is on the trainer's critical path
             keep |= self._shrink(w, actions)
+        # Parked requests take the room they have before any instance is re-targeted: an idle
+        # instance of their version is room, not a surplus to load the newest version on.
+        self._resume_parked(actions)
         for w in old:
-            if self._parked.get(w) and self._room(w) is None:
+            if self._parked.get(w):  # what is still parked has no room
                 self._grow(w, keep, actions)
         todo = {i.id: i for i in self._idle_not_newest()}
         todo.update((i, self._instances[i]) for i in self._draining)
@@ -484,15 +494,19 @@ class Orchestrator:
             return set(mine)  # nothing can move and nothing is idle: every instance stays
         order = sorted(mine.values(), key=lambda i: (not i.ready, -len(i.requests), i.id))
         kept: list[_Instance] = []
-        room = 0
-        need = self._live.get(w, 0)
+        room = room_tokens = 0
+        need, need_tokens = self._live.get(w, 0), self._live_tokens.get(w, 0)
         for inst in order:
-            if room >= need and not inst.requests:
+            # Slots and KV tokens count alike: kept instances must hold the version's live
+            # requests by both, or an emptied one is released and asked for again.
+            enough = room >= need and room_tokens >= need_tokens
+            if enough and not inst.requests:
                 continue
-            if migrate and room >= need and inst.ready and self._move_all(inst, kept, actions):
+            if migrate and enough and inst.ready and self._move_all(inst, kept, actions):
                 continue
             kept.append(inst)
             room += inst.capacity
+            room_tokens += _UNLIMITED if inst.tokens is None else inst.tokens
         return {k.id for k in kept}
 
     def _move_all(self, inst: _Instance, kept: list[_Instance], actions: list[Action]) -> bool:
@@ -562,8 +576,8 @@ class Orchestrator:
                     break
                 queue.pop(0)
                 if req.version != run_on:
-                    self._live[req.version] -= 1
-                    self._live[run_on] = self._live.get(run_on, 0) + 1
+                    self._count_live(req.version, -1, -req.size)
+                    self._count_live(run_on, 1, req.size)
                     req.version = run_on
                 self._attach(dst, rid)
                 actions.append(Resume(rid, dst.id, run_on))
@@ -583,6 +597,15 @@ class Orchestrator:
         if req is None:
             raise SchedulingError(f"unknown request {request!r}")
         return req
+
+    def _count_live(self, version: int, requests: int, tokens: int) -> None:
+        n = self._live.get(version, 0) + requests
+        if n:
+            self._live[version] = n
+            self._live_tokens[version] = self._live_tokens.get(version, 0) + tokens
+        else:
+            self._live.pop(version, None)
+            self._live_tokens.pop(version, None)
 
     def _park(self, rid: str) -> None:
         req = self._requests[rid]

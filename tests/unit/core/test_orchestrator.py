@@ -228,3 +228,25 @@ def test_planning_cost_does_not_grow_with_the_square_of_the_pool() -> None:
         assert o.place([f"s{i}/0", f"s{i}/1"], version=1) is not None
     # A pass over the pool per event (the old planner) takes minutes here.
     assert time.perf_counter() - start < 20
+
+
+def test_token_limits_do_not_ping_pong_a_load() -> None:
+    # `a` is over its token limit (110 of 100), so version 0 needs a second instance for r2; the
+    # rule must count tokens as it counts slots, and resume r2 before it re-targets `c`.
+    o = Orchestrator(mode=Mode.DORA)
+    o.add_instance("a", capacity=3, tokens=100)
+    o.on_loaded("a", 0)
+    o.place(["r1"], version=0)
+    o.place(["r3"], version=0)
+    o.add_instance("b", capacity=3, tokens=100)
+    o.on_loaded("b", 0)
+    o.place(["r2"], version=0)
+    o.set_size("r1", 60)
+    o.set_size("r3", 50)
+    o.set_size("r2", 10)
+    o.publish(1)
+    o.add_instance("c", capacity=3, tokens=100)
+    o.on_loaded("c", 1)
+    assert o.remove_instance("b") == [Park("r2", "b"), Load("c", 0)]
+    assert o.on_loaded("c", 0) == [Resume("r2", "c", 0)]
+    assert o.location("r2") == "c"
