@@ -55,8 +55,8 @@ Non-obvious choices:
 Usage::
 
     o = Orchestrator(mode=Mode.DORA)
-    do(o.add_instance("i0", capacity=16))   # -> [Load("i0", 0)]
-    do(o.on_loaded("i0", 0))
+    [load] = o.add_instance("i0", capacity=16)   # -> [Load("i0", 0, id=1)]
+    do(o.on_loaded(load))                   # the same `Load`, once its weights are in
     where = o.place(["g1/0", "g1/1"], version=0)   # instance id, or None: no room
     do(o.finish("g1/0"))
     do(o.publish(1))                        # StepDone(0): version 1 is the newest
@@ -97,10 +97,14 @@ class Mode(enum.Enum):
 
 @dataclass(frozen=True, slots=True)
 class Load:
-    """Load `version` on `instance` (it holds no request). Report `on_loaded` when done."""
+    """Load `version` on `instance` (it holds no request). When done, report this very value
+    to `on_loaded`: `id` names the load, so a completion of an earlier load of the same
+    instance (the target changed and changed back, or a roll-back made it a ghost's) is told
+    apart and ignored. The orchestrator numbers its loads from 1; 0 names none."""
 
     instance: str
     version: int
+    id: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -168,6 +172,7 @@ class _Instance:
     version: int | None = None
     ready: bool = False
     draining: bool = False
+    load_id: int = 0  # the pending `Load`'s id (0: none)
     requests: set[str] = field(default_factory=set)
     used_tokens: int = 0
 
@@ -200,6 +205,8 @@ class Orchestrator:
         self._parked: dict[int, list[str]] = {}  # version -> parked requests, in park order
         self._demand: int | None = None  # requests waiting for room (None: not reported)
         self._joined = 0
+        self._loads = 0  # `Load` ids handed out
+        self._stale_loads = 0
         self._min_capacity = 0
         # Indexes, so that an event costs about O(log n) rather than a pass over the pool:
         self._by_version: dict[int | None, dict[str, _Instance]] = {}
@@ -243,6 +250,19 @@ class Orchestrator:
     def loaded_versions(self) -> set[int]:
         """Versions held or being loaded by some instance."""
         return {w for w, d in self._by_version.items() if d and w is not None}
+
+    def pending_load(self, instance_id: str) -> Load | None:
+        """The `Load` the instance waits for (the one `on_loaded` accepts), or None: it is
+        ready, or unknown."""
+        inst = self._instances.get(instance_id)
+        if inst is None or not inst.load_id or inst.version is None:
+            return None
+        return Load(inst.id, inst.version, inst.load_id)
+
+    @property
+    def stale_loads(self) -> int:
+        """Completions `on_loaded` ignored: not the pending load of a live instance."""
+        return self._stale_loads
 
     def is_live(self, request: str) -> bool:
         return request in self._requests
@@ -295,15 +315,18 @@ class Orchestrator:
                 actions.append(Migrate(rid, instance_id, dst.id))
         return actions + self._plan()
 
-    def on_loaded(self, instance_id: str, version: int) -> list[Action]:
-        """A `Load` finished. Ignored if the instance died or was given another version since."""
-        inst = self._instances.get(instance_id)
-        if inst is None or inst.version != version or inst.ready:
+    def on_loaded(self, load: Load) -> list[Action]:
+        """`load` finished. Ignored (and counted in `stale_loads`) unless it is the instance's
+        pending load (`pending_load`): the instance died, or got another `Load` since."""
+        inst = self._instances.get(load.instance)
+        if inst is None or inst.ready or inst.load_id != load.id or inst.version != load.version:
+            self._stale_loads += 1
             return []
         self._unindex(inst)
         inst.ready = True
+        inst.load_id = 0
         self._index(inst)
-        if version == self._newest and not self._parked and not self._draining:
+        if load.version == self._newest and not self._parked and not self._draining:
             return []  # a ready instance of the newest version changes no other decision
         return self._plan()
 
@@ -419,7 +442,7 @@ class Orchestrator:
         for inst in list(self._instances.values()):
             if inst.version is not None and inst.version > newest:
                 self._unindex(inst)
-                inst.version, inst.ready = None, False
+                inst.version, inst.ready, inst.load_id = None, False, 0
                 self._index(inst)
                 self._set_draining(inst, False)
         return self._plan()
@@ -734,6 +757,7 @@ class Orchestrator:
         if inst.requests:
             raise SchedulingError(f"cannot load {inst.id!r}: it holds requests")
         self._unindex(inst)
-        inst.version, inst.ready = version, False
+        self._loads += 1
+        inst.version, inst.ready, inst.load_id = version, False, self._loads
         self._index(inst)
-        actions.append(Load(inst.id, version))
+        actions.append(Load(inst.id, version, self._loads))

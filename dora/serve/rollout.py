@@ -350,9 +350,9 @@ class Rollout:
                     inst = self.router.instances[i]
                     if inst.version == v and not self._load_locks[i].locked():
                         # Already holds it (every instance starts with version 0).
-                        self._loaded(i, v)
+                        self._loaded(action)
                     else:
-                        self.spawn(self._load(i, v), name=f"load-{i}-v{v}")
+                        self.spawn(self._load(action), name=f"load-{i}-v{v}")
                 case Drain(instance=i):
                     self.metrics.write("drain", {"instance": i})
                 case Undrain(instance=i):  # placement asks the orchestrator; this is for the log
@@ -368,13 +368,6 @@ class Rollout:
         self.changed.set()
         if self.evaluator is not None:
             self.evaluator.wake()
-
-    def _target(self, instance: str) -> int | None:
-        """The version the orchestrator wants on `instance` (None: none, or it is gone)."""
-        for view in self.orchestrator.instances():
-            if view.id == instance:
-                return view.version
-        return None
 
     def instance_failed(self, instance: str) -> None:
         """An instance is unreachable: its leases continue on instances of their version (or are
@@ -415,20 +408,21 @@ class Rollout:
         capacity = self.config.serve.max_running
         self.apply(self.orchestrator.add_instance(handle.id, capacity=capacity))
 
-    def _loaded(self, instance: str, version: int) -> None:
-        if self._target(instance) != version:
-            return  # the orchestrator changed its mind (or rolled back) during the load
-        self.queue.on_version_loaded(version)
-        self.apply(self.orchestrator.on_loaded(instance, version))
+    def _loaded(self, load: Load) -> None:
+        if self.orchestrator.pending_load(load.instance) != load:
+            return  # superseded during the load (another Load, a roll-back, the instance died)
+        self.queue.on_version_loaded(load.version)
+        self.apply(self.orchestrator.on_loaded(load))
         newest = self.queue.newest_version
         if self.evaluator is not None and newest is not None:
             self.evaluator.on_loaded(newest)
 
-    async def _load(self, instance: str, version: int) -> None:
+    async def _load(self, load: Load) -> None:
+        instance, version = load.instance, load.version
         timeout_s = self.config.serve.weight_load_timeout_s
         async with self._load_locks[instance]:
-            if self._target(instance) != version:
-                return  # the orchestrator gave the instance another version since (or lost it)
+            if self.orchestrator.pending_load(instance) != load:
+                return  # the orchestrator gave the instance another load since (or lost it)
             try:
                 async with asyncio.timeout(timeout_s):
                     await self.router.wait_idle(instance)
@@ -437,8 +431,8 @@ class Rollout:
                     f"instance {instance} still had calls in flight {timeout_s:g} s after it was "
                     f"emptied for version {version}"
                 ) from None
-            if self._target(instance) != version:
-                return  # changed while we waited (the store may have dropped `version` since)
+            if self.orchestrator.pending_load(instance) != load:
+                return  # superseded while we waited (the store may have dropped `version` since)
             weights = self.store.get(version)
             started = time.monotonic()
             incarnation = self.queue.incarnation
@@ -482,8 +476,11 @@ class Rollout:
                         return
                     self.weight_load_retries += 1
             seconds = time.monotonic() - started
-            if incarnation != self.queue.incarnation:
-                # A roll-back happened during the load: `version` may now name other weights.
+            if incarnation != self.queue.incarnation and (
+                self.orchestrator.pending_load(instance) != load
+            ):
+                # A roll-back superseded the load: `version` may now name other weights. (A
+                # load it kept is of a real version, whose weights the roll-back kept too.)
                 self.router.instances[instance].version = -1
                 return
             self.router.instances[instance].version = version
@@ -492,7 +489,7 @@ class Rollout:
             self.metrics.write(
                 "weight_load", {"instance": instance, "version": version, "seconds": seconds}
             )
-        self._loaded(instance, version)
+        self._loaded(load)
 
     # --- the trainer link --------------------------------------------------------------------
 

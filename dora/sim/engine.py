@@ -118,7 +118,7 @@ class _Inst:
         "heap",
         "id",
         "kv",
-        "load_token",
+        "load",
         "paused",
         "prog",
         "ready",
@@ -150,7 +150,7 @@ class _Inst:
         self.t = 0.0
         self.stall = 0.0
         self.token = 0
-        self.load_token = 0
+        self.load: Load | None = None  # the pending load
         self.target = 0.0
         self.used = 0  # slots the orchestrator counts (running, waiting, in a tool)
         self.roomy: int | None = None
@@ -270,8 +270,8 @@ class _Sim:
                 self.on_tool(obj)
             elif kind == _LOADED:
                 assert isinstance(obj, _Inst)
-                if arg == obj.load_token:
-                    self.on_loaded(obj)
+                if obj.load is not None and arg == obj.load.id:  # a later Load supersedes it
+                    self.on_loaded(obj, obj.load)
             elif kind == _TRAINED:
                 assert isinstance(obj, int)
                 self.on_trained(obj)
@@ -489,12 +489,12 @@ class _Sim:
                 inst.version = a.version
                 inst.ready = False
                 inst.draining = False
-                inst.load_token += 1
+                inst.load = a
                 self.update_room(inst)
                 self.kick(inst)
                 delay = self.s.weight_sync_s if self.now > 0 else 0.0
                 self.run.loads += 1
-                self.at(self.now + delay, _LOADED, inst, inst.load_token)
+                self.at(self.now + delay, _LOADED, inst, a.id)
             elif isinstance(a, Migrate):
                 req = self.reqs[a.request]
                 src, dst = self.insts[a.src], self.insts[a.dst]
@@ -553,14 +553,14 @@ class _Sim:
                 inst.draining = True
                 self.update_room(inst)
 
-    def on_loaded(self, inst: _Inst) -> None:
+    def on_loaded(self, inst: _Inst, load: Load) -> None:
         assert inst.version is not None
         self.segment(inst, -1)
         inst.ready = True
         inst.t = self.now
         self.q.on_version_loaded(inst.version)
         self.update_room(inst)
-        self.apply(self.orchs[inst.shard].on_loaded(inst.id, inst.version))
+        self.apply(self.orchs[inst.shard].on_loaded(load))
         self.kick(inst)
         self.pump()
 

@@ -56,7 +56,8 @@ class Sim:
     now: float = 0.0
     events: list[tuple[float, int, tuple[str, ...]]] = field(default_factory=list)
     seq: int = 0
-    tok: dict[str, int] = field(default_factory=dict)  # request or instance -> event token
+    tok: dict[str, int] = field(default_factory=dict)  # request -> event token
+    loads: dict[int, Load] = field(default_factory=dict)  # loads in progress, by id
     end: dict[str, float] = field(default_factory=dict)  # running request -> finish time
     left: dict[str, float] = field(default_factory=dict)  # parked request -> work left
     segments: dict[str, list[int]] = field(default_factory=dict)  # request -> versions used
@@ -107,10 +108,10 @@ class Sim:
         for a in actions:
             if isinstance(a, Load):
                 self.draining.discard(a.instance)
-                t = self.tok[a.instance] = self.tok.get(a.instance, 0) + 1
                 slow = 5.0 if self.rng.random() < 0.2 else 1.0
                 delay = self.p.load_time * slow * self.rng.uniform(0.5, 1.5)
-                self.at(self.now + delay, "loaded", a.instance, str(a.version), str(t))
+                self.loads[a.id] = a
+                self.at(self.now + delay, "loaded", str(a.id))
             elif isinstance(a, Migrate):
                 self.segments[a.request].append(self.version_of(views, a.dst))
             elif isinstance(a, Park):
@@ -276,11 +277,12 @@ class Sim:
                 del self.pending[gid]
                 self.group_done(gid)
         elif kind == "loaded":
-            inst, w, t = ev[1], int(ev[2]), int(ev[3])
-            if self.tok.get(inst) == t:
-                self.apply(self.o.on_loaded(inst, w))
-                if any(v.id == inst and v.ready and v.version == w for v in self.o.instances()):
-                    self.q.on_version_loaded(w, incarnation=self.incarnation)
+            # Every completed load is reported, also those the orchestrator superseded since:
+            # the load's identity, not this driver, tells them apart.
+            load = self.loads.pop(int(ev[1]))
+            if self.o.pending_load(load.instance) == load:
+                self.q.on_version_loaded(load.version, incarnation=self.incarnation)
+            self.apply(self.o.on_loaded(load))
         elif kind == "trained":
             if int(ev[2]) == self.incarnation:
                 self.trained_step(int(ev[1]))
@@ -291,7 +293,6 @@ class Sim:
             views = self.o.instances()
             if views:
                 victim = self.rng.choice(views).id
-                self.tok[victim] = self.tok.get(victim, 0) + 1
                 self.draining.discard(victim)
                 self.apply(self.o.remove_instance(victim))
                 self.at(self.now + self.p.load_time * 2, "revive")

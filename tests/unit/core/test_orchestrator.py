@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import pytest
 
 from dora.core.orchestrator import (
+    Action,
     Drain,
     Load,
     Migrate,
@@ -19,11 +21,23 @@ from dora.core.orchestrator import (
 from dora.errors import SchedulingError
 
 
+def shape(actions: list[Action]) -> list[Action]:
+    """The actions with the loads' ids left out (tests name loads by instance and version)."""
+    return [dataclasses.replace(a, id=0) if isinstance(a, Load) else a for a in actions]
+
+
+def loaded(o: Orchestrator, instance: str, version: int) -> list[Action]:
+    """Report the instance's pending load (which must be of `version`) as done."""
+    load = o.pending_load(instance)
+    assert load is not None and load.version == version, (instance, load)
+    return o.on_loaded(load)
+
+
 def pool(mode: Mode, n: int, capacity: int) -> Orchestrator:
     o = Orchestrator(mode=mode)
     for i in range(n):
-        assert o.add_instance(f"i{i}", capacity=capacity) == [Load(f"i{i}", 0)]
-        assert o.on_loaded(f"i{i}", 0) == []
+        assert shape(o.add_instance(f"i{i}", capacity=capacity)) == [Load(f"i{i}", 0)]
+        assert loaded(o, f"i{i}", 0) == []
     return o
 
 
@@ -59,9 +73,11 @@ def test_old_version_keeps_an_instance_while_it_has_live_requests() -> None:
     assert [a for a in o.publish(1) if isinstance(a, Load)] == []  # no whole instance is free
     assert o.finish("a") == []  # i0 still holds b; i1 is full: nothing moves
     actions = o.finish("c")
-    assert actions == [Migrate("d", "i1", "i0"), Load("i1", 1)]
+    assert shape(actions) == [Migrate("d", "i1", "i0"), Load("i1", 1)]
     o.finish("b")
-    assert o.finish("d") == [Load("i0", 1)]  # never zero instances while R_0 > 0, then released
+    assert shape(o.finish("d")) == [
+        Load("i0", 1)
+    ]  # never zero instances while R_0 > 0, then released
 
 
 def test_dead_instance_requests_migrate_within_their_version() -> None:
@@ -76,30 +92,30 @@ def test_dead_instance_without_peer_parks_and_reloads_its_version() -> None:
     o = pool(Mode.DORA, 2, 2)
     o.place(["a", "b"], version=0)
     o.publish(1)  # i1 (empty) loads version 1; i0 keeps version 0
-    o.on_loaded("i1", 1)
+    loaded(o, "i1", 1)
     o.place(["n1"], version=1)
     actions = o.remove_instance("i0")
     assert actions[:2] == [Park("a", "i0"), Park("b", "i0")]
     # Version 0 is on the trainer's critical path: the only instance drains for it.
     assert actions[2:] == [Drain("i1")]
     assert o.place(["n2"], version=1) is None
-    assert o.finish("n1") == [Load("i1", 0)]
-    assert o.on_loaded("i1", 0) == [Resume("a", "i1", 0), Resume("b", "i1", 0)]
+    assert shape(o.finish("n1")) == [Load("i1", 0)]
+    assert loaded(o, "i1", 0) == [Resume("a", "i1", 0), Resume("b", "i1", 0)]
 
 
 def test_fewer_instances_than_versions_serves_oldest_first() -> None:
     o = pool(Mode.DORA, 1, 1)
     o.add_instance("i1", capacity=1)
-    o.on_loaded("i1", 0)
+    loaded(o, "i1", 0)
     o.place(["a"], version=0)
     o.publish(1)
-    o.on_loaded("i1", 1)
+    loaded(o, "i1", 1)
     o.place(["b"], version=1)
     o.publish(2)
     o.remove_instance("i1")  # b (version 1) parks; i0 holds version 0
     o.add_instance("i2", capacity=1)  # a fresh instance goes to the oldest waiting version
     assert o.instances()[-1].version == 1
-    assert o.on_loaded("i2", 1) == [Resume("b", "i2", 1)]
+    assert loaded(o, "i2", 1) == [Resume("b", "i2", 1)]
 
 
 def test_one_step_off_drains_then_switches_all_together() -> None:
@@ -108,25 +124,25 @@ def test_one_step_off_drains_then_switches_all_together() -> None:
     assert o.publish(1) == [Drain("i0"), Drain("i1")]
     assert o.place(["b"], version=0) is None  # no new group of the old version
     assert o.loaded_versions() == {0}
-    assert o.finish("a") == [Load("i0", 1), Load("i1", 1)]
-    o.on_loaded("i0", 1)
+    assert shape(o.finish("a")) == [Load("i0", 1), Load("i1", 1)]
+    loaded(o, "i0", 1)
     assert o.place(["b"], version=1) == "i0"
 
 
 def test_partial_parks_loads_and_resumes_on_the_new_version() -> None:
     o = pool(Mode.PARTIAL, 1, 2)
     o.place(["a", "b"], version=0)
-    assert o.publish(1) == [Park("a", "i0"), Park("b", "i0"), Load("i0", 1)]
-    assert o.on_loaded("i0", 1) == [Resume("a", "i0", 1), Resume("b", "i0", 1)]
+    assert shape(o.publish(1)) == [Park("a", "i0"), Park("b", "i0"), Load("i0", 1)]
+    assert loaded(o, "i0", 1) == [Resume("a", "i0", 1), Resume("b", "i0", 1)]
     assert o.live() == {1: 2}
 
 
 def test_rollback_forgets_ghost_requests_and_reloads() -> None:
     o = pool(Mode.DORA, 1, 2)
     o.publish(1)
-    o.on_loaded("i0", 1)
+    loaded(o, "i0", 1)
     o.place(["ghost"], version=1)
-    assert o.rollback(0) == [Load("i0", 0)]
+    assert shape(o.rollback(0)) == [Load("i0", 0)]
     assert o.live() == {}
     with pytest.raises(SchedulingError):
         o.finish("ghost")
@@ -136,11 +152,11 @@ def test_a_drain_lifted_without_a_load_is_reported() -> None:
     o = pool(Mode.DORA, 2, 2)
     o.place(["a", "b"], version=0)
     o.publish(1)
-    o.on_loaded("i1", 1)
+    loaded(o, "i1", 1)
     o.place(["n1"], version=1)
     assert o.remove_instance("i0")[2:] == [Drain("i1")]  # version 0's requests wait for room
-    assert o.add_instance("i2", capacity=2) == [Load("i2", 0)]  # ...and get a fresh instance
-    assert o.on_loaded("i2", 0) == [Resume("a", "i2", 0), Resume("b", "i2", 0)]
+    assert shape(o.add_instance("i2", capacity=2)) == [Load("i2", 0)]  # ...and get a fresh instance
+    assert loaded(o, "i2", 0) == [Resume("a", "i2", 0), Resume("b", "i2", 0)]
     assert not o.accepts("i1")
     # i1 empties; nobody waits any more, so it stays on version 1 and takes groups again.
     assert o.finish("n1") == [Undrain("i1")]
@@ -153,10 +169,10 @@ def test_old_version_is_consolidated_only_when_the_newest_needs_room() -> None:
         o.place([f"r{i}"], version=0)
     assert o.set_demand(0) == []
     # Nothing waits: the idle instance loads version 1, the busy ones keep their requests.
-    assert o.publish(1) == [Load("i3", 1)]
-    assert o.finish("r0") == [Load("i0", 1)]  # an emptied instance still moves to the newest
-    o.on_loaded("i3", 1)
-    o.on_loaded("i0", 1)
+    assert shape(o.publish(1)) == [Load("i3", 1)]
+    assert shape(o.finish("r0")) == [Load("i0", 1)]  # an emptied instance still moves to the newest
+    loaded(o, "i3", 1)
+    loaded(o, "i0", 1)
     for n in range(2):
         assert o.place([f"n{n}/{j}" for j in range(4)], version=1) is not None
     # Now groups wait and version 1 has no room coming: version 0 packs onto one instance.
@@ -171,9 +187,9 @@ def test_demand_covered_by_loading_instances_does_not_consolidate() -> None:
     o.place(["a"], version=0)
     o.place(["b"], version=0)
     o.set_demand(0)
-    assert o.publish(1) == [Load("i2", 1)]
+    assert shape(o.publish(1)) == [Load("i2", 1)]
     assert o.set_demand(4) == []  # i2 is loading version 1 and will take the 4 waiting samples
-    assert o.set_demand(5) == [Migrate("b", "i1", "i0"), Load("i1", 1)]
+    assert shape(o.set_demand(5)) == [Migrate("b", "i1", "i0"), Load("i1", 1)]
 
 
 def test_consolidation_respects_kv_token_capacity() -> None:
@@ -181,7 +197,7 @@ def test_consolidation_respects_kv_token_capacity() -> None:
         o = Orchestrator(mode=Mode.DORA)
         for i in range(3):
             o.add_instance(f"i{i}", capacity=4, tokens=tokens)
-            o.on_loaded(f"i{i}", 0)
+            loaded(o, f"i{i}", 0)
         for i, size in enumerate([60, 60, 10]):
             o.place([f"r{i}"], version=0)
             o.set_size(f"r{i}", size)
@@ -196,7 +212,7 @@ def test_place_and_resume_respect_kv_tokens_on_failure() -> None:
     o = Orchestrator(mode=Mode.DORA)
     for i in range(3):
         o.add_instance(f"i{i}", capacity=4, tokens=100)
-        o.on_loaded(f"i{i}", 0)
+        loaded(o, f"i{i}", 0)
     o.place(["a"], version=0)
     o.set_size("a", 90)
     o.place(["b"], version=0)
@@ -213,7 +229,7 @@ def test_planning_cost_does_not_grow_with_the_square_of_the_pool() -> None:
     start = time.perf_counter()
     for i in range(n):
         o.add_instance(f"i{i}", capacity=4)
-        o.on_loaded(f"i{i}", 0)
+        loaded(o, f"i{i}", 0)
     for i in range(n):
         assert o.place([f"r{i}/0", f"r{i}/1"], version=0) == f"i{i}"
     o.set_demand(0)
@@ -222,7 +238,7 @@ def test_planning_cost_does_not_grow_with_the_square_of_the_pool() -> None:
         o.finish(f"r{i}/0")
         loads += [a for a in o.finish(f"r{i}/1") if isinstance(a, Load)]
     for a in loads:
-        o.on_loaded(a.instance, 1)
+        loaded(o, a.instance, 1)
     assert len(loads) == n and o.live() == {}
     for i in range(n):
         assert o.place([f"s{i}/0", f"s{i}/1"], version=1) is not None
@@ -235,18 +251,44 @@ def test_token_limits_do_not_ping_pong_a_load() -> None:
     # rule must count tokens as it counts slots, and resume r2 before it re-targets `c`.
     o = Orchestrator(mode=Mode.DORA)
     o.add_instance("a", capacity=3, tokens=100)
-    o.on_loaded("a", 0)
+    loaded(o, "a", 0)
     o.place(["r1"], version=0)
     o.place(["r3"], version=0)
     o.add_instance("b", capacity=3, tokens=100)
-    o.on_loaded("b", 0)
+    loaded(o, "b", 0)
     o.place(["r2"], version=0)
     o.set_size("r1", 60)
     o.set_size("r3", 50)
     o.set_size("r2", 10)
     o.publish(1)
     o.add_instance("c", capacity=3, tokens=100)
-    o.on_loaded("c", 1)
-    assert o.remove_instance("b") == [Park("r2", "b"), Load("c", 0)]
-    assert o.on_loaded("c", 0) == [Resume("r2", "c", 0)]
+    loaded(o, "c", 1)
+    assert shape(o.remove_instance("b")) == [Park("r2", "b"), Load("c", 0)]
+    assert loaded(o, "c", 0) == [Resume("r2", "c", 0)]
     assert o.location("r2") == "c"
+
+
+def test_a_load_that_was_superseded_is_not_accepted() -> None:
+    o = pool(Mode.DORA, 2, 2)
+    o.place(["r1"], version=0)  # on i0
+    [first] = o.publish(1)
+    assert shape([first]) == [Load("i1", 1)]
+    assert shape(o.remove_instance("i0")) == [Park("r1", "i0"), Load("i1", 0)]
+    [third] = o.finish("r1")
+    assert shape([third]) == [Load("i1", 1)] and third != first
+    # The first load's completion names version 1 too, but it is not the pending load.
+    assert o.on_loaded(first) == [] and o.stale_loads == 1
+    assert not o.accepts("i1")
+    assert o.on_loaded(third) == [] and o.accepts("i1")
+
+
+def test_a_ghost_versions_load_is_not_accepted_after_a_rollback() -> None:
+    o = pool(Mode.DORA, 1, 2)
+    o.publish(1)
+    loaded(o, "i0", 1)
+    [ghost] = o.publish(2)
+    assert shape(o.rollback(1)) == [Load("i0", 1)]
+    [real] = o.publish(2)
+    assert (real.version, ghost.version) == (2, 2) and real != ghost
+    assert o.on_loaded(ghost) == [] and not o.accepts("i0")
+    assert o.on_loaded(real) == [] and o.accepts("i0")
