@@ -74,6 +74,8 @@ from dora.errors import SchedulingError
 __all__ = [
     "Action",
     "Drain",
+    "Fail",
+    "FailReason",
     "InstanceView",
     "Load",
     "Migrate",
@@ -150,7 +152,24 @@ class Resume:
     version: int
 
 
-Action = Load | Drain | Undrain | Migrate | Park | Resume
+class FailReason(enum.Enum):
+    """Why a request can run on no instance (`Fail`)."""
+
+    TOO_LONG = "too_long"
+    """Its context (`set_size`) is longer than every instance's KV-token capacity."""
+
+
+@dataclass(frozen=True, slots=True)
+class Fail:
+    """`request` can run on no instance (`reason`): end its episode as failed (the group's
+    failure policy applies: retry or mask) and `finish` it as usual. It is parked until then
+    (a `Park` comes first if it was running) and never resumed."""
+
+    request: str
+    reason: FailReason
+
+
+Action = Load | Drain | Undrain | Migrate | Park | Resume | Fail
 
 
 @dataclass(frozen=True, slots=True)
@@ -190,6 +209,7 @@ class _Request:
     version: int
     instance: str | None  # None: parked
     size: int = 0  # context tokens, as last reported by the driver (`set_size`)
+    failed: bool = False  # a `Fail` was emitted: parked, never resumed, until `finish`
 
 
 class Orchestrator:
@@ -207,6 +227,8 @@ class Orchestrator:
         self._joined = 0
         self._loads = 0  # `Load` ids handed out
         self._stale_loads = 0
+        self._failures = dict.fromkeys(FailReason, 0)
+        self._token_caps: dict[int | None, int] = {}  # instances per KV-token capacity
         self._min_capacity = 0
         # Indexes, so that an event costs about O(log n) rather than a pass over the pool:
         self._by_version: dict[int | None, dict[str, _Instance]] = {}
@@ -259,6 +281,10 @@ class Orchestrator:
             return None
         return Load(inst.id, inst.version, inst.load_id)
 
+    def failures(self) -> dict[FailReason, int]:
+        """Requests failed (`Fail`), per reason."""
+        return {r: n for r, n in self._failures.items() if n}
+
     @property
     def stale_loads(self) -> int:
         """Completions `on_loaded` ignored: not the pending load of a live instance."""
@@ -291,6 +317,7 @@ class Orchestrator:
         inst = _Instance(instance_id, capacity, self._joined, tokens)
         self._instances[instance_id] = inst
         self._min_capacity = min(self._min_capacity or capacity, capacity)
+        self._token_caps[tokens] = self._token_caps.get(tokens, 0) + 1
         self._index(inst)
         return self._plan()
 
@@ -301,6 +328,9 @@ class Orchestrator:
             raise SchedulingError(f"unknown instance {instance_id!r}")
         self._unindex(inst)
         del self._instances[instance_id]
+        self._token_caps[inst.tokens] -= 1
+        if not self._token_caps[inst.tokens]:
+            del self._token_caps[inst.tokens]
         self._set_draining(inst, False)
         actions: list[Action] = []
         for rid in sorted(inst.requests):
@@ -313,6 +343,10 @@ class Orchestrator:
             else:
                 self._attach(dst, rid)
                 actions.append(Migrate(rid, instance_id, dst.id))
+        # The largest KV cache may have gone with it: what is parked may now fit nowhere.
+        for rid in [r for q in self._parked.values() for r in q]:
+            if self._too_long(self._requests[rid].size):
+                self._fail(rid, FailReason.TOO_LONG, actions)
         return actions + self._plan()
 
     def on_loaded(self, load: Load) -> list[Action]:
@@ -364,14 +398,22 @@ class Orchestrator:
             return self._plan()
         return []
 
-    def set_size(self, request: str, tokens: int) -> None:
+    def set_size(self, request: str, tokens: int) -> list[Action]:
         """The request's context is now `tokens` long (what it holds of an instance's KV cache).
-        Reported by the driver when it knows it; used only against instances' token capacity."""
+        Reported by the driver when it knows it; used only against instances' token capacity.
+        A request longer than every instance's capacity fails (`Fail`, `FailReason.TOO_LONG`)."""
+        if tokens < 0:
+            raise SchedulingError(f"request {request!r}: size must be >= 0 tokens, got {tokens}")
         req = self._req(request)
         if req.instance is not None:
             self._instances[req.instance].used_tokens += tokens - req.size
         self._count_live(req.version, 0, tokens - req.size)
         req.size = tokens
+        if req.failed or not self._too_long(tokens):
+            return []
+        actions: list[Action] = []
+        self._fail(request, FailReason.TOO_LONG, actions)
+        return actions + self._plan()
 
     def can_place(self, n: int, *, version: int) -> str | None:
         """The instance `place` would choose for `n` requests of `version`, or None. No change."""
@@ -402,7 +444,8 @@ class Orchestrator:
             raise SchedulingError(f"unknown request {request!r}")
         inst = None if req.instance is None else self._instances[req.instance]
         if inst is None:
-            self._parked[req.version].remove(request)
+            if not req.failed:
+                self._parked[req.version].remove(request)
         else:
             self._detach(inst, request)
         del self._requests[request]
@@ -620,6 +663,24 @@ class Orchestrator:
         if req is None:
             raise SchedulingError(f"unknown request {request!r}")
         return req
+
+    def _too_long(self, size: int) -> bool:
+        """Longer than every instance's KV-token capacity (never while an instance has none,
+        nor while the pool is empty: instances may still come)."""
+        caps = self._token_caps
+        return bool(caps) and None not in caps and size > max(c for c in caps if c is not None)
+
+    def _fail(self, rid: str, reason: FailReason, actions: list[Action]) -> None:
+        req = self._requests[rid]
+        if req.instance is None:
+            self._parked[req.version].remove(rid)
+        else:
+            actions.append(Park(rid, req.instance))
+            self._detach(self._instances[req.instance], rid)
+            req.instance = None
+        req.failed = True
+        self._failures[reason] += 1
+        actions.append(Fail(rid, reason))
 
     def _count_live(self, version: int, requests: int, tokens: int) -> None:
         n = self._live.get(version, 0) + requests

@@ -200,6 +200,11 @@ class TransferQueue:
         return self._published
 
     @property
+    def trained_step(self) -> int:
+        """The last step the trainer reported trained in this incarnation (-1: none)."""
+        return self._trained
+
+    @property
     def finished(self) -> bool:
         """Every step of the run is filled."""
         return self._horizon is not None and self._t > self._horizon
@@ -407,18 +412,28 @@ class TransferQueue:
         """StepDone(step): the trainer trained `step` and published version `step + 1`."""
         if self._stale(incarnation):
             return False
+        if step != self._trained + 1:
+            raise SchedulingError(
+                f"StepDone for step {step} out of order: expected step {self._trained + 1} "
+                "(the trainer trains its steps one after the other)"
+            )
         if step >= self._t:
             raise SchedulingError(f"step {step} done but the queue is still filling {self._t}")
-        self._trained = max(self._trained, step)
-        if step + 1 > self._published:
-            self._published = step + 1
-            self._version_incarnation[step + 1] = self._incarnation
+        self._trained = step
+        self._published = step + 1
+        self._version_incarnation[step + 1] = self._incarnation
         return True
 
     def on_durable(self, step: int, *, incarnation: int | None = None) -> list[str]:
         """Durable(step): forget groups of steps `<= step`. Returns their ids (prune journals)."""
         if self._stale(incarnation):
             return []
+        if step >= self._t:
+            raise SchedulingError(
+                f"Durable({step}): step {step} was never filled (the queue is filling {self._t})"
+            )
+        if step < -1:
+            raise SchedulingError(f"Durable({step}): a step is >= 0 (-1: none)")
         released: list[str] = []
         for s in range(self._durable + 1, step + 1):
             for gid in self._by_step.pop(s, ()):
@@ -439,6 +454,11 @@ class TransferQueue:
             raise SchedulingError(f"rollback to {c} but step {self._durable} is durable")
         if c >= self._t:
             raise SchedulingError(f"rollback to {c} but step {c} was never filled")
+        if c > self._trained:
+            raise SchedulingError(
+                f"rollback to step {c}, which was never trained: the trainer reported steps up "
+                f"to {self._trained} (a checkpoint can only hold a trained step)"
+            )
         self.on_durable(c)
         self._incarnation += 1
         ghosts = tuple(sorted(w for w in self._loaded if w > c + 1))

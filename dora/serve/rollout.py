@@ -68,6 +68,7 @@ from dora.config import DoraConfig
 from dora.core.orchestrator import (
     Action,
     Drain,
+    Fail,
     Load,
     Migrate,
     Mode,
@@ -365,6 +366,9 @@ class Rollout:
                         self.spawn(self.router.interrupt(rid, export=False), name=f"park-{rid}")
                 case Resume(request=rid, instance=i, version=v):
                     self.router.resume(rid, i, v)
+                case Fail(request=rid, reason=reason):
+                    self.metrics.write("request_failed", {"lease": rid, "reason": reason.value})
+                    self.router.fail(rid, reason.value)
         self.changed.set()
         if self.evaluator is not None:
             self.evaluator.wake()
@@ -570,6 +574,10 @@ class Rollout:
             hello.incarnation,
             c,
         )
+        # The checkpoint holds step c, so the trainer trained it: StepDones it sent just before
+        # it died may have been lost with it.
+        for step in range(q.trained_step + 1, c + 1):
+            q.on_step_done(step)
         rolled_back: list[str] = []
         assigned: list[Assigned] = []
         while q.incarnation < hello.incarnation:

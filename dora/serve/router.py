@@ -93,6 +93,8 @@ class Lease:
     calls: int = 0
     migrations: int = 0
     resumes: int = 0
+    failed: str | None = None
+    """Why the orchestrator failed the lease (`Fail`): its next call is refused."""
 
 
 class Router:
@@ -160,6 +162,13 @@ class Router:
         lease = self.leases[lease_id]
         lease.instance, lease.version = instance, version
         lease.resumes += 1
+        lease.placed.set()
+
+    def fail(self, lease_id: str, reason: str) -> None:
+        """`Fail` (after a `Park`): the lease can run on no instance; its episode's next call is
+        refused as `RequestError`, so the episode ends with "error" and its sample is masked."""
+        lease = self.leases[lease_id]
+        lease.failed = reason
         lease.placed.set()
 
     def _needs_interrupt(self, lease: Lease) -> bool:
@@ -237,6 +246,8 @@ class Router:
         (continues without re-prefill; its completion holds the exported tokens too). Returns
         (completion, the export if the router interrupted it with KV, interrupted?)."""
         await lease.placed.wait()
+        if lease.failed is not None:
+            raise RequestError(f"episode {lease.id} can run on no instance: {lease.failed}")
         assert lease.instance is not None
         inst = self.instances[lease.instance]
         lease.calls += 1

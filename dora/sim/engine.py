@@ -421,7 +421,7 @@ class _Sim:
         req.turn += 1
         ep = req.ep
         if req.turn < len(ep.turns):
-            self.orchs[req.shard].set_size(req.rid, int(req.ctx))
+            self.report_size(req, int(req.ctx))
             req.tool_pending = True
             self.at(self.now + ep.tool_s[req.turn - 1], _TOOL, req)
             return
@@ -620,7 +620,14 @@ class _Sim:
             ctx = req.ctx
             if req.where == 2 and req.inst is not None:
                 ctx = req.ctx0 + (req.inst.prog - req.p0)
-            self.orchs[req.shard].set_size(req.rid, int(ctx))
+            self.report_size(req, int(ctx))
+
+    def report_size(self, req: _Req, ctx: int) -> None:
+        if self.orchs[req.shard].set_size(req.rid, ctx):  # a `Fail`: the workload cannot fail
+            raise SchedulingError(
+                f"{self.p.name}: request {req.rid} has {ctx} context tokens, more than any "
+                "instance's KV cache holds; raise the KV memory or lower the output lengths"
+            )
 
     # --- trainer -------------------------------------------------------------------------------
 

@@ -10,6 +10,8 @@ import pytest
 from dora.core.orchestrator import (
     Action,
     Drain,
+    Fail,
+    FailReason,
     Load,
     Migrate,
     Mode,
@@ -292,3 +294,25 @@ def test_a_ghost_versions_load_is_not_accepted_after_a_rollback() -> None:
     assert (real.version, ghost.version) == (2, 2) and real != ghost
     assert o.on_loaded(ghost) == [] and not o.accepts("i0")
     assert o.on_loaded(real) == [] and o.accepts("i0")
+
+
+def test_a_request_longer_than_every_instance_fails_with_a_reason() -> None:
+    o = Orchestrator(mode=Mode.DORA)
+    for i, tokens in enumerate([100, 80]):
+        o.add_instance(f"i{i}", capacity=2, tokens=tokens)
+        loaded(o, f"i{i}", 0)
+    o.place(["a"], version=0)
+    o.place(["b"], version=0)
+    assert o.set_size("a", 90) == []  # fits i0 (100 tokens)
+    assert o.set_size("a", 101) == [Park("a", "i0"), Fail("a", FailReason.TOO_LONG)]
+    assert o.failures() == {FailReason.TOO_LONG: 1}
+    assert o.location("a") is None and o.live() == {0: 2}  # the lease holds until `finish`
+    assert o.finish("a") == []
+    # An instance that dies can leave a request with nowhere to go either.
+    assert o.location("b") == "i1"
+    assert o.place(["c"], version=0) == "i0"
+    assert o.set_size("c", 90) == []
+    assert o.remove_instance("i0") == [Park("c", "i0"), Fail("c", FailReason.TOO_LONG)]
+    assert o.failures() == {FailReason.TOO_LONG: 2}
+    o.finish("c")
+    assert o.live() == {0: 1}

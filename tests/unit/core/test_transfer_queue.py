@@ -229,3 +229,47 @@ def test_rollback_removes_tainted_partial_groups() -> None:
     assert report.rolled_back == ("b",) and report.reoffered == ("a",)
     assert report.assigned == (Assigned("a", 0, 0),)
     assert q.accounting().rolled_back == 1
+
+
+def filled(steps: int) -> TransferQueue:
+    """A queue whose steps `0 .. steps - 1` are filled by version 0 (none trained yet)."""
+    q = TransferQueue(groups_per_step=1, max_staleness=steps)
+    q.on_version_loaded(0)
+    for s in range(steps):
+        admit(q, f"g{s}/0")
+        q.complete(f"g{s}/0")
+    return q
+
+
+def test_durable_for_a_step_never_filled_is_refused() -> None:
+    q = filled(1)
+    assert q.step == 1
+    for step in (1, 10**7):  # step 1 is being filled; 10**7 would loop over the whole range
+        with pytest.raises(SchedulingError, match=rf"step {step}.*filled"):
+            q.on_durable(step)
+    admit(q, "late")
+    q.complete("late")  # assigned to step 1, which a wrong Durable(1) would have skipped
+    q.on_step_done(0)
+    assert q.on_durable(0) == ["g0/0"]
+    q.on_step_done(1)
+    assert q.on_durable(1) == ["late"]
+    assert q.rollback(1).rolled_back == ()
+
+
+def test_step_done_out_of_order_is_refused() -> None:
+    q = filled(3)
+    q.on_step_done(0)
+    q.on_step_done(1)
+    with pytest.raises(SchedulingError, match=r"step 3.*expected step 2"):
+        q.on_step_done(3)  # never filled either
+    q = filled(3)
+    with pytest.raises(SchedulingError, match=r"step 1.*expected step 0"):
+        q.on_step_done(1)
+
+
+def test_rollback_to_a_step_never_trained_is_refused() -> None:
+    q = filled(3)
+    q.on_step_done(0)
+    with pytest.raises(SchedulingError, match=r"step 1.*never trained"):
+        q.rollback(1)  # filled, but the trainer reported only step 0
+    assert q.rollback(0).step == 0
