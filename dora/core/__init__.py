@@ -5,6 +5,8 @@ drive these classes unchanged. docs/scheduling.md states the rules in plain word
 from dora.core.orchestrator import (
     Action,
     Drain,
+    Fail,
+    FailReason,
     InstanceView,
     Load,
     Migrate,
@@ -14,6 +16,7 @@ from dora.core.orchestrator import (
     Resume,
     Undrain,
 )
+from dora.core.restart import Rollback, rollback
 from dora.core.transfer_queue import (
     Accounting,
     Admitted,
@@ -35,6 +38,8 @@ __all__ = [
     "Admitted",
     "Assigned",
     "Drain",
+    "Fail",
+    "FailReason",
     "FailureOutcome",
     "GroupState",
     "InstanceView",
@@ -47,9 +52,11 @@ __all__ = [
     "RefusalReason",
     "Refused",
     "Resume",
+    "Rollback",
     "RollbackReport",
     "TrainerWait",
     "TransferQueue",
     "Undrain",
     "VersionCounts",
+    "rollback",
 ]

@@ -66,7 +66,7 @@ from __future__ import annotations
 
 import enum
 import heapq
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
 from dora.errors import SchedulingError
@@ -469,19 +469,30 @@ class Orchestrator:
         """The periodic / KV-pressure trigger: apply the rules again."""
         return self._plan()
 
-    def rollback(self, newest: int) -> list[Action]:
-        """The trainer restarted; `newest` (= checkpoint step + 1) is the newest real version.
-        Requests of ghost versions (> newest) are forgotten (the driver aborts their groups), and
-        instances holding ghosts load `newest`."""
+    def rollback(self, newest: int, *, forget: Collection[str] = ()) -> list[Action]:
+        """The trainer restarted; `newest` (the checkpoint's step + 1) is the newest real
+        version. Requests of ghost versions (> newest) are forgotten, and so are those named in
+        `forget`: the live requests of every group the queue rolled back (in partial mode a
+        group of a real first version may hold ghost tokens); names that already ended are
+        skipped. Instances holding ghosts load `newest`. Nothing is planned before all of it is
+        forgotten, so call it right after `TransferQueue.rollback`, with no other event in
+        between (a `finish` there would resume parked requests on a ghost): `dora.core.rollback`
+        does both in this order."""
+        if newest < 0:
+            raise SchedulingError(f"rollback to version {newest}: versions are >= 0")
+        drop = set(forget)
         self._newest = newest
         for rid, req in list(self._requests.items()):
-            if req.version > newest:
+            if req.version > newest or rid in drop:
                 if req.instance is not None:
                     self._detach(self._instances[req.instance], rid)
                 del self._requests[rid]
-        self._parked = {w: q for w, q in self._parked.items() if w <= newest}
-        self._live = {w: n for w, n in self._live.items() if w <= newest}
-        self._live_tokens = {w: n for w, n in self._live_tokens.items() if w <= newest}
+                self._count_live(req.version, -1, -req.size)
+        self._parked = {
+            w: kept
+            for w, q in self._parked.items()
+            if (kept := [r for r in q if r in self._requests])
+        }
         for inst in list(self._instances.values()):
             if inst.version is not None and inst.version > newest:
                 self._unindex(inst)

@@ -611,7 +611,10 @@ class Rollout:
         # A serve restored from its journal holds only version 0 until the trainer publishes its
         # starting version again: the orchestrator must not plan loads of weights not here yet.
         held = [v for v in self.store.versions() if v <= c + 1]
-        self.apply(self.orchestrator.rollback(c + 1 if c + 1 in held else max(held, default=0)))
+        leases = [f"{gid}/{i}" for gid in rolled_back for i in range(self.group_size)]
+        newest = c + 1 if c + 1 in held else max(held, default=0)
+        # Right after the queue's roll-back, as `dora.core.rollback` does: nothing in between.
+        self.apply(self.orchestrator.rollback(newest, forget=leases))
         self.assigned(assigned)
 
     def _maybe_publish(self) -> None:

@@ -12,7 +12,7 @@ import heapq
 import random
 from dataclasses import dataclass, field
 
-from dora.core import Admitted, Assigned, RefusalReason, TransferQueue
+from dora.core import Admitted, Assigned, RefusalReason, TransferQueue, rollback
 from dora.core.orchestrator import (
     Action,
     Drain,
@@ -238,7 +238,11 @@ class Sim:
             for rid, seg in self.segments.items()
             if seg[-1] > c + 1 and self.q.state(self.group_of[rid]) is not None
         }
-        report = self.q.rollback(c, tainted=tainted)
+        requests: dict[str, list[str]] = {}
+        for rid, gid in self.group_of.items():
+            requests.setdefault(gid, []).append(rid)
+        out = rollback(self.q, self.o, c, tainted=tainted, requests=lambda g: requests.get(g, []))
+        report = out.report
         assert tainted <= set(report.rolled_back)
         self.incarnation = report.incarnation
         self.trainer_step, self.trainer_busy = c + 1, False
@@ -253,11 +257,8 @@ class Sim:
             del self.left[rid]
         for gid in ghosts:
             self.pending.pop(gid, None)
-        actions = self.o.rollback(c + 1)
-        for rid, gid in self.group_of.items():
-            if gid in ghosts and self.o.is_live(rid):
-                actions += self.o.finish(rid)
-        self.apply(actions)
+        assert not any(self.o.is_live(r) for g in ghosts for r in requests.get(g, []))
+        self.apply(out.actions)
         self.receive(report.assigned)
 
     def step(self) -> bool:

@@ -7,6 +7,7 @@ import time
 
 import pytest
 
+from dora.core import Admitted, GroupState, TransferQueue, rollback
 from dora.core.orchestrator import (
     Action,
     Drain,
@@ -316,3 +317,28 @@ def test_a_request_longer_than_every_instance_fails_with_a_reason() -> None:
     assert o.failures() == {FailReason.TOO_LONG: 2}
     o.finish("c")
     assert o.live() == {0: 1}
+
+
+def test_partial_rollback_does_not_resume_a_kept_group_on_the_ghost() -> None:
+    q = TransferQueue(groups_per_step=1, max_staleness=2)
+    o = pool(Mode.PARTIAL, 2, 1)
+    q.on_version_loaded(0)
+    for gid in ("A", "B", "C"):
+        assert isinstance(q.try_admit(gid), Admitted)
+        q.start(gid)
+    assert o.place(["a"], version=0) == "i0" and o.place(["b"], version=0) == "i1"
+    q.complete("C")  # fills step 0
+    q.on_step_done(0)
+    o.publish(1)
+    assert loaded(o, "i0", 1) == [Resume("a", "i0", 1)]
+    o.publish(2)  # version 2 will be a ghost: the trainer restarts from step 0
+    assert loaded(o, "i0", 2) == [Resume("b", "i0", 2)]  # b now holds ghost tokens
+    out = rollback(q, o, 0, tainted={"B"}, requests=lambda gid: [gid.lower()])
+    assert out.report.rolled_back == ("B",)
+    assert not o.is_live("b")
+    # A (version 0, parked at version 1) is kept by both halves and resumes on version 1.
+    assert o.is_live("a") and o.request_version("a") == 1 and q.state("A") is GroupState.STARTED
+    for load in [a for a in out.actions if isinstance(a, Load)]:
+        assert load.version == 1
+        o.on_loaded(load)
+    assert o.location("a") is not None and o.request_version("a") == 1
