@@ -58,6 +58,7 @@ Usage by an event-driven driver (the server and the simulator do exactly this)::
 from __future__ import annotations
 
 import heapq
+from collections import deque
 from collections.abc import Collection
 
 from dora.core.outcomes import (
@@ -151,6 +152,9 @@ class TransferQueue:
         self._ready: list[tuple[int, int, str]] = []  # completed groups: (deadline, seq, id)
         self._seq = 0
         self._by_step: dict[int, list[str]] = {}
+        self._step_versions: dict[int, dict[int, int]] = {}  # step -> version -> groups
+        self._unpurged: deque[list[str]] = deque()  # released ids still in `_groups`
+        self._purge_at = 0  # position in `_unpurged[0]`
         self._loaded: set[int] = set()
         self._newest: int | None = None
         self._published = 0
@@ -158,7 +162,7 @@ class TransferQueue:
         self._durable = -1
         self._incarnation = 0
         self._version_incarnation: dict[int, int] = {0: 0}
-        self._per_version: dict[int, list[int]] = {}
+        self._per_version: dict[int, list[int]] = {}  # counts per state; no all-zero entry
         self._staleness = [0] * (max_staleness + 1)
         self._admission_waits = dict.fromkeys(RefusalReason, 0)
         self._admitted = self._consumed = self._filtered = self._rolled_back = 0
@@ -216,11 +220,11 @@ class TransferQueue:
     def state(self, group_id: str) -> GroupState | None:
         """The group's state, or None once it is durable, filtered or rolled back."""
         g = self._groups.get(group_id)
-        return None if g is None else g.state
+        return None if g is None or self._released(g) else g.state
 
     def group_states(self) -> dict[str, GroupState]:
         """Every group the queue holds, with its state (in admission order)."""
-        return {gid: g.state for gid, g in self._groups.items()}
+        return {gid: g.state for gid, g in self._groups.items() if not self._released(g)}
 
     def group_version(self, group_id: str) -> int:
         return self._get(group_id).version
@@ -230,7 +234,7 @@ class TransferQueue:
 
     def version_counts(self) -> dict[int, VersionCounts]:
         """Groups the queue holds, per version and state."""
-        return {w: VersionCounts(*c) for w, c in sorted(self._per_version.items()) if any(c)}
+        return {w: VersionCounts(*c) for w, c in sorted(self._per_version.items())}
 
     def unassigned_by_deadline(self) -> list[int]:
         """`[U(= t), U(= t + 1), ..., U(= t + K)]`."""
@@ -292,7 +296,9 @@ class TransferQueue:
     def try_admit(self, group_id: str, *, version: int | None = None) -> Admitted | Refused:
         """Admit `group_id` at `version` (default: the newest loaded) if both rules allow it.
         Call it when an instance of that version has room for the whole group (bind late)."""
-        if group_id in self._groups:
+        self._purge(2)  # each admission forgets two released groups: the backlog never grows
+        old = self._groups.get(group_id)
+        if old is not None and not self._released(old):
             raise SchedulingError(f"group {group_id!r} is already in the queue")
         reason = self.admission_blocker(version)
         if reason is not None:
@@ -434,12 +440,17 @@ class TransferQueue:
             )
         if step < -1:
             raise SchedulingError(f"Durable({step}): a step is >= 0 (-1: none)")
+        # O(K) per step released, whatever its size: the released groups leave the counts now,
+        # and `_groups` a few at a time (`_purge`); until then they read as gone (`_released`).
         released: list[str] = []
         for s in range(self._durable + 1, step + 1):
-            for gid in self._by_step.pop(s, ()):
-                g = self._groups.pop(gid)
-                self._count(g, -1)
-                released.append(gid)
+            ids = self._by_step.pop(s, None)
+            if ids is None:
+                continue
+            for w, n in self._step_versions.pop(s).items():
+                self._add_count(w, _STATE_INDEX[GroupState.ASSIGNED], -n)
+            self._unpurged.append(ids)
+            released += ids
         self._durable = max(self._durable, step)
         return released
 
@@ -460,6 +471,7 @@ class TransferQueue:
                 f"to {self._trained} (a checkpoint can only hold a trained step)"
             )
         self.on_durable(c)
+        self._purge(None)
         self._incarnation += 1
         ghosts = tuple(sorted(w for w in self._loaded if w > c + 1))
         rolled_back: list[str] = []
@@ -476,6 +488,7 @@ class TransferQueue:
                 self._move(g, GroupState.COMPLETED)
                 reoffered.append(g.gid)
         self._by_step.clear()
+        self._step_versions.clear()
         self._rolled_back += len(rolled_back)
         self._reoffered += len(reoffered)
         self._t, self._f = c + 1, self._b
@@ -502,7 +515,7 @@ class TransferQueue:
 
     def _get(self, group_id: str) -> _Group:
         g = self._groups.get(group_id)
-        if g is None:
+        if g is None or self._released(g):
             raise SchedulingError(f"unknown group {group_id!r}")
         return g
 
@@ -529,11 +542,36 @@ class TransferQueue:
             best = min(best, self._f + i * self._b - u)
         return best
 
+    def _released(self, g: _Group) -> bool:
+        """Assigned to a durable step: gone, though maybe not yet purged from `_groups`."""
+        return g.step != -1 and g.step <= self._durable and g.state is GroupState.ASSIGNED
+
+    def _purge(self, n: int | None) -> None:
+        """Forget up to `n` released groups (None: all of them)."""
+        todo = self._unpurged
+        while todo and (n is None or n > 0):
+            ids = todo[0]
+            gid = ids[self._purge_at]
+            g = self._groups.get(gid)
+            if g is not None and self._released(g):  # not a later group of the same id
+                del self._groups[gid]
+            self._purge_at += 1
+            if self._purge_at == len(ids):
+                todo.popleft()
+                self._purge_at = 0
+            if n is not None:
+                n -= 1
+
     def _count(self, g: _Group, delta: int) -> None:
-        c = self._per_version.get(g.version)
+        self._add_count(g.version, g.si, delta)
+
+    def _add_count(self, version: int, si: int, delta: int) -> None:
+        c = self._per_version.get(version)
         if c is None:
-            c = self._per_version[g.version] = [0, 0, 0, 0]
-        c[g.si] += delta
+            c = self._per_version[version] = [0, 0, 0, 0]
+        c[si] += delta
+        if delta < 0 and not any(c):
+            del self._per_version[version]
 
     def _move(self, g: _Group, state: GroupState) -> None:
         self._count(g, -1)
@@ -582,6 +620,8 @@ class TransferQueue:
             self._move(g, GroupState.ASSIGNED)
             g.step = self._t
             self._by_step.setdefault(self._t, []).append(gid)
+            versions = self._step_versions.setdefault(self._t, {})
+            versions[g.version] = versions.get(g.version, 0) + 1
             self._consumed += 1
             self._staleness[self._t - g.version] += 1
             out.append(Assigned(gid, self._t, g.version))
