@@ -1,10 +1,15 @@
 """`dora bench core`: how many scheduling events per second the transfer queue handles.
 
 One event is one admission, one completion or one assignment. The driver keeps `--in-flight`
-groups running, completes them in a pseudo-random order (so assignments happen out of order and
-the invariant check does real work), acknowledges each step as soon as it closes (a trainer that
-is never the bottleneck), loads every new version at once and marks steps durable, so memory
-stays flat. It stops after `--events` events and prints the rate.
+groups running (or as many as the gate admits: at most about `(K + 1) * B`), completes them in a
+pseudo-random order (so assignments happen out of order and the invariant check does real
+work), acknowledges each step as soon as it closes (a trainer that is never the bottleneck),
+loads every new version at once, reads the per-version counts once a step (serve does, to know
+which weights to keep) and marks steps durable, so memory stays flat. It stops after `--events`
+events, or once `--steps` steps are filled, and prints the rate.
+
+Per-event costs must not grow with the length of a run: with `--steps`, the rate over the first
+and over the last `--window` steps of the run are printed too (same process, same load).
 
 The last line is `core events/s: N` (parsed by CI and docs).
 """
@@ -18,8 +23,20 @@ import time
 from dora.core import Admitted, TransferQueue
 
 
-def run(*, events: int, groups_per_step: int, max_staleness: int, in_flight: int, seed: int) -> int:
-    """Drive `events` events through a queue; returns the number of steps filled."""
+def run(
+    *,
+    events: int | None,
+    groups_per_step: int,
+    max_staleness: int,
+    in_flight: int,
+    seed: int,
+    steps: int | None = None,
+    marks: list[tuple[int, int, float]] | None = None,
+) -> tuple[int, int]:
+    """Drive events through a queue until `events` events or `steps` filled steps; returns
+    (events, steps filled). `marks` gets (step, events so far, perf_counter) as steps close."""
+    if events is None and steps is None:
+        raise ValueError("give events or steps")
     rng = random.Random(seed)
     q = TransferQueue(groups_per_step=groups_per_step, max_staleness=max_staleness)
     q.on_version_loaded(0)
@@ -27,7 +44,11 @@ def run(*, events: int, groups_per_step: int, max_staleness: int, in_flight: int
     done = 0
     n = 0
     trained = -1
-    while done < events:
+    limit = events if events is not None else 1 << 62
+    last = steps if steps is not None else 1 << 62
+    if marks is not None:
+        marks.append((0, 0, time.perf_counter()))
+    while done < limit and q.step < last:
         while len(running) < in_flight:
             gid = f"g{n}"
             if not isinstance(q.try_admit(gid), Admitted):
@@ -45,32 +66,52 @@ def run(*, events: int, groups_per_step: int, max_staleness: int, in_flight: int
             trained += 1
             q.on_step_done(trained)
             q.on_version_loaded(trained + 1)
+            q.version_counts()
             q.on_durable(trained)
-    return q.step
+            if marks is not None:
+                marks.append((trained + 1, done, time.perf_counter()))
+    return done, q.step
+
+
+def window_rate(marks: list[tuple[int, int, float]], lo: int, hi: int) -> float:
+    """Events per second between the closes of steps `lo` and `hi` (indexes into `marks`)."""
+    (_, e0, t0), (_, e1, t1) = marks[lo], marks[hi]
+    return (e1 - e0) / (t1 - t0)
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="dora bench core", description=__doc__.splitlines()[0])
-    p.add_argument("--events", type=int, default=1_000_000, help="events to drive")
+    p.add_argument("--events", type=int, default=None, help="events to drive (default 1e6)")
+    p.add_argument("--steps", type=int, default=None, help="or: steps to fill")
+    p.add_argument("--window", type=int, default=100, help="steps per rate window (--steps)")
     p.add_argument("--groups-per-step", type=int, default=64, help="B")
     p.add_argument("--max-staleness", type=int, default=3, help="K")
     p.add_argument("--in-flight", type=int, default=256, help="groups kept running")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
+    events = args.events if args.events is not None or args.steps else 1_000_000
+    marks: list[tuple[int, int, float]] = []
     start = time.perf_counter()
-    steps = run(
-        events=args.events,
+    done, steps = run(
+        events=events,
         groups_per_step=args.groups_per_step,
         max_staleness=args.max_staleness,
         in_flight=args.in_flight,
         seed=args.seed,
+        steps=args.steps,
+        marks=marks,
     )
     elapsed = time.perf_counter() - start
     print(
-        f"{args.events} events (B={args.groups_per_step}, K={args.max_staleness}, "
+        f"{done} events (B={args.groups_per_step}, K={args.max_staleness}, "
         f"in flight {args.in_flight}), {steps} steps in {elapsed:.2f} s"
     )
-    print(f"core events/s: {args.events / elapsed:.0f}")
+    w = min(args.window, len(marks) - 1)
+    if args.steps is not None and w > 0:
+        first = window_rate(marks, 0, w)
+        final = window_rate(marks, len(marks) - 1 - w, len(marks) - 1)
+        print(f"events/s over the first {w} steps: {first:.0f}; over the last {w}: {final:.0f}")
+    print(f"core events/s: {done / elapsed:.0f}")
     return 0
 
 

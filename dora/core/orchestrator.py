@@ -6,12 +6,19 @@ Inputs: instances (id, capacity in requests, optionally a KV-cache capacity in t
 each holds, whether it is loaded), the live requests of every version (leases: an episode's sample
 holds its version from its first token to its end, also while it waits for a tool) with their
 context length when the driver reports it, the newest version, and the driver's demand (samples of
-admissible groups waiting for room). Outputs: `Load(instance, w)`, `Drain(instance)`,
-`Undrain(instance)`, `Migrate(request, src, dst)`, `Park(request, instance)` and
-`Resume(request, instance, version)`. An instance accepts new groups when it is ready and not
-draining; `Drain`, `Undrain` and `Load` (which also ends a drain) tell the driver every change.
+admissible groups waiting for room). Outputs (`actions.py`): `Load(instance, w, id)`,
+`Drain(instance)`, `Undrain(instance)`, `Migrate(request, src, dst)`, `Park(request, instance)`,
+`Resume(request, instance, version)` and `Fail(request, reason)`. An instance accepts new groups
+when it is ready and not draining; `Drain`, `Undrain` and `Load` (which also ends a drain) tell
+the driver every change. The state and its indexes are kept by `pool.py`; this module holds the
+rules.
 
-Rules (DESIGN.md §5), in mode `dora` (and `sync`, which is `dora` with K = 0):
+The driver's contract (docs/scheduling.md): a load is answered by handing the very `Load` back
+to `on_loaded` (its `id` tells a superseded load's completion apart: it is ignored and counted);
+a `Fail`ed request is ended by the driver and then `finish`ed; a trainer restart goes through
+`dora.core.rollback` (queue first, then `rollback(newest, forget=...)`, nothing in between).
+
+Rules, in mode `dora` (and `sync`, which is `dora` with K = 0):
 - an old version keeps the fewest instances that hold its live requests, never zero while it has
   live requests; every other instance serves the newest version;
 - instances move only from old versions to the newest, and only when that frees a whole instance:
@@ -19,11 +26,14 @@ Rules (DESIGN.md §5), in mode `dora` (and `sync`, which is `dora` with K = 0):
 - such a consolidation happens only while the newest version needs the room: the driver's demand
   exceeds what the newest version's loading instances will take (always, if no demand was ever
   reported). An old version's instance that empties on its own loads the newest version anyway;
-- no migration or resume packs an instance beyond its KV tokens (when it has a token capacity);
+- no migration or resume packs an instance beyond its KV tokens (when it has a token capacity),
+  and an old version keeps instances enough for its live requests by slots *and* by tokens; a
+  request longer than every instance's token capacity fails (`Fail`, `FailReason.TOO_LONG`);
 - an instance that dies: its requests migrate to another instance of their version, or are parked;
 - a version with parked requests and no room is served in deadline order (oldest version first):
   it takes an empty instance, or else the newest version's least-loaded instance is drained (no new
-  groups) and loads it once empty. Parked requests resume as soon as their version has room;
+  groups) and loads it once empty. Parked requests resume as soon as their version has room, and
+  before any idle instance is re-targeted (so an instance is never loaded and released in turn);
 - capacity is never exceeded (`place`, `Migrate` and `Resume` only target free slots).
 The driver starts every group through `place`, so it keeps no state of its own about draining.
 
@@ -42,15 +52,13 @@ Non-obvious choices:
 - The one exception to "old to newest only": a version whose requests wait with no room (its
   instance died, or there are fewer instances than live versions) gets an instance back, in
   deadline order, by draining (never preempting) one of the newest version's instances.
-- Planning is incremental: instances are indexed by version (free slots in a lazy heap, the idle,
-  loading and draining ones in sets), so `place` is O(log n), a finishing request is O(1) unless it
-  lets a whole instance of its (old) version be freed, and a publish is O(m log m) over the old
-  versions' `m` instances. A full pass over the pool happens only while requests are parked or an
-  instance drains (an instance died, or fewer instances than versions), which is rare.
+- Planning is incremental over the pool's indexes (`pool.py`), so `place` is O(log n), a
+  finishing request is O(1) unless it lets a whole instance of its (old) version be freed, and a
+  publish is O(m log m) over the old versions' `m` instances. A full pass over the pool happens
+  only while requests are parked or an instance drains (an instance died, or fewer instances
+  than versions), which is rare.
 - Request sizes are the driver's last report (`set_size`), not live values: they only bound
   packing, and the engine still preempts if a sequence outgrows its instance.
-- The module is longer than 600 lines on purpose: the indexes are updated by the same few
-  helpers that the rules call, and split apart every rule would have to keep two places in step.
 
 Usage::
 
@@ -64,13 +72,25 @@ Usage::
 
 from __future__ import annotations
 
-import enum
-import heapq
 from collections.abc import Collection, Sequence
-from dataclasses import dataclass, field
 
+from dora.core.actions import (
+    Action,
+    Drain,
+    Fail,
+    FailReason,
+    InstanceView,
+    Load,
+    Migrate,
+    Mode,
+    Park,
+    Resume,
+    Undrain,
+)
+from dora.core.pool import _UNLIMITED, Pool, _Instance, _Request
 from dora.errors import SchedulingError
 
+# The action types are re-exported: a driver may import everything from this module.
 __all__ = [
     "Action",
     "Drain",
@@ -87,218 +107,11 @@ __all__ = [
 ]
 
 
-_UNLIMITED = 1 << 62  # the KV-token room of an instance without a token capacity
-
-
-class Mode(enum.Enum):
-    SYNC = "sync"
-    ONE_STEP_OFF = "one_step_off"
-    PARTIAL = "partial"
-    DORA = "dora"
-
-
-@dataclass(frozen=True, slots=True)
-class Load:
-    """Load `version` on `instance` (it holds no request). When done, report this very value
-    to `on_loaded`: `id` names the load, so a completion of an earlier load of the same
-    instance (the target changed and changed back, or a roll-back made it a ghost's) is told
-    apart and ignored. The orchestrator numbers its loads from 1; 0 names none."""
-
-    instance: str
-    version: int
-    id: int = 0
-
-
-@dataclass(frozen=True, slots=True)
-class Drain:
-    """Stop placing new groups on `instance`; it switches version once its requests end."""
-
-    instance: str
-
-
-@dataclass(frozen=True, slots=True)
-class Undrain:
-    """`instance` accepts new groups again: a drain ended without a version switch (a `Load`
-    also ends a drain; the instance accepts groups once `on_loaded` is reported)."""
-
-    instance: str
-
-
-@dataclass(frozen=True, slots=True)
-class Migrate:
-    """Move `request` (tokens so far, and its KV cache if the backend can) from `src` to `dst`,
-    an instance of the same version. `src` may be an instance that died."""
-
-    request: str
-    src: str
-    dst: str
-
-
-@dataclass(frozen=True, slots=True)
-class Park:
-    """Interrupt `request` on `instance` (abort, keep the tokens so far) until a `Resume`."""
-
-    request: str
-    instance: str
-
-
-@dataclass(frozen=True, slots=True)
-class Resume:
-    """Continue parked `request` on `instance`, which holds `version` (the request's own version,
-    except in partial mode)."""
-
-    request: str
-    instance: str
-    version: int
-
-
-class FailReason(enum.Enum):
-    """Why a request can run on no instance (`Fail`)."""
-
-    TOO_LONG = "too_long"
-    """Its context (`set_size`) is longer than every instance's KV-token capacity."""
-
-
-@dataclass(frozen=True, slots=True)
-class Fail:
-    """`request` can run on no instance (`reason`): end its episode as failed (the group's
-    failure policy applies: retry or mask) and `finish` it as usual. It is parked until then
-    (a `Park` comes first if it was running) and never resumed."""
-
-    request: str
-    reason: FailReason
-
-
-Action = Load | Drain | Undrain | Migrate | Park | Resume | Fail
-
-
-@dataclass(frozen=True, slots=True)
-class InstanceView:
-    id: str
-    capacity: int
-    version: int | None
-    ready: bool
-    draining: bool
-    load: int
-
-
-@dataclass(slots=True)
-class _Instance:
-    id: str
-    capacity: int
-    order: int  # join order: ties between equally free instances go to the older one
-    tokens: int | None = None  # KV-cache capacity in tokens (None: not limited)
-    version: int | None = None
-    ready: bool = False
-    draining: bool = False
-    load_id: int = 0  # the pending `Load`'s id (0: none)
-    requests: set[str] = field(default_factory=set)
-    used_tokens: int = 0
-
-    @property
-    def free(self) -> int:
-        return self.capacity - len(self.requests)
-
-    def fits(self, size: int) -> bool:
-        """Room for one more request of `size` context tokens."""
-        return self.free > 0 and (self.tokens is None or self.used_tokens + size <= self.tokens)
-
-
-@dataclass(slots=True)
-class _Request:
-    version: int
-    instance: str | None  # None: parked
-    size: int = 0  # context tokens, as last reported by the driver (`set_size`)
-    failed: bool = False  # a `Fail` was emitted: parked, never resumed, until `finish`
-
-
-class Orchestrator:
+class Orchestrator(Pool):
     """Versions -> instances. See the module docstring for the rules."""
 
     def __init__(self, *, mode: Mode = Mode.DORA, newest: int = 0) -> None:
-        self._mode = mode
-        self._newest = newest
-        self._instances: dict[str, _Instance] = {}
-        self._requests: dict[str, _Request] = {}
-        self._live: dict[int, int] = {}  # version -> live requests (R_w); no zero entries
-        self._live_tokens: dict[int, int] = {}  # version -> context tokens of its live requests
-        self._parked: dict[int, list[str]] = {}  # version -> parked requests, in park order
-        self._demand: int | None = None  # requests waiting for room (None: not reported)
-        self._joined = 0
-        self._loads = 0  # `Load` ids handed out
-        self._stale_loads = 0
-        self._failures = dict.fromkeys(FailReason, 0)
-        self._token_caps: dict[int | None, int] = {}  # instances per KV-token capacity
-        self._min_capacity = 0
-        # Indexes, so that an event costs about O(log n) rather than a pass over the pool:
-        self._by_version: dict[int | None, dict[str, _Instance]] = {}
-        self._empty: dict[int | None, dict[str, None]] = {}  # version -> instances with no request
-        self._loading: dict[int, dict[str, None]] = {}  # version -> instances loading it
-        self._loading_slots: dict[int, int] = {}  # version -> capacity of those instances
-        self._slots: dict[int | None, int] = {}  # version -> capacity of its instances
-        self._used: dict[int | None, int] = {}  # version -> requests on its instances
-        self._draining: dict[str, None] = {}
-        self._heaps: dict[int, list[tuple[int, int, str]]] = {}  # (-free, order, id), lazy
-
-    # --- views -------------------------------------------------------------------------------
-
-    @property
-    def mode(self) -> Mode:
-        return self._mode
-
-    @property
-    def newest(self) -> int:
-        return self._newest
-
-    @property
-    def demand(self) -> int | None:
-        return self._demand
-
-    def instances(self) -> list[InstanceView]:
-        return [
-            InstanceView(i.id, i.capacity, i.version, i.ready, i.draining, len(i.requests))
-            for i in self._instances.values()
-        ]
-
-    def accepts(self, instance_id: str) -> bool:
-        """Whether `place` may start groups on the instance: ready and not draining."""
-        inst = self._instances.get(instance_id)
-        return inst is not None and inst.ready and not inst.draining
-
-    def live(self) -> dict[int, int]:
-        """`R_w`: live requests per version (placed or parked)."""
-        return dict(sorted(self._live.items()))
-
-    def loaded_versions(self) -> set[int]:
-        """Versions held or being loaded by some instance."""
-        return {w for w, d in self._by_version.items() if d and w is not None}
-
-    def pending_load(self, instance_id: str) -> Load | None:
-        """The `Load` the instance waits for (the one `on_loaded` accepts), or None: it is
-        ready, or unknown."""
-        inst = self._instances.get(instance_id)
-        if inst is None or not inst.load_id or inst.version is None:
-            return None
-        return Load(inst.id, inst.version, inst.load_id)
-
-    def failures(self) -> dict[FailReason, int]:
-        """Requests failed (`Fail`), per reason."""
-        return {r: n for r, n in self._failures.items() if n}
-
-    @property
-    def stale_loads(self) -> int:
-        """Completions `on_loaded` ignored: not the pending load of a live instance."""
-        return self._stale_loads
-
-    def is_live(self, request: str) -> bool:
-        return request in self._requests
-
-    def location(self, request: str) -> str | None:
-        """The instance running `request`, or None while it is parked."""
-        return self._req(request).instance
-
-    def request_version(self, request: str) -> int:
-        return self._req(request).version
+        super().__init__(mode=mode, newest=newest)
 
     # --- events ------------------------------------------------------------------------------
 
@@ -666,170 +479,3 @@ class Orchestrator:
         if self._demand is None:
             return True
         return self._demand > self._loading_slots.get(self._newest, 0)
-
-    # --- helpers -----------------------------------------------------------------------------
-
-    def _req(self, request: str) -> _Request:
-        req = self._requests.get(request)
-        if req is None:
-            raise SchedulingError(f"unknown request {request!r}")
-        return req
-
-    def _too_long(self, size: int) -> bool:
-        """Longer than every instance's KV-token capacity (never while an instance has none,
-        nor while the pool is empty: instances may still come)."""
-        caps = self._token_caps
-        return bool(caps) and None not in caps and size > max(c for c in caps if c is not None)
-
-    def _fail(self, rid: str, reason: FailReason, actions: list[Action]) -> None:
-        req = self._requests[rid]
-        if req.instance is None:
-            self._parked[req.version].remove(rid)
-        else:
-            actions.append(Park(rid, req.instance))
-            self._detach(self._instances[req.instance], rid)
-            req.instance = None
-        req.failed = True
-        self._failures[reason] += 1
-        actions.append(Fail(rid, reason))
-
-    def _count_live(self, version: int, requests: int, tokens: int) -> None:
-        n = self._live.get(version, 0) + requests
-        if n:
-            self._live[version] = n
-            self._live_tokens[version] = self._live_tokens.get(version, 0) + tokens
-        else:
-            self._live.pop(version, None)
-            self._live_tokens.pop(version, None)
-
-    def _park(self, rid: str) -> None:
-        req = self._requests[rid]
-        req.instance = None
-        self._parked.setdefault(req.version, []).append(rid)
-
-    def _spare(self, version: int) -> int:
-        """Free slots on the instances of `version`."""
-        return self._slots.get(version, 0) - self._used.get(version, 0)
-
-    def _idle_not_newest(self) -> list[_Instance]:
-        """Empty instances that hold (or load) another version than the newest, in join order."""
-        idle = [
-            self._instances[i] for v, ids in self._empty.items() if v != self._newest for i in ids
-        ]
-        return sorted(idle, key=lambda i: i.order)
-
-    def _room(self, version: int, size: int = 0) -> _Instance | None:
-        """The ready instance of `version` with the most free slots that fits a request of `size`
-        context tokens (draining ones included: they still run their own version)."""
-        best = self._most_free(version, accepting=False)
-        if best is None or best.fits(size):
-            return best
-        fit = [i for i in self._by_version.get(version, {}).values() if i.ready and i.fits(size)]
-        return min(fit, key=lambda i: (-i.free, i.order), default=None)
-
-    def _most_free(self, version: int, *, accepting: bool) -> _Instance | None:
-        """The ready instance of `version` with the most free slots (the oldest on ties), from a
-        lazy heap: entries that no longer describe their instance are dropped when met."""
-        heap = self._heaps.get(version)
-        if not heap:
-            return None
-        skipped: list[tuple[int, int, str]] = []
-        best = None
-        while heap:
-            neg, order, iid = heap[0]
-            inst = self._instances.get(iid)
-            if (
-                inst is None
-                or inst.order != order
-                or inst.version != version
-                or not inst.ready
-                or inst.free != -neg
-            ):
-                heapq.heappop(heap)
-                continue
-            if accepting and inst.draining:
-                skipped.append(heapq.heappop(heap))
-                continue
-            best = inst if inst.free > 0 else None
-            break
-        for entry in skipped:
-            heapq.heappush(heap, entry)
-        return best
-
-    def _push(self, inst: _Instance) -> None:
-        if inst.version is None or not inst.ready:
-            return
-        heap = self._heaps.setdefault(inst.version, [])
-        heapq.heappush(heap, (-inst.free, inst.order, inst.id))
-        if len(heap) > 4 * len(self._by_version.get(inst.version, {})) + 64:
-            live = self._by_version.get(inst.version, {}).values()
-            heap[:] = [(-i.free, i.order, i.id) for i in live if i.ready]
-            heapq.heapify(heap)
-
-    def _index(self, inst: _Instance) -> None:
-        v = inst.version
-        self._by_version.setdefault(v, {})[inst.id] = inst
-        self._slots[v] = self._slots.get(v, 0) + inst.capacity
-        self._used[v] = self._used.get(v, 0) + len(inst.requests)
-        if not inst.requests:
-            self._empty.setdefault(v, {})[inst.id] = None
-        if v is not None and not inst.ready:
-            self._loading.setdefault(v, {})[inst.id] = None
-            self._loading_slots[v] = self._loading_slots.get(v, 0) + inst.capacity
-        self._push(inst)
-
-    def _unindex(self, inst: _Instance) -> None:
-        v = inst.version
-        del self._by_version[v][inst.id]
-        self._slots[v] -= inst.capacity
-        self._used[v] -= len(inst.requests)
-        if not self._by_version[v]:
-            del self._by_version[v]
-        empty = self._empty.get(v)
-        if empty is not None:
-            empty.pop(inst.id, None)
-            if not empty:
-                del self._empty[v]
-        loading = None if v is None else self._loading.get(v)
-        if v is not None and loading is not None and inst.id in loading:
-            del loading[inst.id]
-            self._loading_slots[v] -= inst.capacity
-            if not loading:
-                del self._loading[v]
-
-    def _attach(self, inst: _Instance, rid: str) -> None:
-        req = self._requests[rid]
-        if not inst.requests:
-            empty = self._empty[inst.version]
-            del empty[inst.id]
-            if not empty:
-                del self._empty[inst.version]
-        inst.requests.add(rid)
-        inst.used_tokens += req.size
-        req.instance = inst.id
-        self._used[inst.version] += 1
-        self._push(inst)
-
-    def _detach(self, inst: _Instance, rid: str) -> None:
-        inst.requests.discard(rid)
-        inst.used_tokens -= self._requests[rid].size
-        self._used[inst.version] -= 1
-        if not inst.requests:
-            self._empty.setdefault(inst.version, {})[inst.id] = None
-        self._push(inst)
-
-    def _set_draining(self, inst: _Instance, draining: bool) -> None:
-        inst.draining = draining
-        if draining:
-            self._draining[inst.id] = None
-        else:
-            self._draining.pop(inst.id, None)
-
-    def _load(self, inst: _Instance, version: int, actions: list[Action]) -> None:
-        if inst.requests:
-            raise SchedulingError(f"cannot load {inst.id!r}: it holds requests")
-        self._unindex(inst)
-        self._loads += 1
-        inst.version, inst.ready, inst.load_id = version, False, self._loads
-        self._index(inst)
-        actions.append(Load(inst.id, version, self._loads))

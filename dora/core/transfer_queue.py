@@ -10,9 +10,13 @@ deadline `<= s` and `cap(s) = f + (s - t) * B`, the queue keeps, after every ope
 Every deadline lies in `[t, t + K]` (versions are never newer than `t`), so the queue keeps the
 counts of unassigned groups per deadline in a list indexed by `d - t`; checking the invariant is
 then O(K). Completed groups wait in a heap ordered by deadline (earliest deadline first), so every
-operation costs O(K + log n).
+operation costs O(K + log n), whatever the length of the run or the size of a step (a `Durable`
+included: the book of groups, `groups.py`, releases a step's groups lazily).
 
-Rules (DESIGN.md §3):
+Strict inputs: `on_step_done` takes the steps in order, `on_durable` only a filled step, and
+`rollback` only a step the trainer reported trained; anything else is a driver bug and raises.
+
+Rules:
 - admission at version `w` needs (a) `w + K >= t` and (b) room for one more group of deadline
   `w + K` in the invariant; `w` is the newest loaded version unless `legacy_filling` is on;
 - an admitted group that has not sampled a token may be re-bound to a newer loaded version (that
@@ -58,9 +62,9 @@ Usage by an event-driven driver (the server and the simulator do exactly this)::
 from __future__ import annotations
 
 import heapq
-from collections import deque
 from collections.abc import Collection
 
+from dora.core.groups import _STATE_INDEX, GroupBook, _Group
 from dora.core.outcomes import (
     Accounting,
     Admitted,
@@ -93,36 +97,7 @@ __all__ = [
 ]
 
 
-_STATES = tuple(GroupState)
-_STATE_INDEX = {s: i for i, s in enumerate(_STATES)}
-
-
-class _Group:
-    __slots__ = (
-        "attempts",
-        "deadline",
-        "gid",
-        "masked",
-        "pinned",
-        "si",
-        "state",
-        "step",
-        "version",
-    )
-
-    def __init__(self, gid: str, version: int, deadline: int) -> None:
-        self.gid = gid
-        self.version = version
-        self.deadline = deadline
-        self.state = GroupState.ADMITTED
-        self.si = 0  # index of `state` in _STATES: per-version counts without hashing enums
-        self.step = -1
-        self.attempts = 0
-        self.pinned = False
-        self.masked = False
-
-
-class TransferQueue:
+class TransferQueue(GroupBook):
     """The staleness gate. See the module docstring for the rules and a usage example."""
 
     def __init__(
@@ -140,6 +115,7 @@ class TransferQueue:
             raise SchedulingError(f"max_staleness must be >= 0, got {max_staleness}")
         if num_steps is not None and num_steps < 1:
             raise SchedulingError(f"num_steps must be >= 1 or None, got {num_steps}")
+        super().__init__()
         self._b = groups_per_step
         self._k = max_staleness
         self._horizon = None if num_steps is None else num_steps - 1
@@ -148,21 +124,14 @@ class TransferQueue:
         self._t = 0
         self._f = groups_per_step
         self._due = [0] * (max_staleness + 1)  # unassigned groups per deadline, index d - t
-        self._groups: dict[str, _Group] = {}
         self._ready: list[tuple[int, int, str]] = []  # completed groups: (deadline, seq, id)
         self._seq = 0
-        self._by_step: dict[int, list[str]] = {}
-        self._step_versions: dict[int, dict[int, int]] = {}  # step -> version -> groups
-        self._unpurged: deque[list[str]] = deque()  # released ids still in `_groups`
-        self._purge_at = 0  # position in `_unpurged[0]`
         self._loaded: set[int] = set()
         self._newest: int | None = None
         self._published = 0
         self._trained = -1
-        self._durable = -1
         self._incarnation = 0
         self._version_incarnation: dict[int, int] = {0: 0}
-        self._per_version: dict[int, list[int]] = {}  # counts per state; no all-zero entry
         self._staleness = [0] * (max_staleness + 1)
         self._admission_waits = dict.fromkeys(RefusalReason, 0)
         self._admitted = self._consumed = self._filtered = self._rolled_back = 0
@@ -216,25 +185,6 @@ class TransferQueue:
     def version_tag(self, version: int) -> tuple[int, int]:
         """`(incarnation that published it, version)`: the identity a journal should store."""
         return (self._version_incarnation.get(version, self._incarnation), version)
-
-    def state(self, group_id: str) -> GroupState | None:
-        """The group's state, or None once it is durable, filtered or rolled back."""
-        g = self._groups.get(group_id)
-        return None if g is None or self._released(g) else g.state
-
-    def group_states(self) -> dict[str, GroupState]:
-        """Every group the queue holds, with its state (in admission order)."""
-        return {gid: g.state for gid, g in self._groups.items() if not self._released(g)}
-
-    def group_version(self, group_id: str) -> int:
-        return self._get(group_id).version
-
-    def deadline(self, group_id: str) -> int:
-        return self._get(group_id).deadline
-
-    def version_counts(self) -> dict[int, VersionCounts]:
-        """Groups the queue holds, per version and state."""
-        return {w: VersionCounts(*c) for w, c in sorted(self._per_version.items())}
 
     def unassigned_by_deadline(self) -> list[int]:
         """`[U(= t), U(= t + 1), ..., U(= t + K)]`."""
@@ -398,9 +348,6 @@ class TransferQueue:
         self._masked += 1
         return FailureOutcome(group_id, False, tuple(self.complete(group_id)))
 
-    def is_masked(self, group_id: str) -> bool:
-        return self._get(group_id).masked
-
     # --- trainer messages ----------------------------------------------------------------------
 
     def on_version_loaded(self, version: int, *, incarnation: int | None = None) -> bool:
@@ -440,17 +387,7 @@ class TransferQueue:
             )
         if step < -1:
             raise SchedulingError(f"Durable({step}): a step is >= 0 (-1: none)")
-        # O(K) per step released, whatever its size: the released groups leave the counts now,
-        # and `_groups` a few at a time (`_purge`); until then they read as gone (`_released`).
-        released: list[str] = []
-        for s in range(self._durable + 1, step + 1):
-            ids = self._by_step.pop(s, None)
-            if ids is None:
-                continue
-            for w, n in self._step_versions.pop(s).items():
-                self._add_count(w, _STATE_INDEX[GroupState.ASSIGNED], -n)
-            self._unpurged.append(ids)
-            released += ids
+        released = self._release_through(step)
         self._durable = max(self._durable, step)
         return released
 
@@ -513,12 +450,6 @@ class TransferQueue:
 
     # --- internals ---------------------------------------------------------------------------
 
-    def _get(self, group_id: str) -> _Group:
-        g = self._groups.get(group_id)
-        if g is None or self._released(g):
-            raise SchedulingError(f"unknown group {group_id!r}")
-        return g
-
     def _stale(self, incarnation: int | None) -> bool:
         if incarnation is None or incarnation == self._incarnation:
             return False
@@ -541,43 +472,6 @@ class TransferQueue:
             u += self._due[i]
             best = min(best, self._f + i * self._b - u)
         return best
-
-    def _released(self, g: _Group) -> bool:
-        """Assigned to a durable step: gone, though maybe not yet purged from `_groups`."""
-        return g.step != -1 and g.step <= self._durable and g.state is GroupState.ASSIGNED
-
-    def _purge(self, n: int | None) -> None:
-        """Forget up to `n` released groups (None: all of them)."""
-        todo = self._unpurged
-        while todo and (n is None or n > 0):
-            ids = todo[0]
-            gid = ids[self._purge_at]
-            g = self._groups.get(gid)
-            if g is not None and self._released(g):  # not a later group of the same id
-                del self._groups[gid]
-            self._purge_at += 1
-            if self._purge_at == len(ids):
-                todo.popleft()
-                self._purge_at = 0
-            if n is not None:
-                n -= 1
-
-    def _count(self, g: _Group, delta: int) -> None:
-        self._add_count(g.version, g.si, delta)
-
-    def _add_count(self, version: int, si: int, delta: int) -> None:
-        c = self._per_version.get(version)
-        if c is None:
-            c = self._per_version[version] = [0, 0, 0, 0]
-        c[si] += delta
-        if delta < 0 and not any(c):
-            del self._per_version[version]
-
-    def _move(self, g: _Group, state: GroupState) -> None:
-        self._count(g, -1)
-        g.state = state
-        g.si = _STATE_INDEX[state]
-        self._count(g, +1)
 
     def _push_ready(self, g: _Group) -> None:
         self._seq += 1
@@ -619,9 +513,7 @@ class TransferQueue:
             self._due[d - self._t] -= 1
             self._move(g, GroupState.ASSIGNED)
             g.step = self._t
-            self._by_step.setdefault(self._t, []).append(gid)
-            versions = self._step_versions.setdefault(self._t, {})
-            versions[g.version] = versions.get(g.version, 0) + 1
+            self._record_assignment(g)
             self._consumed += 1
             self._staleness[self._t - g.version] += 1
             out.append(Assigned(gid, self._t, g.version))

@@ -1,0 +1,309 @@
+"""The orchestrator's bookkeeping: instances, live requests and the indexes over them, kept in
+step by a few helpers (`_index`/`_unindex`, `_attach`/`_detach`, `_load`, `_fail`), and the views
+a driver reads. The placement rules live in `orchestrator.py`, on top of this class; they change
+state only through these helpers, so the indexes never disagree with the instances.
+
+Indexes, so that an event costs about O(log n) rather than a pass over the pool: instances by
+version, their free slots in a lazy heap per version (entries that no longer describe their
+instance are dropped when met), the empty, loading and draining ones in sets, slots and requests
+per version, and the live requests and their KV tokens per version (no zero entries, so nothing
+grows with the number of versions a run has had).
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass, field
+
+from dora.core.actions import Action, Fail, FailReason, InstanceView, Load, Mode, Park
+from dora.errors import SchedulingError
+
+__all__ = ["Pool"]
+
+_UNLIMITED = 1 << 62  # the KV-token room of an instance without a token capacity
+
+
+@dataclass(slots=True)
+class _Instance:
+    id: str
+    capacity: int
+    order: int  # join order: ties between equally free instances go to the older one
+    tokens: int | None = None  # KV-cache capacity in tokens (None: not limited)
+    version: int | None = None
+    ready: bool = False
+    draining: bool = False
+    load_id: int = 0  # the pending `Load`'s id (0: none)
+    requests: set[str] = field(default_factory=set)
+    used_tokens: int = 0
+
+    @property
+    def free(self) -> int:
+        return self.capacity - len(self.requests)
+
+    def fits(self, size: int) -> bool:
+        """Room for one more request of `size` context tokens."""
+        return self.free > 0 and (self.tokens is None or self.used_tokens + size <= self.tokens)
+
+
+@dataclass(slots=True)
+class _Request:
+    version: int
+    instance: str | None  # None: parked
+    size: int = 0  # context tokens, as last reported by the driver (`set_size`)
+    failed: bool = False  # a `Fail` was emitted: parked, never resumed, until `finish`
+
+
+class Pool:
+    """The state the orchestrator's rules read and change (see the module docstring)."""
+
+    def __init__(self, *, mode: Mode, newest: int) -> None:
+        self._mode = mode
+        self._newest = newest
+        self._instances: dict[str, _Instance] = {}
+        self._requests: dict[str, _Request] = {}
+        self._live: dict[int, int] = {}  # version -> live requests (R_w); no zero entries
+        self._live_tokens: dict[int, int] = {}  # version -> context tokens of its live requests
+        self._parked: dict[int, list[str]] = {}  # version -> parked requests, in park order
+        self._demand: int | None = None  # requests waiting for room (None: not reported)
+        self._joined = 0
+        self._loads = 0  # `Load` ids handed out
+        self._stale_loads = 0
+        self._failures = dict.fromkeys(FailReason, 0)
+        self._token_caps: dict[int | None, int] = {}  # instances per KV-token capacity
+        self._min_capacity = 0
+        # Indexes, so that an event costs about O(log n) rather than a pass over the pool:
+        self._by_version: dict[int | None, dict[str, _Instance]] = {}
+        self._empty: dict[int | None, dict[str, None]] = {}  # version -> instances with no request
+        self._loading: dict[int, dict[str, None]] = {}  # version -> instances loading it
+        self._loading_slots: dict[int, int] = {}  # version -> capacity of those instances
+        self._slots: dict[int | None, int] = {}  # version -> capacity of its instances
+        self._used: dict[int | None, int] = {}  # version -> requests on its instances
+        self._draining: dict[str, None] = {}
+        self._heaps: dict[int, list[tuple[int, int, str]]] = {}  # (-free, order, id), lazy
+
+    # --- views -------------------------------------------------------------------------------
+
+    @property
+    def mode(self) -> Mode:
+        return self._mode
+
+    @property
+    def newest(self) -> int:
+        return self._newest
+
+    @property
+    def demand(self) -> int | None:
+        return self._demand
+
+    def instances(self) -> list[InstanceView]:
+        return [
+            InstanceView(i.id, i.capacity, i.version, i.ready, i.draining, len(i.requests))
+            for i in self._instances.values()
+        ]
+
+    def accepts(self, instance_id: str) -> bool:
+        """Whether `place` may start groups on the instance: ready and not draining."""
+        inst = self._instances.get(instance_id)
+        return inst is not None and inst.ready and not inst.draining
+
+    def live(self) -> dict[int, int]:
+        """`R_w`: live requests per version (placed or parked)."""
+        return dict(sorted(self._live.items()))
+
+    def loaded_versions(self) -> set[int]:
+        """Versions held or being loaded by some instance."""
+        return {w for w, d in self._by_version.items() if d and w is not None}
+
+    def pending_load(self, instance_id: str) -> Load | None:
+        """The `Load` the instance waits for (the one `on_loaded` accepts), or None: it is
+        ready, or unknown."""
+        inst = self._instances.get(instance_id)
+        if inst is None or not inst.load_id or inst.version is None:
+            return None
+        return Load(inst.id, inst.version, inst.load_id)
+
+    def failures(self) -> dict[FailReason, int]:
+        """Requests failed (`Fail`), per reason."""
+        return {r: n for r, n in self._failures.items() if n}
+
+    @property
+    def stale_loads(self) -> int:
+        """Completions `on_loaded` ignored: not the pending load of a live instance."""
+        return self._stale_loads
+
+    def is_live(self, request: str) -> bool:
+        return request in self._requests
+
+    def location(self, request: str) -> str | None:
+        """The instance running `request`, or None while it is parked."""
+        return self._req(request).instance
+
+    def request_version(self, request: str) -> int:
+        return self._req(request).version
+
+    # --- helpers -----------------------------------------------------------------------------
+
+    def _req(self, request: str) -> _Request:
+        req = self._requests.get(request)
+        if req is None:
+            raise SchedulingError(f"unknown request {request!r}")
+        return req
+
+    def _too_long(self, size: int) -> bool:
+        """Longer than every instance's KV-token capacity (never while an instance has none,
+        nor while the pool is empty: instances may still come)."""
+        caps = self._token_caps
+        return bool(caps) and None not in caps and size > max(c for c in caps if c is not None)
+
+    def _fail(self, rid: str, reason: FailReason, actions: list[Action]) -> None:
+        req = self._requests[rid]
+        if req.instance is None:
+            self._parked[req.version].remove(rid)
+        else:
+            actions.append(Park(rid, req.instance))
+            self._detach(self._instances[req.instance], rid)
+            req.instance = None
+        req.failed = True
+        self._failures[reason] += 1
+        actions.append(Fail(rid, reason))
+
+    def _count_live(self, version: int, requests: int, tokens: int) -> None:
+        n = self._live.get(version, 0) + requests
+        if n:
+            self._live[version] = n
+            self._live_tokens[version] = self._live_tokens.get(version, 0) + tokens
+        else:
+            self._live.pop(version, None)
+            self._live_tokens.pop(version, None)
+
+    def _park(self, rid: str) -> None:
+        req = self._requests[rid]
+        req.instance = None
+        self._parked.setdefault(req.version, []).append(rid)
+
+    def _spare(self, version: int) -> int:
+        """Free slots on the instances of `version`."""
+        return self._slots.get(version, 0) - self._used.get(version, 0)
+
+    def _idle_not_newest(self) -> list[_Instance]:
+        """Empty instances that hold (or load) another version than the newest, in join order."""
+        idle = [
+            self._instances[i] for v, ids in self._empty.items() if v != self._newest for i in ids
+        ]
+        return sorted(idle, key=lambda i: i.order)
+
+    def _room(self, version: int, size: int = 0) -> _Instance | None:
+        """The ready instance of `version` with the most free slots that fits a request of `size`
+        context tokens (draining ones included: they still run their own version)."""
+        best = self._most_free(version, accepting=False)
+        if best is None or best.fits(size):
+            return best
+        fit = [i for i in self._by_version.get(version, {}).values() if i.ready and i.fits(size)]
+        return min(fit, key=lambda i: (-i.free, i.order), default=None)
+
+    def _most_free(self, version: int, *, accepting: bool) -> _Instance | None:
+        """The ready instance of `version` with the most free slots (the oldest on ties), from a
+        lazy heap: entries that no longer describe their instance are dropped when met."""
+        heap = self._heaps.get(version)
+        if not heap:
+            return None
+        skipped: list[tuple[int, int, str]] = []
+        best = None
+        while heap:
+            neg, order, iid = heap[0]
+            inst = self._instances.get(iid)
+            if (
+                inst is None
+                or inst.order != order
+                or inst.version != version
+                or not inst.ready
+                or inst.free != -neg
+            ):
+                heapq.heappop(heap)
+                continue
+            if accepting and inst.draining:
+                skipped.append(heapq.heappop(heap))
+                continue
+            best = inst if inst.free > 0 else None
+            break
+        for entry in skipped:
+            heapq.heappush(heap, entry)
+        return best
+
+    def _push(self, inst: _Instance) -> None:
+        if inst.version is None or not inst.ready:
+            return
+        heap = self._heaps.setdefault(inst.version, [])
+        heapq.heappush(heap, (-inst.free, inst.order, inst.id))
+        if len(heap) > 4 * len(self._by_version.get(inst.version, {})) + 64:
+            live = self._by_version.get(inst.version, {}).values()
+            heap[:] = [(-i.free, i.order, i.id) for i in live if i.ready]
+            heapq.heapify(heap)
+
+    def _index(self, inst: _Instance) -> None:
+        v = inst.version
+        self._by_version.setdefault(v, {})[inst.id] = inst
+        self._slots[v] = self._slots.get(v, 0) + inst.capacity
+        self._used[v] = self._used.get(v, 0) + len(inst.requests)
+        if not inst.requests:
+            self._empty.setdefault(v, {})[inst.id] = None
+        if v is not None and not inst.ready:
+            self._loading.setdefault(v, {})[inst.id] = None
+            self._loading_slots[v] = self._loading_slots.get(v, 0) + inst.capacity
+        self._push(inst)
+
+    def _unindex(self, inst: _Instance) -> None:
+        v = inst.version
+        del self._by_version[v][inst.id]
+        self._slots[v] -= inst.capacity
+        self._used[v] -= len(inst.requests)
+        if not self._by_version[v]:
+            del self._by_version[v]
+        empty = self._empty.get(v)
+        if empty is not None:
+            empty.pop(inst.id, None)
+            if not empty:
+                del self._empty[v]
+        loading = None if v is None else self._loading.get(v)
+        if v is not None and loading is not None and inst.id in loading:
+            del loading[inst.id]
+            self._loading_slots[v] -= inst.capacity
+            if not loading:
+                del self._loading[v]
+
+    def _attach(self, inst: _Instance, rid: str) -> None:
+        req = self._requests[rid]
+        if not inst.requests:
+            empty = self._empty[inst.version]
+            del empty[inst.id]
+            if not empty:
+                del self._empty[inst.version]
+        inst.requests.add(rid)
+        inst.used_tokens += req.size
+        req.instance = inst.id
+        self._used[inst.version] += 1
+        self._push(inst)
+
+    def _detach(self, inst: _Instance, rid: str) -> None:
+        inst.requests.discard(rid)
+        inst.used_tokens -= self._requests[rid].size
+        self._used[inst.version] -= 1
+        if not inst.requests:
+            self._empty.setdefault(inst.version, {})[inst.id] = None
+        self._push(inst)
+
+    def _set_draining(self, inst: _Instance, draining: bool) -> None:
+        inst.draining = draining
+        if draining:
+            self._draining[inst.id] = None
+        else:
+            self._draining.pop(inst.id, None)
+
+    def _load(self, inst: _Instance, version: int, actions: list[Action]) -> None:
+        if inst.requests:
+            raise SchedulingError(f"cannot load {inst.id!r}: it holds requests")
+        self._unindex(inst)
+        self._loads += 1
+        inst.version, inst.ready, inst.load_id = version, False, self._loads
+        self._index(inst)
+        actions.append(Load(inst.id, version, self._loads))
