@@ -132,7 +132,9 @@ class Orchestrator(Pool):
         self._min_capacity = min(self._min_capacity or capacity, capacity)
         self._token_caps[tokens] = self._token_caps.get(tokens, 0) + 1
         self._index(inst)
-        return self._plan()
+        actions: list[Action] = []
+        self._fail_parked_too_long(actions)  # into an empty pool: its first capacity counts
+        return actions + self._plan()
 
     def remove_instance(self, instance_id: str) -> list[Action]:
         """The instance died (or was taken away): its requests continue elsewhere."""
@@ -156,10 +158,7 @@ class Orchestrator(Pool):
             else:
                 self._attach(dst, rid)
                 actions.append(Migrate(rid, instance_id, dst.id))
-        # The largest KV cache may have gone with it: what is parked may now fit nowhere.
-        for rid in [r for q in self._parked.values() for r in q]:
-            if self._too_long(self._requests[rid].size):
-                self._fail(rid, FailReason.TOO_LONG, actions)
+        self._fail_parked_too_long(actions)  # the largest KV cache may have gone with it
         return actions + self._plan()
 
     def on_loaded(self, load: Load) -> list[Action]:
@@ -431,10 +430,11 @@ class Orchestrator(Pool):
         """Old version `w` has parked requests and no room: give it an instance."""
         if self._loading.get(w):
             return
+        size = self._requests[self._parked[w][0]].size  # the head of the queue resumes first
         spare = [
             i
             for i in self._instances.values()
-            if i.id not in keep and not i.requests and not i.draining
+            if i.id not in keep and not i.requests and not i.draining and i.fits(size)
         ]
         if spare:
             inst = min(spare, key=lambda i: (i.version == self._newest and i.ready, i.id))
@@ -444,7 +444,11 @@ class Orchestrator(Pool):
             return
         if self._draining:
             return  # one is already on its way
-        newest = [i for i in self._instances.values() if i.id not in keep and i.requests]
+        newest = [
+            i
+            for i in self._instances.values()
+            if i.id not in keep and i.requests and (i.tokens is None or i.tokens >= size)
+        ]
         if newest:
             inst = min(newest, key=lambda i: (len(i.requests), i.id))
             self._set_draining(inst, True)

@@ -155,6 +155,11 @@ class Pool:
         caps = self._token_caps
         return bool(caps) and None not in caps and size > max(c for c in caps if c is not None)
 
+    def _fail_parked_too_long(self, actions: list[Action]) -> None:
+        for rid in [r for q in self._parked.values() for r in q]:
+            if self._too_long(self._requests[rid].size):
+                self._fail(rid, FailReason.TOO_LONG, actions)
+
     def _fail(self, rid: str, reason: FailReason, actions: list[Action]) -> None:
         req = self._requests[rid]
         if req.instance is None:

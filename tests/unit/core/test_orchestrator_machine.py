@@ -1,0 +1,221 @@
+"""A hypothesis state machine over the orchestrator alone, as a driver would drive it: instances
+with KV-token limits join and die, loads complete late and out of order (superseded ones too),
+groups start at the newest version, requests grow and end, versions are published and rolled
+back. After every step: C1 for every placement (`place`, `Migrate`, `Resume` only onto a ready
+instance of the request's own version), capacity, and no load ping-pong (an instance is told to
+load at most once per change of the inputs: load completions alone never re-target it). At the
+end, with the inputs frozen but loads completing and requests ending, every parked request is
+resumed or failed with a reason."""
+
+from __future__ import annotations
+
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+)
+
+from dora.core.orchestrator import (
+    Action,
+    Drain,
+    Fail,
+    Load,
+    Migrate,
+    Mode,
+    Orchestrator,
+    Park,
+    Resume,
+    Undrain,
+)
+
+
+class Driver(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.o = Orchestrator(mode=Mode.DORA)
+        self.n_instances = 0
+        self.n_requests = 0
+        self.loads: dict[int, Load] = {}  # every Load not yet reported, superseded ones too
+        self.version: dict[str, int] = {}  # live request -> the version it was born with
+        self.failed: set[str] = set()
+        self.loads_since_input: dict[str, int] = {}
+
+    # --- the driver's side of each action -------------------------------------------------
+
+    def apply(self, actions: list[Action]) -> None:
+        views = {v.id: v for v in self.o.instances()}
+        for a in actions:
+            if isinstance(a, Load):
+                self.loads[a.id] = a
+                n = self.loads_since_input.get(a.instance, 0) + 1
+                self.loads_since_input[a.instance] = n
+                assert n <= 1, f"{a.instance} told to load again with no new input: {actions}"
+            elif isinstance(a, Migrate | Resume):
+                where = a.dst if isinstance(a, Migrate) else a.instance
+                v = views[where]
+                assert v.ready and v.version == self.version[a.request], (a, v)  # C1
+                if isinstance(a, Resume):
+                    assert a.version == self.version[a.request]
+            elif isinstance(a, Fail):
+                assert self.o.location(a.request) is None  # parked (a Park came first)
+                self.failed.add(a.request)
+            else:
+                assert isinstance(a, Park | Drain | Undrain)
+
+    def input_changed(self) -> None:
+        self.loads_since_input = {}
+
+    def end(self, rid: str) -> None:
+        self.apply(self.o.finish(rid))
+        del self.version[rid]
+        self.failed.discard(rid)
+
+    def end_failed(self) -> None:
+        """A failed request's episode ends at once (the driver fails it and finishes it)."""
+        for rid in sorted(self.failed):
+            self.end(rid)
+
+    # --- inputs -------------------------------------------------------------------------------
+
+    @initialize(
+        capacities=st.lists(st.integers(1, 3), min_size=1, max_size=3),
+        sizes=st.lists(st.integers(0, 80), max_size=5),
+    )
+    def start(self, capacities: list[int], sizes: list[int]) -> None:
+        """A loaded pool with token limits, running requests of version 0 of the given sizes
+        (packing by slots alone, so an instance may already be over its tokens)."""
+        for capacity in capacities:
+            self.add_instance(capacity, 100)
+        while self.loads:
+            self.apply(self.o.on_loaded(self.loads.pop(min(self.loads))))
+        for size in sizes:
+            self.start_group(1)
+            rid = f"r{self.n_requests - 1}"
+            if rid in self.version:
+                self.apply(self.o.set_size(rid, size))
+        self.input_changed()
+
+    @rule(capacity=st.integers(1, 3), tokens=st.sampled_from([None, 60, 100, 150]))
+    def add_instance(self, capacity: int, tokens: int | None) -> None:
+        self.input_changed()
+        self.n_instances += 1
+        self.apply(self.o.add_instance(f"i{self.n_instances}", capacity=capacity, tokens=tokens))
+
+    @precondition(lambda self: self.o.instances())
+    @rule(data=st.data())
+    def kill_instance(self, data: st.DataObject) -> None:
+        self.input_changed()
+        victim = data.draw(st.sampled_from(sorted(v.id for v in self.o.instances())))
+        self.apply(self.o.remove_instance(victim))
+        self.end_failed()
+
+    @precondition(lambda self: self.loads)
+    @rule(data=st.data())
+    def complete_load(self, data: st.DataObject) -> None:
+        load = self.loads.pop(data.draw(st.sampled_from(sorted(self.loads))))
+        accepted = self.o.pending_load(load.instance) == load
+        before = self.o.stale_loads
+        self.apply(self.o.on_loaded(load))
+        assert self.o.stale_loads == before + (not accepted)
+        assert self.o.accepts(load.instance) or not accepted or self.is_draining(load.instance)
+
+    def is_draining(self, instance: str) -> bool:
+        return any(v.id == instance and v.draining for v in self.o.instances())
+
+    @rule(n=st.integers(1, 2))
+    def start_group(self, n: int) -> None:
+        self.input_changed()
+        w = self.o.newest
+        rids = [f"r{self.n_requests + j}" for j in range(n)]
+        where = self.o.place(rids, version=w)
+        if where is None:
+            return
+        self.n_requests += n
+        view = next(v for v in self.o.instances() if v.id == where)
+        assert view.ready and view.version == w and view.load <= view.capacity  # C1
+        for rid in rids:
+            self.version[rid] = w
+
+    @precondition(lambda self: self.version)
+    @rule(data=st.data(), tokens=st.integers(0, 160))
+    def grow_request(self, data: st.DataObject, tokens: int) -> None:
+        self.input_changed()
+        rid = data.draw(st.sampled_from(sorted(self.version)))
+        self.apply(self.o.set_size(rid, tokens))
+        self.end_failed()
+
+    @precondition(lambda self: self.version)
+    @rule(data=st.data())
+    def end_request(self, data: st.DataObject) -> None:
+        self.input_changed()
+        self.end(data.draw(st.sampled_from(sorted(self.version))))
+        self.end_failed()
+
+    @precondition(lambda self: self.o.newest < 6)
+    @rule()
+    def publish(self) -> None:
+        self.input_changed()
+        self.apply(self.o.publish(self.o.newest + 1))
+        self.end_failed()
+
+    @precondition(lambda self: self.o.newest > 0)
+    @rule(data=st.data())
+    def roll_back(self, data: st.DataObject) -> None:
+        self.input_changed()
+        newest = data.draw(st.integers(0, self.o.newest - 1))
+        ghosts = [r for r, w in self.version.items() if w > newest]
+        self.apply(self.o.rollback(newest))
+        for rid in ghosts:
+            assert not self.o.is_live(rid)
+            del self.version[rid]
+            self.failed.discard(rid)
+        self.end_failed()
+
+    @rule(requests=st.integers(0, 6))
+    def demand(self, requests: int) -> None:
+        self.input_changed()
+        self.apply(self.o.set_demand(requests))
+
+    # --- after every step ---------------------------------------------------------------------
+
+    @invariant()
+    def placements_hold_their_version(self) -> None:
+        views = {v.id: v for v in self.o.instances()}
+        for v in views.values():
+            assert 0 <= v.load <= v.capacity
+        for rid, w in self.version.items():
+            assert self.o.is_live(rid) and self.o.request_version(rid) == w
+            where = self.o.location(rid)
+            if where is not None:
+                assert views[where].ready and views[where].version == w, (rid, views[where])
+        assert sum(self.o.live().values()) == len(self.version)
+
+    def teardown(self) -> None:
+        """Freeze the inputs: loads complete and requests end (newest first, so that old
+        versions keep theirs); every parked request must be resumed or failed on the way."""
+        if not self.o.instances():
+            self.input_changed()
+            self.apply(self.o.add_instance("last", capacity=2, tokens=100))
+            self.end_failed()
+        for _ in range(10 * (len(self.version) + len(self.loads)) + 10):
+            parked = [r for r in self.version if self.o.location(r) is None]
+            if not parked:
+                return
+            if self.loads:
+                self.apply(self.o.on_loaded(self.loads.pop(min(self.loads))))
+                self.end_failed()
+                continue
+            running = [r for r in self.version if self.o.location(r) is not None]
+            assert running, f"parked {parked} with nothing running and no load coming"
+            self.input_changed()
+            self.end(max(running, key=lambda r: (self.version[r], r)))
+            self.end_failed()
+        raise AssertionError(f"parked requests never resumed: {self.o.instances()}")
+
+
+Driver.TestCase.settings = settings(max_examples=100, stateful_step_count=30, deadline=None)
+test_orchestrator_as_a_driver_sees_it = Driver.TestCase
