@@ -262,9 +262,14 @@ class Orchestrator(Pool):
             self._detach(inst, request)
         del self._requests[request]
         self._count_live(req.version, -1, -req.size)
-        if self._parked or self._draining or self._mode not in (Mode.DORA, Mode.SYNC):
-            return self._plan()
-        if req.version == self._newest or inst is None:
+        if (
+            inst is None
+            or self._parked
+            or self._draining
+            or self._mode not in (Mode.DORA, Mode.SYNC)
+        ):
+            return self._plan()  # a parked request's end may leave a load for it unneeded
+        if req.version == self._newest:
             return []
         # An old version's request ended and nothing waits: only its own version can change.
         if not inst.requests:
@@ -427,10 +432,16 @@ class Orchestrator(Pool):
         return True
 
     def _grow(self, w: int, keep: set[str], actions: list[Action]) -> None:
-        """Old version `w` has parked requests and no room: give it an instance."""
-        if self._loading.get(w):
+        """Old version `w` has parked requests and no room: give it an instance, unless the
+        instances loading it will hold them all (asking later would re-target a loading one)."""
+        loading = self._loading.get(w, {})
+        keep.update(loading)  # room to come for `w`: not to be re-targeted
+        if self._loading_holds(w):
             return
-        size = self._requests[self._parked[w][0]].size  # the head of the queue resumes first
+        # The loading instances take the head of the queue; the next request needs room too.
+        queue = self._parked[w]
+        taken = min(sum(self._instances[i].capacity for i in loading), len(queue) - 1)
+        size = self._requests[queue[taken]].size
         spare = [
             i
             for i in self._instances.values()
@@ -453,6 +464,20 @@ class Orchestrator(Pool):
             inst = min(newest, key=lambda i: (len(i.requests), i.id))
             self._set_draining(inst, True)
             actions.append(Drain(inst.id))
+
+    def _loading_holds(self, w: int) -> bool:
+        """Whether the instances loading `w` will hold its parked requests, by slots and by
+        KV tokens (each of them, and all of them together)."""
+        loading = [self._instances[i] for i in self._loading.get(w, ())]
+        if not loading:
+            return False
+        sizes = [self._requests[r].size for r in self._parked[w]]
+        caps = [_UNLIMITED if i.tokens is None else i.tokens for i in loading]
+        return (
+            sum(i.capacity for i in loading) >= len(sizes)
+            and sum(caps) >= sum(sizes)
+            and max(caps) >= max(sizes)
+        )
 
     def _oldest_waiting(self, *, default: int) -> int:
         waiting = [w for w, rs in self._parked.items() if rs and self._room(w) is None]
