@@ -227,6 +227,13 @@ class EnvConfig(_Section):
         dict[str, str | int | float | bool | list[str | int | float]],
         M(description="Keyword arguments for the environment's constructor"),
     ] = msgspec.field(default_factory=dict)
+    prompt_special_tokens: Annotated[
+        bool,
+        M(
+            description="A plain-text prompt is tokenizer(prompt) with the tokenizer's special "
+            "tokens (a base model's <bos>); false encodes it without them"
+        ),
+    ] = True
 
 
 class DataConfig(_Section):

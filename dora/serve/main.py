@@ -32,6 +32,7 @@ import msgspec
 
 from dora.config import DoraConfig, load_config
 from dora.errors import ConfigError
+from dora.launch import mark_ready
 from dora.serve.instances import (
     InstanceHandle,
     InstanceSpec,
@@ -120,7 +121,7 @@ async def run_serve(
     model_dir = await asyncio.to_thread(prepare_model, config)
     env_factory = load_env(config.env.cls, **config.env.kwargs)
     tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, str(model_dir))
-    renderer = ChatRenderer(tokenizer)
+    renderer = ChatRenderer(tokenizer, add_special_tokens=config.env.prompt_special_tokens)
     # Rows whose prompt cannot fit are left out before the prompt stream is built, so a restarted
     # serve (same data, same tokenizer) drops the same rows and its journaled position still holds.
     train = await fit_context(
@@ -178,6 +179,7 @@ async def run_serve(
                 prompts_skipped=len(train.skipped),
                 eval_prompts_skipped=eval_skipped,
             )
+            mark_ready()  # instances up, prompts measured: a failure from now on is a fault
             report = await rollout.run()
     finally:
         if own_link:
