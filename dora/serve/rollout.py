@@ -292,6 +292,14 @@ class Rollout:
         self.restored.lost = lost
         return lost
 
+    def version_trained_at(self, version: int) -> float | None:
+        """When `version` was trained (its `StepDone` arrived), in seconds on the clock of the
+        run's records (`time_s`); 0 for the initial weights; None if this serve did not see it."""
+        if version == 0:
+            return 0.0
+        at = self._trained_at.get(version - 1)
+        return None if at is None else at - self.metrics.start
+
     def spawn(self, coro: Coroutine[Any, Any, None], *, name: str) -> asyncio.Task[None]:
         """Run `coro` in the run's task group (one crash stops the run)."""
         assert self._tg is not None, "the rollout is not running"
@@ -304,6 +312,12 @@ class Rollout:
         timeout_s = self.config.serve.request_timeout_s
         while self._durable < last:
             await self._all_sent.wait()
+            if self._durable < last:
+                log.info(
+                    "every step is sent; waiting up to %g s for the trainer to make step %d "
+                    "durable (trained: %d, durable: %d)",
+                    *(timeout_s, last, self.trained_step, self._durable),
+                )
             try:
                 async with asyncio.timeout(timeout_s):
                     # A roll-back clears `_all_sent` (and wakes this): the steps go out again.
@@ -317,6 +331,7 @@ class Rollout:
                 )
                 break
         if self.evaluator is not None:
+            log.info("step %d is durable; evaluating the final version", last)
             await self._final_eval(timeout_s)
         if not self._trainer_stopped:
             # The trainer may have finished and closed its end first: nothing left to tell it.
