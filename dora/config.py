@@ -267,6 +267,14 @@ class LogConfig(_Section):
         float, M(gt=0, description="Seconds between periodic metric records")
     ] = 1.0
     progress: Annotated[bool, M(description="Show a live progress display in the terminal")] = True
+    samples_every: Annotated[
+        int,
+        M(
+            ge=0,
+            description="Write one completed group in every N to <run_dir>/samples.jsonl (token "
+            "ids, text, rewards); 0 is off",
+        ),
+    ] = 0
     tensorboard: Annotated[
         bool,
         M(description="Also log metrics to TensorBoard in <run_dir>/tensorboard (extra: tracking)"),

@@ -114,6 +114,7 @@ async def run_serve(
     from dora.serve.dispatcher import Dispatcher
     from dora.serve.episode import ChatRenderer
     from dora.serve.evaluate import Evaluator
+    from dora.serve.metrics import SampleLog
     from dora.serve.rollout import Rollout
 
     # The initial weights the trainer starts from too (built, warmed up and cached once, under a
@@ -178,6 +179,11 @@ async def run_serve(
                 replace_instance=replace,
                 prompts_skipped=len(train.skipped),
                 eval_prompts_skipped=eval_skipped,
+                sample_log=SampleLog(
+                    run_dir, every=config.log.samples_every, decode=renderer.decode
+                )
+                if config.log.samples_every
+                else None,
             )
             mark_ready()  # instances up, prompts measured: a failure from now on is a fault
             report = await rollout.run()

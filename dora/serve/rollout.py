@@ -95,7 +95,14 @@ from dora.protocol import (
 from dora.serve.evaluate import Evaluator
 from dora.serve.instances import InstanceHandle
 from dora.serve.journal import JournaledQueue, Restored
-from dora.serve.metrics import MetricsLog, Progress, RolloutReport, Snapshots, Ticker
+from dora.serve.metrics import (
+    MetricsLog,
+    Progress,
+    RolloutReport,
+    SampleLog,
+    Snapshots,
+    Ticker,
+)
 from dora.serve.router import Router
 from dora.serve.weights import WeightStore, read_folder
 from dora.tracking import open_tracking
@@ -126,6 +133,7 @@ class Rollout:
         replace_instance: Callable[[str], Awaitable[InstanceHandle]] | None = None,
         prompts_skipped: int = 0,
         eval_prompts_skipped: int = 0,
+        sample_log: SampleLog | None = None,
     ) -> None:
         r = config.rollout
         self.config = config
@@ -165,6 +173,7 @@ class Rollout:
         self.prompts_skipped = prompts_skipped
         """Training tasks left out at load because their prompt does not fit the context."""
         self.eval_prompts_skipped = eval_prompts_skipped
+        self._sample_log = sample_log
         self.restored = Restored()
         """What the journal held at start (`restored.starts > 0`: this serve is a restart)."""
         self._lost_ready = asyncio.Event()
@@ -651,6 +660,8 @@ class Rollout:
         """A group completed (or was masked): keep it, queue what the completion assigned."""
         self.groups[group.id] = group
         self.completed += 1
+        if self._sample_log is not None:
+            self._sample_log.write(group)
         self.assigned(assigned)
 
     def assigned(self, assigned: list[Assigned] | tuple[Assigned, ...]) -> None:
