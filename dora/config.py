@@ -215,6 +215,14 @@ class LearnConfig(_Section):
         Literal["filesystem", "inline"], M(description="How versions reach dora serve")
     ] = "inline"
     seed: Annotated[int, M(description="Seed of the trainer")] = 0
+    max_minutes: Annotated[
+        float,
+        M(
+            ge=0,
+            description="Time budget: the run ends at the first step boundary after this many "
+            "minutes (from serve's start), checkpointed and evaluated; 0 is off",
+        ),
+    ] = 0.0
 
 
 class EnvConfig(_Section):
@@ -255,7 +263,17 @@ class DataConfig(_Section):
         M(description="Keyword arguments when eval_source is a function"),
     ] = msgspec.field(default_factory=dict)
     eval_size: Annotated[int, M(ge=0, description="Held-out tasks per evaluation; 0 is off")] = 64
-    eval_every: Annotated[int, M(ge=1, description="Steps between evaluations")] = 5
+    eval_every: Annotated[
+        int, M(ge=0, description="Steps between evaluations; 0: only by eval_every_s")
+    ] = 5
+    eval_every_s: Annotated[
+        float,
+        M(
+            ge=0,
+            description="Also evaluate every this many seconds of the run (when a version "
+            "trained that late is loaded); 0 is off",
+        ),
+    ] = 0.0
 
 
 class LogConfig(_Section):

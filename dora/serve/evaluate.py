@@ -2,12 +2,14 @@
 
 Which versions. Version `w` is the model after `w` trained steps. Version 0 (the initial model,
 after the warm-up) is evaluated as soon as an instance holds it; then, every time the newest
-*loaded* version reaches the next multiple of `data.eval_every`, that version (a version the
-orchestrator skips because a newer one was published first is not waited for: the newest loaded
-one is evaluated instead); and at the end of the run the final version (`learn.steps`), which
-`Rollout` loads for this once every step is trained, before `Shutdown`. So a run's first and
-last `eval` records are the before/after numbers. One evaluation runs at a time; a threshold
-crossed while one runs starts the next one, on the newest loaded version, when it ends.
+*loaded* version reaches the next multiple of `data.eval_every`, or was trained at or after the
+next multiple of `data.eval_every_s` seconds of the run, that version (a version the orchestrator
+skips because a newer one was published first is not waited for: the newest loaded one is
+evaluated instead); and at the end of the run the final version (`learn.steps`, or the step a
+`learn.max_minutes` budget ended at, plus one), which `Rollout` loads for this once every step
+is trained, before `Shutdown`. So a run's first and last `eval` records are the before/after
+numbers. One evaluation runs at a time; a threshold crossed while one runs starts the next one,
+on the newest loaded version, when it ends.
 
 How, without blocking training. The evaluation runs on ordinary leases of one version (at most
 half of an instance's capacity, so groups still find room), each a worker that runs held-out
@@ -26,9 +28,10 @@ record says. At the end, the running evaluation is waited for (bounded, and logg
 one starts any more, and the final version is evaluated.
 
 Records (`rollout.jsonl`): `{"kind": "eval", "time_s", "step": w, "version": w, "due",
-"accuracy", "reward_mean", "n", "masked", "concurrency", "version_time_s", "started_s",
-"seconds"}`: `due` is the threshold (a multiple of `data.eval_every`) the evaluation was started
-for, `concurrency` the most episodes it ran at once, `version_time_s` when version `w` was trained
+"due_s", "accuracy", "reward_mean", "n", "masked", "concurrency", "version_time_s", "started_s",
+"seconds"}`: `due` and `due_s` are the thresholds (a multiple of `data.eval_every`, of
+`data.eval_every_s`; null for the one that did not fall due) the evaluation was started for,
+`concurrency` the most episodes it ran at once, `version_time_s` when version `w` was trained
 (on the clock of `time_s`: seconds since serve started; 0 for version 0), `started_s` when the
 evaluation started; `accuracy` is the fraction of held-out episodes whose reward is at least
 `CORRECT_AT` (the math environments score 1.0 for a right answer).
@@ -41,6 +44,7 @@ import logging
 import math
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from dora.env import Env, Task
@@ -60,6 +64,22 @@ CORRECT_AT = 1.0
 """A held-out episode counts as correct when its reward is at least this."""
 
 
+@dataclass(frozen=True)
+class Due:
+    """Why an evaluation runs: the multiple of `data.eval_every` (steps) and/or of
+    `data.eval_every_s` (seconds of the run) that fell due; None for a reason that did not."""
+
+    steps: int | None = None
+    seconds: float | None = None
+
+    def merge(self, later: Due) -> Due:
+        """One evaluation for two dues: the earlier threshold of each kind."""
+        return Due(
+            steps=self.steps if self.steps is not None else later.steps,
+            seconds=self.seconds if self.seconds is not None else later.seconds,
+        )
+
+
 class Evaluator:
     """Runs the evaluations of one rollout (see the module docstring)."""
 
@@ -77,14 +97,17 @@ class Evaluator:
         self._env_factory = env_factory
         self._renderer = renderer
         self._every = cfg.data.eval_every
+        self._every_s = cfg.data.eval_every_s
         self._params = SamplingParams(max_tokens=turn_max_tokens(cfg), temperature=0.0, top_p=1.0)
         self._limits = episode_limits(cfg)
         self._workers = max(1, min(len(tasks), cfg.serve.max_running // 2))
-        self._next_due = 0
-        """The smallest version the next periodic evaluation waits for."""
+        self._next_due: float = 0
+        """The smallest version the next periodic evaluation waits for (by steps)."""
+        self._next_due_s = math.inf if not self._every_s else self._every_s
+        """When the version must have been trained for the next evaluation by time."""
         self._running: asyncio.Task[None] | None = None
-        self._pending: int | None = None
-        """The threshold that fell due while an evaluation ran (it starts when that one ends)."""
+        self._pending: Due | None = None
+        """What fell due while an evaluation ran (it starts when that one ends)."""
         self._finishing = False
         self._count = 0
         self._wake = asyncio.Event()
@@ -98,20 +121,34 @@ class Evaluator:
         self._wake.set()
 
     def on_loaded(self, version: int) -> None:
-        """An instance holds `version` (the newest loaded one): evaluate it if one is due."""
-        if self._finishing or version < self._next_due or version in self.done:
+        """An instance holds `version` (the newest loaded one): evaluate it if one is due, by
+        steps (`data.eval_every`; version 0 always) or by the time it was trained
+        (`data.eval_every_s`)."""
+        if self._finishing or version in self.done:
             return
-        due = self._next_due
-        self._next_due = (version // self._every + 1) * self._every
+        at = self._r.version_trained_at(version)
+        by_steps = version >= self._next_due
+        by_time = at is not None and at >= self._next_due_s
+        if not (by_steps or by_time):
+            return
+        due = Due(
+            steps=int(self._next_due) if by_steps else None,
+            seconds=self._next_due_s if by_time else None,
+        )
+        if by_steps:  # without eval_every, version 0 only
+            self._next_due = (version // self._every + 1) * self._every if self._every else math.inf
+        if by_time:
+            assert at is not None
+            self._next_due_s = (at // self._every_s + 1) * self._every_s
         if self._running is not None:
-            self._pending = due if self._pending is None else self._pending
+            self._pending = due if self._pending is None else self._pending.merge(due)
             return
         self._start(due)
 
-    def _start(self, due: int) -> None:
+    def _start(self, due: Due) -> None:
         self._running = self._r.spawn(self._periodic(due), name=f"eval-due{due}")
 
-    async def _periodic(self, due: int) -> None:
+    async def _periodic(self, due: Due) -> None:
         try:
             await self.evaluate(None, due=due)
         finally:
@@ -132,9 +169,9 @@ class Evaluator:
                 log.info("the run waits for the evaluation that is running before the final one")
                 await asyncio.shield(self._running)
             if version not in self.done:
-                await self.evaluate(version, due=version)
+                await self.evaluate(version, due=Due(steps=version))
 
-    async def evaluate(self, version: int | None, *, due: int) -> dict[str, object]:
+    async def evaluate(self, version: int | None, *, due: Due) -> dict[str, object]:
         """Evaluate `version` (None: the newest loaded one when room is found) on the held-out
         tasks, for the threshold `due`; write and return the `eval` record."""
         r = self._r
@@ -150,7 +187,8 @@ class Evaluator:
         record: dict[str, object] = {
             "step": version,
             "version": version,
-            "due": due,
+            "due": due.steps,
+            "due_s": due.seconds,
             "accuracy": correct / n if n else 0.0,
             "reward_mean": math.fsum(s.reward for s in samples) / n if n else 0.0,
             "n": n,

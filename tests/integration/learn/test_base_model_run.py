@@ -13,6 +13,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -29,16 +30,14 @@ pytestmark = pytest.mark.timeout(240)
 STEPS, EVERY = 30, 5
 
 
-def test_a_base_model_with_plain_text_prompts_trains_evaluates_and_ends(tmp_path: Path) -> None:
-    from transformers import AutoTokenizer
-
+def _run(tmp_path: Path, *overrides: str) -> tuple[Path, Path, float]:
+    """`dora run` on the base model and `base_task`; (the model folder, the run directory, when
+    the command returned)."""
     model = build_tiny_model(
         tmp_path / "base-llama",
         TinyModelSpec(hidden_size=64, num_layers=1, intermediate_size=128),
         base=True,
     )
-    tokenizer = AutoTokenizer.from_pretrained(model)
-    assert tokenizer.chat_template is None
     run_dir = tmp_path / "run"
     config = tmp_path / "config.toml"
     config.write_text(
@@ -79,7 +78,7 @@ samples_every = 1
         "OMP_WAIT_POLICY": "PASSIVE",
     }
     proc = subprocess.run(
-        [sys.executable, "-m", "dora.cli", "run", str(config)],
+        [sys.executable, "-m", "dora.cli", "run", str(config), *overrides],
         cwd=tmp_path,
         env=env,
         capture_output=True,
@@ -88,10 +87,23 @@ samples_every = 1
     )
     ended = time.time()
     assert proc.returncode == 0, proc.stderr[-4000:]
+    return model, run_dir, ended
+
+
+def _records(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(x) for x in path.read_text().splitlines()]
+
+
+def test_a_base_model_with_plain_text_prompts_trains_evaluates_and_ends(tmp_path: Path) -> None:
+    from transformers import AutoTokenizer
+
+    model, run_dir, ended = _run(tmp_path)
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    assert tokenizer.chat_template is None
 
     # every prompt is tokenizer(prompt), special tokens included
     tasks = {t.prompt_id: t for t in sum_tasks()}
-    groups = [json.loads(x) for x in (run_dir / "samples.jsonl").read_text().splitlines()]
+    groups = _records(run_dir / "samples.jsonl")
     assert len(groups) >= 2 * STEPS
     for g in groups:
         expected = tokenizer(prompt_of(tasks[g["prompt_id"]])).input_ids
@@ -101,14 +113,43 @@ samples_every = 1
             assert not s["masked"] and s["finish_reason"] in ("stop", "length"), s
 
     # every due evaluation has a record, and the final version is evaluated
-    records = [json.loads(x) for x in (run_dir / "rollout.jsonl").read_text().splitlines()]
-    evals = [r for r in records if r["kind"] == "eval"]
+    evals = [r for r in _records(run_dir / "rollout.jsonl") if r["kind"] == "eval"]
     assert sorted({e["due"] for e in evals[:-1]}) == list(range(0, STEPS, EVERY)), evals
     assert evals[-1]["version"] == STEPS and all(e["n"] == 8 for e in evals), evals
 
     # the run ends within seconds of its last durable step
-    steps = [json.loads(x) for x in (run_dir / "learn-metrics.jsonl").read_text().splitlines()]
+    steps = _records(run_dir / "learn-metrics.jsonl")
     assert sorted(s["step"] for s in steps) == list(range(STEPS))
     last_step = max(s["time"] for s in steps)
     print(f"run ended {ended - last_step:.1f} s after its last step")
     assert ended - last_step < 30, ended - last_step
+
+
+def test_a_time_budget_ends_the_run_at_a_step_checkpointed_and_evaluated(tmp_path: Path) -> None:
+    from dora.learn.checkpoint import latest_checkpoint
+
+    budget_s = 8.0
+    _, run_dir, ended = _run(
+        tmp_path,
+        "learn.steps=100000",
+        f"learn.max_minutes={budget_s / 60}",
+        "data.eval_every=0",
+        "data.eval_every_s=2",
+    )
+    steps = sorted(s["step"] for s in _records(run_dir / "learn-metrics.jsonl"))
+    last = steps[-1]
+    assert steps == list(range(last + 1)) and 0 < last < 100000
+    checkpoint = latest_checkpoint(run_dir)
+    assert checkpoint is not None and checkpoint.step == last, "the last step is durable"
+    records = _records(run_dir / "rollout.jsonl")
+    [budget] = [r for r in records if r["kind"] == "budget"]
+    assert budget["last_step"] == last and budget["time_s"] >= budget_s
+    evals = [r for r in records if r["kind"] == "eval"]
+    assert evals[0]["version"] == 0 and evals[-1]["version"] == last + 1, evals
+    # by time: each due (every 2 s of the run) evaluated a version trained at or after it
+    timed = [e for e in evals if e["due_s"] is not None]
+    dues = [e["due_s"] for e in timed]
+    assert len(dues) >= 2 and dues == sorted(set(dues)) and all(d % 2 == 0 for d in dues), evals
+    assert all(e["version_time_s"] >= e["due_s"] for e in timed), evals
+    trained_at = max(s["time"] for s in _records(run_dir / "learn-metrics.jsonl"))
+    assert ended - trained_at < 30
