@@ -49,6 +49,7 @@ import importlib
 import inspect
 import multiprocessing
 import multiprocessing.pool
+import os
 import random
 from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -232,6 +233,14 @@ def load_object(spec: str) -> object:
         )
     try:
         module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        if exc.name is None or not module_name.startswith(exc.name):
+            raise ConfigError(f"cannot import module {module_name!r} for {spec!r}: {exc}") from exc
+        raise ConfigError(
+            f"cannot import module {module_name!r} for {spec!r}: {exc}. Modules are imported "
+            f"from the working directory ({os.getcwd()}), then PYTHONPATH and the installed "
+            "packages: run dora from the folder that holds it, or add that folder to PYTHONPATH"
+        ) from exc
     except ImportError as exc:
         raise ConfigError(f"cannot import module {module_name!r} for {spec!r}: {exc}") from exc
     obj: object = module

@@ -131,7 +131,7 @@ async def run_serve(
         renderer=renderer,
         context_limit=config.model.max_model_len,
     )
-    tasks = PromptStream(train.tasks, seed=config.data.seed)
+    tasks = PromptStream(train.tasks, seed=config.data.seed, shuffle=config.data.shuffle)
     eval_tasks = []
     eval_skipped = 0
     if config.data.eval_source and config.data.eval_size > 0:

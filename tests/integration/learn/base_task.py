@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import random
 
-from dora import Env, Episode, Task
+from dora import Env, Episode, Message, Task
 
 
 class SumEnv(Env):
@@ -16,6 +16,13 @@ class SumEnv(Env):
 
     def reward(self, episode: Episode) -> float:
         return 1.0 if episode.completion.strip().startswith(str(episode.task["answer"])) else 0.0
+
+
+class ChatSumEnv(SumEnv):
+    """The same task as a chat: wrong for a base model without a chat template."""
+
+    def reset(self, task: Task) -> list[Message]:  # type: ignore[override]
+        return [{"role": "user", "content": prompt_of(task)}]
 
 
 def prompt_of(task: Task) -> str:

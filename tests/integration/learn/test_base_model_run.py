@@ -30,9 +30,11 @@ pytestmark = pytest.mark.timeout(240)
 STEPS, EVERY = 30, 5
 
 
-def _run(tmp_path: Path, *overrides: str) -> tuple[Path, Path, float]:
+def _run(
+    tmp_path: Path, *overrides: str, returncode: int = 0
+) -> tuple[Path, Path, float, subprocess.CompletedProcess[str]]:
     """`dora run` on the base model and `base_task`; (the model folder, the run directory, when
-    the command returned)."""
+    the command returned, the command)."""
     model = build_tiny_model(
         tmp_path / "base-llama",
         TinyModelSpec(hidden_size=64, num_layers=1, intermediate_size=128),
@@ -86,8 +88,8 @@ samples_every = 1
         timeout=200,
     )
     ended = time.time()
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return model, run_dir, ended
+    assert proc.returncode == returncode, proc.stderr[-4000:]
+    return model, run_dir, ended, proc
 
 
 def _records(path: Path) -> list[dict[str, Any]]:
@@ -97,7 +99,7 @@ def _records(path: Path) -> list[dict[str, Any]]:
 def test_a_base_model_with_plain_text_prompts_trains_evaluates_and_ends(tmp_path: Path) -> None:
     from transformers import AutoTokenizer
 
-    model, run_dir, ended = _run(tmp_path)
+    model, run_dir, ended, _ = _run(tmp_path)
     tokenizer = AutoTokenizer.from_pretrained(model)
     assert tokenizer.chat_template is None
 
@@ -129,7 +131,7 @@ def test_a_time_budget_ends_the_run_at_a_step_checkpointed_and_evaluated(tmp_pat
     from dora.learn.checkpoint import latest_checkpoint
 
     budget_s = 8.0
-    _, run_dir, ended = _run(
+    _, run_dir, ended, _ = _run(
         tmp_path,
         "learn.steps=100000",
         f"learn.max_minutes={budget_s / 60}",
@@ -153,3 +155,11 @@ def test_a_time_budget_ends_the_run_at_a_step_checkpointed_and_evaluated(tmp_pat
     assert all(e["version_time_s"] >= e["due_s"] for e in timed), evals
     trained_at = max(s["time"] for s in _records(run_dir / "learn-metrics.jsonl"))
     assert ended - trained_at < 30
+
+
+def test_a_chat_env_on_a_model_without_a_chat_template_stops_once_at_start(tmp_path: Path) -> None:
+    model, run_dir, _, proc = _run(tmp_path, "env.cls=base_task:ChatSumEnv", returncode=1)
+    assert "has no chat template" in proc.stderr and str(model) in proc.stderr, proc.stderr[-3000:]
+    assert "serve failed while starting" in proc.stderr
+    starts = [r for r in _records(run_dir / "supervisor.jsonl") if r["kind"] == "start"]
+    assert [r["component"] for r in starts].count("serve") == 1, "not restarted"
