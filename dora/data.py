@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Protocol, cast
 
 from dora.env import Env, Message, Prompt, Task, call_maybe_async, load_object
-from dora.errors import ConfigError, DataError
+from dora.errors import ChatTemplateMissing, ConfigError, DataError
 from dora.tools import JSON, tool_schema
 
 log = logging.getLogger("dora.data")
@@ -151,7 +151,8 @@ async def fit_context(
     template). Skipped rows are named in one warning; none fitting is a `DataError`. A `reset`
     that raises or takes longer than `timeout_s` is not judged here: the task is kept, and the
     episode's error policy handles it when it runs. A prompt the model cannot render at all (chat
-    messages for a tokenizer without a chat template) is a `ConfigError`, raised here, at start.
+    messages for a tokenizer without a chat template) is a `ChatTemplateMissing` (a `ConfigError`),
+    raised here, at start.
     """
     kept: list[Task] = []
     skipped: list[tuple[str, int]] = []
@@ -183,8 +184,8 @@ async def _prompt_length(
             prompt = cast(Prompt, await call_maybe_async(env.reset, task))
         schemas = [tool_schema(tool) for tool in env.tools()]
         return len(renderer.prompt_ids(prompt, schemas))
-    except ConfigError:
-        raise  # the model cannot render this kind of prompt at all (no chat template)
+    except ChatTemplateMissing:
+        raise  # the model cannot render this kind of prompt at all: stop at start
     except Exception as exc:  # the episode's error policy owns a failing reset, not the loader
         log.debug("prompt of %r not measured: %r", task.prompt_id, exc)
         return None

@@ -49,7 +49,7 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeVar, cast
 import msgspec
 
 from dora.env import Env, Episode, Message, Reward, Task, call_maybe_async
-from dora.errors import ConfigError, EnvError
+from dora.errors import ChatTemplateMissing, EnvError
 from dora.protocol import Completion, FinishReason, Sample, SamplingParams
 from dora.tools import JSON, ParsedTurn, ToolBox, ToolCall, parse_tool_calls
 
@@ -142,8 +142,8 @@ class ChatRenderer:
     trainers see, special tokens (a base model's `<bos>`) included; `add_special_tokens=False`
     leaves them out. Everything appended later (sampled turns, replies) is encoded without them.
     The chat template is probed only when a chat prompt needs it, so a base model without one
-    serves plain-text environments; a chat prompt on such a tokenizer raises a `ConfigError` that
-    names the model folder.
+    serves plain-text environments; a chat prompt on such a tokenizer raises `ChatTemplateMissing`
+    (a `ConfigError`) that names the model folder.
     """
 
     _PROBE_TEXT = "\x1fdora-probe\x1f"
@@ -175,7 +175,7 @@ class ChatRenderer:
     ) -> str:
         if not getattr(self.tokenizer, "chat_template", None):
             folder = getattr(self.tokenizer, "name_or_path", "") or "the model folder"
-            raise ConfigError(
+            raise ChatTemplateMissing(
                 f"the tokenizer of {folder} has no chat template (tokenizer_config.json has no "
                 "'chat_template', and there is no chat_template.jinja), but the environment's "
                 "reset() returned chat messages: return a plain-text prompt (a str; "
@@ -249,8 +249,8 @@ class _EnvFailure(Exception):
 async def _env_call(what: str, fn: Callable[..., object], *args: object) -> object:
     try:
         return await call_maybe_async(fn, *args)
-    except (asyncio.CancelledError, ConfigError):
-        raise  # a config error (a chat prompt for a model without a template) is not the env's
+    except (asyncio.CancelledError, ChatTemplateMissing):
+        raise  # a model that cannot render chat messages is the config's error, not the env's
     except Exception as exc:
         log.warning("environment %s raised", what, exc_info=True)
         raise _EnvFailure(f"{what} raised {type(exc).__name__}: {exc}") from exc
@@ -262,7 +262,13 @@ R = TypeVar("R", list[Message], str)
 def _check_reply(raw: object, kind: type[R]) -> tuple[R, bool]:
     """`step`'s return value, checked: a (reply, done) pair whose reply has the episode's kind.
     An empty reply (`[]` or `""`, the default `step`'s) is no reply in either kind."""
-    if isinstance(raw, tuple) and len(raw) == 2 and raw[0] in ([], "") and isinstance(raw[1], bool):
+    if (
+        isinstance(raw, tuple)
+        and len(raw) == 2
+        and isinstance(raw[0], (list, str))
+        and not raw[0]
+        and isinstance(raw[1], bool)
+    ):
         return kind(), raw[1]
     if (
         not isinstance(raw, tuple)
