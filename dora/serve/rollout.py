@@ -334,7 +334,8 @@ class Rollout:
         """Wait until the last step is durable (the trainer checkpoints it before it stops: a
         trainer that dies before that resumes and needs the groups serve still holds)."""
         timeout_s = self.config.serve.request_timeout_s
-        while self._durable < self._last_step():
+        last = self._last_step()
+        while self._durable < last:
             await self._all_sent.wait()
             last = self._last_step()
             if self._durable < last:
@@ -349,6 +350,7 @@ class Rollout:
                     while self._durable < last and self._all_sent.is_set():
                         self._trained_event.clear()
                         await self._trained_event.wait()
+                        last = self._last_step()
             except TimeoutError:
                 log.warning(
                     "the trainer did not make step %d durable within %g s (trained: %d)",
@@ -356,7 +358,7 @@ class Rollout:
                 )
                 break
         if self.evaluator is not None:
-            log.info("step %d is durable; evaluating the final version", last)
+            log.info("the run ends with step %d; evaluating the final version", last)
             await self._final_eval(timeout_s)
         if not self._trainer_stopped and self._end_step is None:
             # The trainer may have finished and closed its end first: nothing left to tell it.
@@ -630,6 +632,7 @@ class Rollout:
         while not self._outbox.empty():  # assignments of the lost run that were not sent yet
             self._outbox.get_nowait()
         self.sent_per_step = {s: n for s, n in self.sent_per_step.items() if s <= c}
+        self._closed_step = min(self._closed_step, c)
         self._step_versions = {s: v for s, v in self._step_versions.items() if s <= c}
         self.trained_step = c
         self._durable = max(self._durable, c)
