@@ -20,7 +20,7 @@ from envs.math import chain_arithmetic_tasks
 
 pytestmark = pytest.mark.timeout(120)
 
-STEPS, B, G, EVERY, EVAL_SIZE, MAX_RUNNING = 16, 2, 4, 4, 24, 8
+STEPS, B, G, EVERY, EVAL_SIZE, MAX_RUNNING = 16, 2, 4, 4, 16, 8
 
 
 def train_tasks() -> list[Task]:
@@ -78,7 +78,7 @@ async def test_every_due_evaluation_runs_on_busy_instances(
         f"data.eval_size={EVAL_SIZE}",
         f"data.eval_every={EVERY}",
     ]
-    records = await _run(tmp_path, long_tail_model, overrides, steps=STEPS, step_time_s=0.5)
+    records = await _run(tmp_path, long_tail_model, overrides, steps=STEPS, step_time_s=0.6)
     evals = [r for r in records if r["kind"] == "eval"]
     versions = [e["version"] for e in evals]
     assert versions[0] == 0 and versions[-1] == STEPS, versions
