@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import importlib.util
+import os
 import sys
 from collections.abc import Callable, Sequence
 
@@ -108,6 +109,11 @@ def _load(module: str, function: str) -> Callable[..., int] | None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    # As `python -m dora.cli` does, so that the user's modules named by `env.cls` and
+    # `data.source` are found in the working directory however dora was started (the `dora`
+    # script puts its own folder first instead); PYTHONPATH still comes first.
+    if "" not in sys.path and os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
     module, function, _ = COMMANDS[args.command]
     fn = _load(module, function)
     if fn is None:

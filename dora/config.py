@@ -38,7 +38,10 @@ class ModelConfig(_Section):
 
     path: Annotated[
         str,
-        M(description="Hugging Face model folder, or 'tiny' to build the tiny character model"),
+        M(
+            description="Hugging Face model folder (a relative path is taken from the working "
+            "directory), or 'tiny' to build the tiny character model"
+        ),
     ] = "tiny"
     dtype: Annotated[
         Literal["float32", "bfloat16", "float16"], M(description="Weights dtype for training")
@@ -173,7 +176,14 @@ class LearnConfig(_Section):
     """The trainer."""
 
     steps: Annotated[int, M(ge=1, description="T: train steps in the run")] = 20
-    lr: Annotated[float, M(gt=0, description="Learning rate (AdamW)")] = 1e-4
+    lr: Annotated[
+        float,
+        M(
+            gt=0,
+            description="Learning rate of AdamW (betas 0.9 and 0.999, eps 1e-8), constant: no "
+            "schedule, no warm-up",
+        ),
+    ] = 1e-4
     weight_decay: Annotated[float, M(ge=0, description="AdamW weight decay")] = 0.0
     grad_clip: Annotated[float, M(gt=0, description="Max gradient norm")] = 1.0
     updates_per_step: Annotated[
@@ -215,31 +225,57 @@ class LearnConfig(_Section):
         Literal["filesystem", "inline"], M(description="How versions reach dora serve")
     ] = "inline"
     seed: Annotated[int, M(description="Seed of the trainer")] = 0
+    max_minutes: Annotated[
+        float,
+        M(
+            ge=0,
+            description="Time budget: the run ends at the first step boundary after this many "
+            "minutes (from serve's start), checkpointed and evaluated; 0 is off",
+        ),
+    ] = 0.0
 
 
 class EnvConfig(_Section):
     """The environment class episodes run in."""
 
     cls: Annotated[
-        str, M(description="'module:Class' of the environment, e.g. 'envs.math:ChainArithmeticEnv'")
+        str,
+        M(
+            description="'module:Class' of the environment, e.g. 'envs.math:ChainArithmeticEnv' "
+            "(imported from the working directory, PYTHONPATH or installed packages)"
+        ),
     ] = "envs.math:ChainArithmeticEnv"
     kwargs: Annotated[
         dict[str, str | int | float | bool | list[str | int | float]],
         M(description="Keyword arguments for the environment's constructor"),
     ] = msgspec.field(default_factory=dict)
+    prompt_special_tokens: Annotated[
+        bool,
+        M(
+            description="A plain-text prompt is tokenizer(prompt) with the tokenizer's special "
+            "tokens (a base model's BOS); false encodes it without them"
+        ),
+    ] = True
 
 
 class DataConfig(_Section):
     """Where tasks come from and how evaluation samples them."""
 
     source: Annotated[
-        str, M(description="Tasks: a .jsonl/.json/.parquet file, or 'module:function'")
+        str,
+        M(
+            description="Tasks: a .jsonl/.json/.parquet file (relative to the working directory), "
+            "or 'module:function' (imported like env.cls)"
+        ),
     ] = "envs.math:chain_arithmetic_tasks"
     kwargs: Annotated[
         dict[str, str | int | float | bool | list[str | int | float]],
         M(description="Keyword arguments when source is a function"),
     ] = msgspec.field(default_factory=dict)
     seed: Annotated[int, M(description="Seed of the prompt stream (reshuffled every epoch)")] = 0
+    shuffle: Annotated[
+        bool, M(description="Shuffle the prompt stream every epoch; false keeps the source's order")
+    ] = True
     eval_source: Annotated[
         str, M(description="Held-out tasks, like source; '' turns evaluation off")
     ] = ""
@@ -248,7 +284,17 @@ class DataConfig(_Section):
         M(description="Keyword arguments when eval_source is a function"),
     ] = msgspec.field(default_factory=dict)
     eval_size: Annotated[int, M(ge=0, description="Held-out tasks per evaluation; 0 is off")] = 64
-    eval_every: Annotated[int, M(ge=1, description="Steps between evaluations")] = 5
+    eval_every: Annotated[
+        int, M(ge=0, description="Steps between evaluations; 0: only by eval_every_s")
+    ] = 5
+    eval_every_s: Annotated[
+        float,
+        M(
+            ge=0,
+            description="Also evaluate every this many seconds of the run (when a version "
+            "trained that late is loaded); 0 is off",
+        ),
+    ] = 0.0
 
 
 class LogConfig(_Section):
@@ -260,6 +306,14 @@ class LogConfig(_Section):
         float, M(gt=0, description="Seconds between periodic metric records")
     ] = 1.0
     progress: Annotated[bool, M(description="Show a live progress display in the terminal")] = True
+    samples_every: Annotated[
+        int,
+        M(
+            ge=0,
+            description="Write one completed group in every N to samples.jsonl in the run "
+            "directory (token ids, text, rewards); 0 is off",
+        ),
+    ] = 0
     tensorboard: Annotated[
         bool,
         M(description="Also log metrics to TensorBoard in <run_dir>/tensorboard (extra: tracking)"),
@@ -540,6 +594,20 @@ def config_markdown() -> str:
         "Set any key in the config file's section, or on the command line as `section.key=value`",
         "(`dora run examples/math/config.toml learn.lr=1e-6 rollout.staleness=2`).",
         "`rollout.mode = sync` forces `rollout.staleness = 0`; `one_step_off` forces 1.",
+        "",
+        "Paths and modules. A relative path (`model.path`, a `data.source` file, `log.run_dir`)",
+        "is taken from the working directory dora runs in, not from the config file's folder.",
+        "The modules named by `env.cls` and `data.source` (`module:Name`) are imported from the",
+        "working directory first (the `dora` command puts it on `sys.path`, as `python -m`",
+        "does), then from `PYTHONPATH` and the installed packages; `dora run` starts both sides",
+        "in that same working directory. An existing Hugging Face model folder is used as it is",
+        "(`model.path`, `model.warmup_steps = 0`); its tokenizer needs a chat template only for",
+        "chat prompts.",
+        "",
+        "The optimiser is AdamW (`learn.lr`, `learn.weight_decay`, torch's betas 0.9 and 0.999",
+        "and eps 1e-8) at a constant learning rate, gradients clipped to `learn.grad_clip`.",
+        "`learn.max_minutes` ends the run at the first step boundary after the budget, on the",
+        "clock of `rollout.jsonl`'s `time_s` (seconds since `dora serve` started its rollout).",
         "",
     ]
     current = ""

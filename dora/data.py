@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Protocol, cast
 
 from dora.env import Env, Message, Prompt, Task, call_maybe_async, load_object
-from dora.errors import ConfigError, DataError
+from dora.errors import ChatTemplateMissing, ConfigError, DataError
 from dora.tools import JSON, tool_schema
 
 log = logging.getLogger("dora.data")
@@ -125,9 +125,7 @@ def _read_jsonl(path: Path) -> list[Task]:
 class PromptRenderer(Protocol):
     """How prompts become tokens (dora.serve.episode.ChatRenderer)."""
 
-    def encode(self, text: str) -> list[int]: ...
-
-    def prompt_ids(self, messages: Sequence[Message], tools: Sequence[JSON]) -> list[int]: ...
+    def prompt_ids(self, prompt: Sequence[Message] | str, tools: Sequence[JSON]) -> list[int]: ...
 
 
 @dataclass(frozen=True)
@@ -152,7 +150,9 @@ async def fit_context(
     Each prompt is rendered as an episode renders it (`reset`, the tools' schemas, the chat
     template). Skipped rows are named in one warning; none fitting is a `DataError`. A `reset`
     that raises or takes longer than `timeout_s` is not judged here: the task is kept, and the
-    episode's error policy handles it when it runs.
+    episode's error policy handles it when it runs. A prompt the model cannot render at all (chat
+    messages for a tokenizer without a chat template) is a `ChatTemplateMissing` (a `ConfigError`),
+    raised here, at start.
     """
     kept: list[Task] = []
     skipped: list[tuple[str, int]] = []
@@ -183,9 +183,9 @@ async def _prompt_length(
         async with asyncio.timeout(timeout_s):
             prompt = cast(Prompt, await call_maybe_async(env.reset, task))
         schemas = [tool_schema(tool) for tool in env.tools()]
-        if isinstance(prompt, str):
-            return len(renderer.encode(prompt))
         return len(renderer.prompt_ids(prompt, schemas))
+    except ChatTemplateMissing:
+        raise  # the model cannot render this kind of prompt at all: stop at start
     except Exception as exc:  # the episode's error policy owns a failing reset, not the loader
         log.debug("prompt of %r not measured: %r", task.prompt_id, exc)
         return None

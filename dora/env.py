@@ -10,14 +10,17 @@ the constructor and shared by reference.
 
 The life of an episode (the runner is `dora.serve.episode.run_episode`):
 
-1. `reset(task)` returns the opening messages (OpenAI chat format) or a plain string, which is sent
-   as-is with no chat template (base models, completion-style tasks).
+1. `reset(task)` returns the opening messages (OpenAI chat format, rendered with the tokenizer's
+   chat template) or a plain string, which needs no chat template (base models, completion-style
+   tasks): it becomes the ids `tokenizer(prompt)` gives, special tokens such as a base model's
+   `<bos>` included (`env.prompt_special_tokens = false` leaves them out).
 2. The model samples a turn. If it called tools (`tools()` lists plain typed functions, sync or
    async, whose signature and docstring become the OpenAI schema), the runner runs them and appends
    the tool results; the model goes again.
 3. A turn without tool calls goes to `step(messages)`, which returns the environment's reply and
-   whether the episode is over. The default ends the episode: a single-turn task or a ReAct-style
-   tool loop needs no `step`. A simulated user or a game overrides it.
+   whether the episode is over. The default ends the episode (for chat and for plain text): a
+   single-turn task or a ReAct-style tool loop needs no `step`. A simulated user or a game
+   overrides it.
 4. `reward(episode)` scores the finished episode: a float, or a dict of named components whose sum
    is the reward. Any of `reset`, `step`, `reward` may be `async`; CPU-heavy scoring belongs in a
    `ScorerPool`.
@@ -46,6 +49,7 @@ import importlib
 import inspect
 import multiprocessing
 import multiprocessing.pool
+import os
 import random
 from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -85,7 +89,8 @@ class Message(TypedDict, total=False):
 
 
 Prompt = list[Message] | str
-"""What `reset` returns: chat messages (rendered with the chat template), or text sent as-is."""
+"""What `reset` returns: chat messages (rendered with the chat template), or plain text (tokenized
+as `tokenizer(prompt)`, no chat template)."""
 
 Reply = tuple[list[Message] | str, bool]
 """What `step` returns: the environment's reply (messages, or text in plain-text episodes) and
@@ -171,8 +176,9 @@ class Env:
 class SingleTurnEnv(Env):
     """Prompt -> answer -> reward. Subclasses write `prompt(task)` and `score(answer, task)`.
 
-    `system_prompt`, when set, opens the conversation. `chat = False` sends the prompt as plain
-    text.
+    `system_prompt`, when set, opens the conversation. `chat` is True by default (the prompt is a
+    user message, rendered with the chat template); `chat = False` sends it as plain text, which
+    base models without a chat template need.
     """
 
     system_prompt: str | None = None
@@ -227,6 +233,14 @@ def load_object(spec: str) -> object:
         )
     try:
         module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        if exc.name is None or not module_name.startswith(exc.name):
+            raise ConfigError(f"cannot import module {module_name!r} for {spec!r}: {exc}") from exc
+        raise ConfigError(
+            f"cannot import module {module_name!r} for {spec!r}: {exc}. Modules are imported "
+            f"from the working directory ({os.getcwd()}), then PYTHONPATH and the installed "
+            "packages: run dora from the folder that holds it, or add that folder to PYTHONPATH"
+        ) from exc
     except ImportError as exc:
         raise ConfigError(f"cannot import module {module_name!r} for {spec!r}: {exc}") from exc
     obj: object = module

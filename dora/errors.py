@@ -17,6 +17,10 @@ class ConfigError(DoraError):
     """A setting is unknown, has the wrong type or value, or contradicts another setting."""
 
 
+class ChatTemplateMissing(ConfigError):
+    """The environment gives chat messages, but the model's tokenizer has no chat template."""
+
+
 class ProtocolError(DoraError):
     """A message on the wire is malformed or arrives out of order."""
 

@@ -14,6 +14,14 @@ is left of a dead side (its process group: instances, ranks) is killed first. Ea
 restart is a line in `{run_dir}/supervisor.jsonl`. When a side fails once more than allowed, the
 other is stopped and `dora run` exits 1, naming the side and the limit.
 
+Restarts are for faults during a run. A side that fails before it is ready (a bad config, a model
+folder that cannot serve the environment, a dataset that does not load) would fail again the same
+way, so it is not restarted: the other side is stopped at once and `dora run` exits 1 with the
+side's error (serve's is on the terminal already; learn's last lines are printed from
+`learn.log`). A side is ready when it calls `mark_ready()`, which creates the file `dora run`
+names in `DORA_READY_FILE`: serve once its instances are up and every prompt was measured, learn
+once its model and optimizer are loaded.
+
 Stopping: Ctrl-C (or SIGTERM), or the limit, stops both: SIGINT first, then SIGTERM after a
 grace period, then SIGKILL. Every child runs in its own process group so that the trainer's own
 worker ranks (torchrun) and the serve side's inference instances go down with their parent.
@@ -38,6 +46,16 @@ from dora.config import DoraConfig, load_config, render_toml
 from dora.errors import NotYetAvailable
 
 GRACE_S = 20.0
+READY_ENV = "DORA_READY_FILE"
+LOG_TAIL_LINES = 30
+
+
+def mark_ready() -> None:
+    """Tell `dora run` that this side started: it restarts it from now on if it fails. Nothing when
+    the side runs alone."""
+    path = os.environ.get(READY_ENV)
+    if path:
+        Path(path).touch()
 
 
 def free_port(host: str) -> int:
@@ -139,7 +157,11 @@ class Supervisor:
             if failed is None:
                 return 0
             code = self.children[failed].returncode
-            self._record("exit", failed, returncode=code)
+            ready = self._ready_file(failed).exists()
+            self._record("exit", failed, returncode=code, ready=ready)
+            if not ready:
+                self._failed_at_start(failed, code)
+                return 1
             serve_done = failed == "learn" and self.children["serve"].returncode == 0
             if serve_done or self.restarts[failed] >= self.max_restarts:
                 why = (
@@ -169,13 +191,35 @@ class Supervisor:
                 self._start("serve")
             self._start("learn", resume=True)
 
+    def _failed_at_start(self, name: str, code: int) -> None:
+        """A side failed before it was ready: say so with its error, and stop the other one."""
+        tail = ""
+        if name == "learn":
+            self._learn_log.flush()
+            lines = (self.run_dir / "learn.log").read_text(errors="replace").splitlines()
+            tail = "\n".join(lines[-LOG_TAIL_LINES:]) + "\n"
+        print(
+            f"{tail}dora run: {name} failed while starting (status {code}), before it was ready; "
+            "it is not restarted, since it would fail the same way (restarts are for faults "
+            f"during a run); stopping the other side (logs in {self.run_dir})",
+            file=sys.stderr,
+            flush=True,
+        )
+        stop_all(self.children)
+
+    def _ready_file(self, name: str) -> Path:
+        return self.run_dir / f".{name}.ready"
+
     def _start(self, name: str, *, resume: bool = False) -> None:
+        ready = self._ready_file(name)
+        ready.unlink(missing_ok=True)
+        env = {**self.env, READY_ENV: str(ready)}
         if name == "serve":
-            proc = subprocess.Popen(self.serve_cmd, env=self.env, start_new_session=True)
+            proc = subprocess.Popen(self.serve_cmd, env=env, start_new_session=True)
         else:
             proc = subprocess.Popen(
                 [*self.learn_cmd, *(["--resume"] if resume else [])],
-                env=self.env,
+                env=env,
                 stdout=self._learn_log,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,

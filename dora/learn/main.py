@@ -84,7 +84,10 @@ def main(args: argparse.Namespace) -> int:
 
     hf_logging.disable_progress_bar()  # one bar per save/load would drown the run's own output
 
+    from dora.launch import mark_ready
+
     trainer = Trainer(config, run_dir=run_dir, address=address, resume=args.resume)
+    mark_ready()  # its model and optimizer are loaded: a failure from now on is worth a restart
     return trainer.run()
 
 

@@ -145,6 +145,7 @@ def _warmup(config: DoraConfig, base: Path, out: Path, *, log: bool) -> Path:
         max_len=model.max_model_len,
         seed=model.seed,
         threads=max(1, os.cpu_count() or 1),
+        add_special_tokens=config.env.prompt_special_tokens,
     )
     tasks = load_tasks(config.data.source, kwargs=config.data.kwargs, seed=config.data.seed)
     env_factory = load_env(config.env.cls, **config.env.kwargs)

@@ -13,6 +13,10 @@ hermes-style tools: tool schemas are listed in the system turn, the assistant ca
 `<tool_call>{json}</tool_call>`, and results come back in `tool` turns. Because every character is a
 token, rendering a conversation and tokenizing it is exactly the concatenation of the rendered
 pieces, which keeps token-in-token-out episodes exact.
+
+`base=True` builds what many base models ship instead: no chat template, and a tokenizer whose
+post-processor puts `<s>` in front of every text it encodes with special tokens (as Llama's does),
+so `tokenizer(text)` and `tokenizer(text, add_special_tokens=False)` differ by that one token.
 """
 
 from __future__ import annotations
@@ -66,9 +70,10 @@ class TinyModelSpec:
     seed: int = 0
 
 
-def char_tokenizer() -> object:
-    """A `PreTrainedTokenizerFast` with one token per printable character plus the chat markers."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+def char_tokenizer(*, base: bool = False) -> object:
+    """A `PreTrainedTokenizerFast` with one token per printable character plus the chat markers;
+    `base`: no chat template, and `<s>` added in front of every text (see the module doc)."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
 
     vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
@@ -77,6 +82,10 @@ def char_tokenizer() -> object:
     core = Tokenizer(models.WordLevel(vocab, unk_token=UNK))
     core.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
     core.decoder = decoders.Fuse()
+    if base:
+        core.post_processor = processors.TemplateProcessing(
+            single=f"{BOS} $A", pair=f"{BOS} $A $B", special_tokens=[(BOS, vocab[BOS])]
+        )
     tok = PreTrainedTokenizerFast(
         tokenizer_object=core,
         pad_token=PAD,
@@ -86,18 +95,22 @@ def char_tokenizer() -> object:
         additional_special_tokens=[IM_START, TOOL_CALL_OPEN, TOOL_CALL_CLOSE],
         clean_up_tokenization_spaces=False,
     )
-    tok.chat_template = CHAT_TEMPLATE
+    if not base:
+        tok.chat_template = CHAT_TEMPLATE
     tok.model_max_length = 1 << 20
     return tok
 
 
-def build_tiny_model(out_dir: str | Path, spec: TinyModelSpec | None = None) -> Path:
-    """Write a randomly initialised tiny causal LM and its tokenizer to `out_dir`; return it."""
+def build_tiny_model(
+    out_dir: str | Path, spec: TinyModelSpec | None = None, *, base: bool = False
+) -> Path:
+    """Write a randomly initialised tiny causal LM and its tokenizer to `out_dir`; return it.
+    `base`: the tokenizer of a base model (`char_tokenizer(base=True)`)."""
     import torch
     from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
     spec = spec or TinyModelSpec()
-    tok = char_tokenizer()
+    tok = char_tokenizer(base=base)
     common = dict(
         vocab_size=len(tok),  # type: ignore[arg-type]
         hidden_size=spec.hidden_size,

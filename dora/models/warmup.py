@@ -62,10 +62,16 @@ class WarmupSettings:
     max_len: int = 512
     seed: int = 0
     threads: int = 2
+    add_special_tokens: bool = True
+    """Plain-text prompts as `tokenizer(prompt)` gives them, special tokens included (as in RL)."""
 
 
 def render_examples(
-    tokenizer: object, env_factory: Callable[[], Env], tasks: Sequence[Task]
+    tokenizer: object,
+    env_factory: Callable[[], Env],
+    tasks: Sequence[Task],
+    *,
+    add_special_tokens: bool = True,
 ) -> list[list[Segment] | None]:
     """The warm-up sequence of each task as segments, or None where a task has no reference (see
     the module doc). Runs each task's env hooks (they may be async) on a fresh env object, and
@@ -80,13 +86,20 @@ def render_examples(
         return renderers[0]
 
     async def render_all() -> list[list[Segment] | None]:
-        return [await _render_example(tokenizer, renderer, env_factory(), task) for task in tasks]
+        return [
+            await _render_example(tokenizer, renderer, env_factory(), task, add_special_tokens)
+            for task in tasks
+        ]
 
     return asyncio.run(render_all())
 
 
 async def _render_example(
-    tokenizer: object, renderer: Callable[[], ChatRenderer], env: Env, task: Task
+    tokenizer: object,
+    renderer: Callable[[], ChatRenderer],
+    env: Env,
+    task: Task,
+    add_special_tokens: bool,
 ) -> list[Segment] | None:
     try:
         prompt = await call_maybe_async(env.reset, task)
@@ -101,7 +114,9 @@ async def _render_example(
         if not isinstance(answer, str):
             return None
         if isinstance(prompt, str):
-            prompt_ids: list[int] = tokenizer.encode(prompt, add_special_tokens=False)  # type: ignore[attr-defined]
+            prompt_ids: list[int] = tokenizer(prompt, add_special_tokens=add_special_tokens)[  # type: ignore[operator]
+                "input_ids"
+            ]
         else:
             prompt_ids = tokenizer.apply_chat_template(  # type: ignore[attr-defined]
                 prompt, add_generation_prompt=True, tokenize=True, return_dict=False
@@ -225,7 +240,9 @@ def warmup(
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     examples = [
         segments
-        for segments in render_examples(tokenizer, env_factory, tasks)
+        for segments in render_examples(
+            tokenizer, env_factory, tasks, add_special_tokens=settings.add_special_tokens
+        )
         if segments is not None and sum(len(ids) for ids, _ in segments) <= settings.max_len
     ]
     if not examples:

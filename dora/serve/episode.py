@@ -6,6 +6,9 @@ Invariants (DESIGN §5, "Dispatcher and env runner"):
   and never re-tokenized; re-rendering chat history and tokenizing it again silently changes tokens
   (merged BPE pieces, normalised JSON or whitespace in tool calls) and makes the behaviour log-probs
   belong to a different sequence.
+- A plain-text prompt becomes `tokenizer(prompt)`'s ids (special tokens included unless turned
+  off), with no chat template: a base model without one serves plain-text environments. Text
+  appended to it later (the environment's replies) is encoded without special tokens.
 - Only new environment messages (tool results, user replies) are rendered, like this: render a fixed
   probe conversation `[user, assistant]`, render the probe followed by the new messages with the
   generation prompt, and append the tokens of the difference. We render the new messages behind a
@@ -36,6 +39,7 @@ Invariants (DESIGN §5, "Dispatcher and env runner"):
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import uuid
 from collections.abc import Callable, Sequence
@@ -45,7 +49,7 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeVar, cast
 import msgspec
 
 from dora.env import Env, Episode, Message, Reward, Task, call_maybe_async
-from dora.errors import EnvError
+from dora.errors import ChatTemplateMissing, EnvError
 from dora.protocol import Completion, FinishReason, Sample, SamplingParams
 from dora.tools import JSON, ParsedTurn, ToolBox, ToolCall, parse_tool_calls
 
@@ -132,22 +136,35 @@ class EpisodeLimits:
 
 
 class ChatRenderer:
-    """Renders messages to token ids with a Hugging Face tokenizer's chat template (see module
-    doc)."""
+    """Renders prompts to token ids with a Hugging Face tokenizer (see the module doc).
+
+    A plain-text prompt becomes `tokenizer(prompt)`'s ids: what `model.generate` and other
+    trainers see, special tokens (a base model's `<bos>`) included; `add_special_tokens=False`
+    leaves them out. Everything appended later (sampled turns, replies) is encoded without them.
+    The chat template is probed only when a chat prompt needs it, so a base model without one
+    serves plain-text environments; a chat prompt on such a tokenizer raises `ChatTemplateMissing`
+    (a `ConfigError`) that names the model folder.
+    """
 
     _PROBE_TEXT = "\x1fdora-probe\x1f"
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, *, add_special_tokens: bool = True):
         self.tokenizer = tokenizer
-        probe: list[Message] = [
+        self.add_special_tokens = add_special_tokens
+        self._probe: list[Message] = [
             {"role": "user", "content": "u"},
             {"role": "assistant", "content": self._PROBE_TEXT},
         ]
-        self._probe = probe
-        self._probe_text = self.render(probe, add_generation_prompt=False)
-        end = self._probe_text.rindex(self._PROBE_TEXT) + len(self._PROBE_TEXT)
-        self.turn_end = self._probe_text[end:]
+
+    @functools.cached_property
+    def _probe_text(self) -> str:
+        return self.render(self._probe, add_generation_prompt=False)
+
+    @functools.cached_property
+    def turn_end(self) -> str:
         """Template text after an assistant message's content (ChatML: `<|im_end|>\\n`)."""
+        end = self._probe_text.rindex(self._PROBE_TEXT) + len(self._PROBE_TEXT)
+        return self._probe_text[end:]
 
     def render(
         self,
@@ -156,6 +173,14 @@ class ChatRenderer:
         tools: Sequence[JSON] | None = None,
         add_generation_prompt: bool = True,
     ) -> str:
+        if not getattr(self.tokenizer, "chat_template", None):
+            folder = getattr(self.tokenizer, "name_or_path", "") or "the model folder"
+            raise ChatTemplateMissing(
+                f"the tokenizer of {folder} has no chat template (tokenizer_config.json has no "
+                "'chat_template', and there is no chat_template.jinja), but the environment's "
+                "reset() returned chat messages: return a plain-text prompt (a str; "
+                "SingleTurnEnv: chat = False) for a base model, or use a model with a chat template"
+            )
         schemas: list[dict[Any, Any] | Callable[..., Any]] = list(tools or ())
         text = self.tokenizer.apply_chat_template(
             cast("list[dict[str, str]]", list(messages)),
@@ -168,14 +193,19 @@ class ChatRenderer:
         return text
 
     def encode(self, text: str) -> list[int]:
+        """Text that continues a sequence: no special tokens."""
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
     def decode(self, token_ids: Sequence[int]) -> str:
         return str(self.tokenizer.decode(list(token_ids), skip_special_tokens=False))
 
-    def prompt_ids(self, messages: Sequence[Message], tools: Sequence[JSON]) -> list[int]:
-        """The opening messages with the generation prompt."""
-        return self.encode(self.render(messages, tools=tools))
+    def prompt_ids(self, prompt: Sequence[Message] | str, tools: Sequence[JSON]) -> list[int]:
+        """The opening prompt: plain text as `tokenizer(prompt)` gives it (special tokens unless
+        `add_special_tokens` is off), messages with the chat template and the generation prompt."""
+        if isinstance(prompt, str):
+            encoded = self.tokenizer(prompt, add_special_tokens=self.add_special_tokens)
+            return list(encoded["input_ids"])
+        return self.encode(self.render(prompt, tools=tools))
 
     def split_turn_end(self, sampled_text: str) -> tuple[str, str]:
         """(the turn's text without its sampled end-of-turn, the end-of-turn text still to
@@ -219,8 +249,8 @@ class _EnvFailure(Exception):
 async def _env_call(what: str, fn: Callable[..., object], *args: object) -> object:
     try:
         return await call_maybe_async(fn, *args)
-    except asyncio.CancelledError:
-        raise
+    except (asyncio.CancelledError, ChatTemplateMissing):
+        raise  # a model that cannot render chat messages is the config's error, not the env's
     except Exception as exc:
         log.warning("environment %s raised", what, exc_info=True)
         raise _EnvFailure(f"{what} raised {type(exc).__name__}: {exc}") from exc
@@ -230,7 +260,16 @@ R = TypeVar("R", list[Message], str)
 
 
 def _check_reply(raw: object, kind: type[R]) -> tuple[R, bool]:
-    """`step`'s return value, checked: a (reply, done) pair whose reply has the episode's kind."""
+    """`step`'s return value, checked: a (reply, done) pair whose reply has the episode's kind.
+    An empty reply (`[]` or `""`, the default `step`'s) is no reply in either kind."""
+    if (
+        isinstance(raw, tuple)
+        and len(raw) == 2
+        and isinstance(raw[0], (list, str))
+        and not raw[0]
+        and isinstance(raw[1], bool)
+    ):
+        return kind(), raw[1]
     if (
         not isinstance(raw, tuple)
         or len(raw) != 2
@@ -361,7 +400,7 @@ async def _run_episode(
         if isinstance(prompt, str):
             if len(toolbox):
                 raise _EnvFailure("tools need a chat prompt: reset() returned plain text")
-            traj.add_context(renderer.encode(prompt))
+            traj.add_context(renderer.prompt_ids(prompt, ()))
         elif isinstance(prompt, list):
             ids = await _env_call(
                 "rendering reset()'s messages", renderer.prompt_ids, prompt, toolbox.schemas

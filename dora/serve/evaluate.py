@@ -2,26 +2,39 @@
 
 Which versions. Version `w` is the model after `w` trained steps. Version 0 (the initial model,
 after the warm-up) is evaluated as soon as an instance holds it; then, every time the newest
-*loaded* version reaches the next multiple of `data.eval_every`, that version (a version the
-orchestrator skips because a newer one was published first is not waited for: the newest loaded
-one is evaluated instead); and at the end of the run the final version (`learn.steps`), which
-`Rollout` loads for this once every step is trained, before `Shutdown`. So a run's first and
-last `eval` records are the before/after numbers. One evaluation runs at a time; a threshold
-crossed while one runs starts the next one, on the newest loaded version, when it ends.
+*loaded* version reaches the next multiple of `data.eval_every`, or was trained at or after the
+next multiple of `data.eval_every_s` seconds of the run, that version (a version the orchestrator
+skips because a newer one was published first is not waited for: the newest loaded one is
+evaluated instead); and at the end of the run the final version (`learn.steps`, or the step a
+`learn.max_minutes` budget ended at, plus one), which `Rollout` loads for this once every step
+is trained, before `Shutdown`. So a run's first and last `eval` records are the before/after
+numbers. One evaluation runs at a time; a threshold crossed while one runs starts the next one,
+on the newest loaded version, when it ends.
 
-How, without blocking training. The evaluation takes `n` leases on the version (at most half of
-an instance's capacity, so groups still find room), on one instance that has room; each lease
-is a worker that runs held-out episodes one after another at temperature 0 (the engine samples
-greedily when `temperature <= 0`) until the tasks are used up, then ends its lease. The leases
-are ordinary leases for the orchestrator and the router: they keep the version loaded while the
-evaluation runs and may be migrated like any other (same version, C1); they are not groups, so
-nothing of an evaluation reaches the transfer queue or the trainer. In `partial` mode a publish
-resumes every request on the newest version, so an evaluation there may finish on a newer version
-than its record says.
+How, without blocking training. The evaluation runs on ordinary leases of one version (at most
+half of an instance's capacity, so groups still find room), each a worker that runs held-out
+episodes one after another at temperature 0 (the engine samples greedily when
+`temperature <= 0`) until the tasks are used up, then ends its lease. A periodic evaluation takes
+the newest loaded version at the moment it finds room: one that waited for a version superseded
+meanwhile would wait forever (no instance takes new requests of an old version), and would hold
+up every later evaluation and the end of the run. It starts with the room there is and adds
+leases as slots free up, up to its share, so an evaluation that starts on busy instances runs
+as batched as the first one rather than one episode at a time. The leases are ordinary leases
+for the orchestrator and the router: they keep the version loaded while the evaluation runs and
+may be migrated like any other (same version, C1); they are not groups, so nothing of an
+evaluation reaches the transfer queue or the trainer. In `partial` mode a publish resumes every
+request on the newest version, so an evaluation there may finish on a newer version than its
+record says. At the end, the running evaluation is waited for (bounded, and logged), no periodic
+one starts any more, and the final version is evaluated.
 
-Records (`rollout.jsonl`): `{"kind": "eval", "step": w, "version": w, "accuracy", "reward_mean",
-"n", "masked", "seconds"}`; `accuracy` is the fraction of held-out episodes whose reward is at
-least `CORRECT_AT` (the math environments score 1.0 for a right answer).
+Records (`rollout.jsonl`): `{"kind": "eval", "time_s", "step": w, "version": w, "due",
+"due_s", "accuracy", "reward_mean", "n", "masked", "concurrency", "version_time_s", "started_s",
+"seconds"}`: `due` and `due_s` are the thresholds (a multiple of `data.eval_every`, of
+`data.eval_every_s`; null for the one that did not fall due) the evaluation was started for,
+`concurrency` the most episodes it ran at once, `version_time_s` when version `w` was trained
+(on the clock of `time_s`: seconds since serve started; 0 for version 0), `started_s` when the
+evaluation started; `accuracy` is the fraction of held-out episodes whose reward is at least
+`CORRECT_AT` (the math environments score 1.0 for a right answer).
 """
 
 from __future__ import annotations
@@ -31,6 +44,7 @@ import logging
 import math
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from dora.env import Env, Task
@@ -50,6 +64,22 @@ CORRECT_AT = 1.0
 """A held-out episode counts as correct when its reward is at least this."""
 
 
+@dataclass(frozen=True)
+class Due:
+    """Why an evaluation runs: the multiple of `data.eval_every` (steps) and/or of
+    `data.eval_every_s` (seconds of the run) that fell due; None for a reason that did not."""
+
+    steps: int | None = None
+    seconds: float | None = None
+
+    def merge(self, later: Due) -> Due:
+        """One evaluation for two dues: the earlier threshold of each kind."""
+        return Due(
+            steps=self.steps if self.steps is not None else later.steps,
+            seconds=self.seconds if self.seconds is not None else later.seconds,
+        )
+
+
 class Evaluator:
     """Runs the evaluations of one rollout (see the module docstring)."""
 
@@ -67,13 +97,18 @@ class Evaluator:
         self._env_factory = env_factory
         self._renderer = renderer
         self._every = cfg.data.eval_every
+        self._every_s = cfg.data.eval_every_s
         self._params = SamplingParams(max_tokens=turn_max_tokens(cfg), temperature=0.0, top_p=1.0)
         self._limits = episode_limits(cfg)
         self._workers = max(1, min(len(tasks), cfg.serve.max_running // 2))
-        self._next_due = 0
-        """The smallest version the next periodic evaluation waits for."""
+        self._next_due: float = 0
+        """The smallest version the next periodic evaluation waits for (by steps)."""
+        self._next_due_s = math.inf if not self._every_s else self._every_s
+        """When the version must have been trained for the next evaluation by time."""
         self._running: asyncio.Task[None] | None = None
-        self._pending = False
+        self._pending: Due | None = None
+        """What fell due while an evaluation ran (it starts when that one ends)."""
+        self._finishing = False
         self._count = 0
         self._wake = asyncio.Event()
         self.done: set[int] = set()
@@ -86,96 +121,149 @@ class Evaluator:
         self._wake.set()
 
     def on_loaded(self, version: int) -> None:
-        """An instance holds `version` (the newest loaded one): evaluate it if one is due."""
-        if version < self._next_due or version in self.done:
+        """An instance holds `version` (the newest loaded one): evaluate it if one is due, by
+        steps (`data.eval_every`; version 0 always) or by the time it was trained
+        (`data.eval_every_s`)."""
+        if self._finishing or version in self.done:
             return
-        self._next_due = (version // self._every + 1) * self._every
+        at = self._r.version_trained_at(version)
+        by_steps = version >= self._next_due
+        by_time = at is not None and at >= self._next_due_s
+        if not (by_steps or by_time):
+            return
+        due = Due(
+            steps=int(self._next_due) if by_steps else None,
+            seconds=self._next_due_s if by_time else None,
+        )
+        if by_steps:  # without eval_every, version 0 only
+            self._next_due = (version // self._every + 1) * self._every if self._every else math.inf
+        if by_time:
+            assert at is not None
+            self._next_due_s = (at // self._every_s + 1) * self._every_s
         if self._running is not None:
-            self._pending = True
+            self._pending = due if self._pending is None else self._pending.merge(due)
             return
-        self._start(version)
+        self._start(due)
 
-    def _start(self, version: int) -> None:
-        self.done.add(version)
-        self._running = self._r.spawn(self._periodic(version), name=f"eval-v{version}")
+    def _start(self, due: Due) -> None:
+        self._running = self._r.spawn(self._periodic(due), name=f"eval-due{due}")
 
-    async def _periodic(self, version: int) -> None:
+    async def _periodic(self, due: Due) -> None:
         try:
-            await self.evaluate(version)
+            await self.evaluate(None, due=due)
         finally:
             self._running = None
         newest = self._r.queue.newest_version
-        if self._pending and newest is not None and newest not in self.done:
-            self._pending = False
-            self._start(newest)
+        if self._pending is not None and not self._finishing:
+            due, self._pending = self._pending, None
+            if newest is not None and newest not in self.done:
+                self._start(due)
 
     async def finish(self, version: int, *, timeout_s: float) -> None:
-        """At the end of the run: wait for a running evaluation, then evaluate `version` (the
-        final one) unless it was already. `Rollout` has asked the orchestrator to load it."""
-        while self._running is not None:  # one may start the next (a threshold crossed meanwhile)
-            await asyncio.shield(self._running)
-        if version in self.done:
-            return
-        self.done.add(version)
-        await self.evaluate(version, timeout_s=timeout_s)
+        """At the end of the run: wait (bounded) for a running evaluation, then evaluate `version`
+        (the final one) unless it was already. `Rollout` has asked the orchestrator to load it."""
+        self._finishing = True  # no periodic evaluation starts any more
+        self._pending = None
+        async with asyncio.timeout(timeout_s):
+            while self._running is not None:
+                log.info("the run waits for the evaluation that is running before the final one")
+                await asyncio.shield(self._running)
+            if version not in self.done:
+                await self.evaluate(version, due=Due(steps=version))
 
-    async def evaluate(self, version: int, *, timeout_s: float | None = None) -> dict[str, object]:
-        """Evaluate `version` on the held-out tasks; write and return the `eval` record."""
+    async def evaluate(self, version: int | None, *, due: Due) -> dict[str, object]:
+        """Evaluate `version` (None: the newest loaded one when room is found) on the held-out
+        tasks, for the threshold `due`; write and return the `eval` record."""
         r = self._r
         started = time.monotonic()
         self._count += 1
-        leases = await self._place(version, f"eval{self._count}", timeout_s=timeout_s)
+        prefix = f"eval{self._count}"
         queue = list(reversed(self._tasks))
         samples: list[Sample] = []
-        async with asyncio.TaskGroup() as tg:
-            for lid in leases:
-                tg.create_task(self._worker(lid, queue, samples))
+        version, concurrency = await self._run_workers(version, prefix, queue, samples)
         n = len(samples)
         correct = sum(1 for s in samples if not s.masked and s.reward >= CORRECT_AT)
+        trained_at = r.version_trained_at(version)
         record: dict[str, object] = {
             "step": version,
             "version": version,
+            "due": due.steps,
+            "due_s": due.seconds,
             "accuracy": correct / n if n else 0.0,
             "reward_mean": math.fsum(s.reward for s in samples) / n if n else 0.0,
             "n": n,
             "masked": sum(1 for s in samples if s.masked),
+            "concurrency": concurrency,
+            "version_time_s": None if trained_at is None else round(trained_at, 4),
+            "started_s": round(started - r.metrics.start, 4),
             "seconds": round(time.monotonic() - started, 4),
         }
         r.metrics.write("eval", record)
         self.history.append((version, correct / n if n else 0.0))
         log.info(
-            "eval: version %d accuracy %.3f (%d held-out tasks, %.1f s)",
+            "eval: version %d accuracy %.3f (%d held-out tasks, %d at once, %.1f s)",
             version,
             record["accuracy"],
             n,
+            concurrency,
             record["seconds"],
         )
         return record
 
-    async def _place(self, version: int, prefix: str, *, timeout_s: float | None) -> list[str]:
-        """Leases for the workers, on one instance of `version` with room (waits for room)."""
+    async def _run_workers(
+        self, version: int | None, prefix: str, queue: list[Task], samples: list[Sample]
+    ) -> tuple[int, int]:
+        """Run the held-out episodes on leases of one version: (that version, the most leases held
+        at once). Leases are added as room frees up, up to `_workers`, while the version's
+        instances still accept requests: an evaluation that starts on a busy instance grows to its
+        share instead of running one episode at a time. With `version` None the evaluation takes
+        the newest loaded version at the moment it finds room (a version superseded while it
+        waited is never waited for: no instance would take new requests of it)."""
         r = self._r
-        async with asyncio.timeout(timeout_s):
-            while True:
+        active: set[str] = set()
+        peak = opened = 0
+        async with asyncio.TaskGroup() as tg:
+            while queue:
                 self._wake.clear()
-                for n in range(self._workers, 0, -1):
-                    if r.orchestrator.can_place(n, version=version) is None:
-                        continue
-                    leases = [f"{prefix}/{i}" for i in range(n)]
+                target = r.queue.newest_version if version is None else version
+                want = min(self._workers - len(active), len(queue))
+                n = self._room(target, want) if target is not None else 0
+                if n:
+                    assert target is not None
+                    version = target
+                    self.done.add(version)
+                    leases = [f"{prefix}/{opened + i}" for i in range(n)]
+                    opened += n
                     where = r.orchestrator.place(leases, version=version)
                     assert where is not None, "can_place said there was room"
                     for lid in leases:
                         r.router.open(lid, version=version, instance=where)
-                    return leases
+                        active.add(lid)
+                        tg.create_task(self._worker(lid, queue, samples, active))
+                    peak = max(peak, len(active))
+                    continue
                 await self._wake.wait()
+        assert version is not None, "an evaluation with tasks places at least one lease"
+        return version, peak
 
-    async def _worker(self, lease_id: str, queue: list[Task], samples: list[Sample]) -> None:
+    def _room(self, version: int, want: int) -> int:
+        """How many of `want` new leases one accepting instance of `version` has room for."""
+        for n in range(want, 0, -1):
+            if self._r.orchestrator.can_place(n, version=version) is not None:
+                return n
+        return 0
+
+    async def _worker(
+        self, lease_id: str, queue: list[Task], samples: list[Sample], active: set[str]
+    ) -> None:
         r = self._r
         try:
             while queue:
                 task = queue.pop()
                 samples.append(await self._episode(lease_id, task))
         finally:
+            active.discard(lease_id)
+            self._wake.set()
             if r.router.close(lease_id):
                 try:
                     actions = r.orchestrator.finish(lease_id)

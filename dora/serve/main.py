@@ -32,6 +32,7 @@ import msgspec
 
 from dora.config import DoraConfig, load_config
 from dora.errors import ConfigError
+from dora.launch import mark_ready
 from dora.serve.instances import (
     InstanceHandle,
     InstanceSpec,
@@ -113,6 +114,7 @@ async def run_serve(
     from dora.serve.dispatcher import Dispatcher
     from dora.serve.episode import ChatRenderer
     from dora.serve.evaluate import Evaluator
+    from dora.serve.metrics import SampleLog
     from dora.serve.rollout import Rollout
 
     # The initial weights the trainer starts from too (built, warmed up and cached once, under a
@@ -120,7 +122,7 @@ async def run_serve(
     model_dir = await asyncio.to_thread(prepare_model, config)
     env_factory = load_env(config.env.cls, **config.env.kwargs)
     tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, str(model_dir))
-    renderer = ChatRenderer(tokenizer)
+    renderer = ChatRenderer(tokenizer, add_special_tokens=config.env.prompt_special_tokens)
     # Rows whose prompt cannot fit are left out before the prompt stream is built, so a restarted
     # serve (same data, same tokenizer) drops the same rows and its journaled position still holds.
     train = await fit_context(
@@ -129,7 +131,7 @@ async def run_serve(
         renderer=renderer,
         context_limit=config.model.max_model_len,
     )
-    tasks = PromptStream(train.tasks, seed=config.data.seed)
+    tasks = PromptStream(train.tasks, seed=config.data.seed, shuffle=config.data.shuffle)
     eval_tasks = []
     eval_skipped = 0
     if config.data.eval_source and config.data.eval_size > 0:
@@ -177,7 +179,13 @@ async def run_serve(
                 replace_instance=replace,
                 prompts_skipped=len(train.skipped),
                 eval_prompts_skipped=eval_skipped,
+                sample_log=SampleLog(
+                    run_dir, every=config.log.samples_every, decode=renderer.decode
+                )
+                if config.log.samples_every
+                else None,
             )
+            mark_ready()  # instances up, prompts measured: a failure from now on is a fault
             report = await rollout.run()
     finally:
         if own_link:

@@ -34,10 +34,11 @@ from typing import IO, TYPE_CHECKING
 import msgspec
 
 if TYPE_CHECKING:
+    from dora.protocol import Group
     from dora.serve.rollout import Rollout
     from dora.tracking import Tracking
 
-__all__ = ["MetricsLog", "Progress", "RolloutReport", "Snapshots", "Ticker"]
+__all__ = ["MetricsLog", "Progress", "RolloutReport", "SampleLog", "Snapshots", "Ticker"]
 
 Record = dict[str, object]
 
@@ -319,3 +320,38 @@ class Snapshots:
             tick_versions_serving=self._tick_versions_serving,
             extra=extra,
         )
+
+
+class SampleLog:
+    """Writes one completed group in every `every` to `<run_dir>/samples.jsonl`
+    (`log.samples_every`): the exact token ids each sample was trained on, with the text they
+    decode to, so a user can see what the model is given (a missing `<bos>`, a wrong template)
+    before trusting a run."""
+
+    def __init__(self, run_dir: Path, *, every: int, decode: Callable[[list[int]], str]) -> None:
+        self.path = run_dir / "samples.jsonl"
+        self.every = every
+        self._decode = decode
+        self._seen = 0
+
+    def write(self, group: Group) -> None:
+        self._seen += 1
+        if not self.every or (self._seen - 1) % self.every:
+            return
+        samples = []
+        for s in group.samples:
+            ids = s.tokens().tolist()
+            samples.append(
+                {
+                    "token_ids": ids,
+                    "prompt_len": s.prompt_len,
+                    "loss_mask": s.mask().tolist(),
+                    "text": self._decode(ids),
+                    "reward": s.reward,
+                    "masked": s.masked,
+                    "finish_reason": s.finish_reason,
+                }
+            )
+        line = {"group": group.id, "prompt_id": group.prompt_id, "version": group.version}
+        with self.path.open("ab") as f:
+            f.write(msgspec.json.encode({**line, "samples": samples}) + b"\n")

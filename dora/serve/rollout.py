@@ -44,7 +44,12 @@ dead and is replaced.
 
 The run ends when every step is filled and sent, the trainer made the last step durable (`Durable`
 after its final checkpoint; bounded wait: a trainer that dies before it resumes and trains the last
-steps again from the groups serve holds), and `Shutdown` is sent. Every wait on the trainer that
+steps again from the groups serve holds), the final version is evaluated, and `Shutdown` is sent.
+With `learn.max_minutes`, the first `StepDone` after the budget (on serve's clock) ends the run
+early: under the send lock, the newest step already closed becomes the last one, `Shutdown` goes
+to the trainer in place of the next step's groups (it trains what it has, checkpoints the last
+step and stops), nothing more is sent, and the run ends as above at that step (groups admitted
+for later steps are left unassigned: counted in the summary). Every wait on the trainer that
 blocks progress has a deadline (`serve.request_timeout_s`), and says what it waited for.
 
 Length: past STYLE.md's 600 lines, on purpose: this is the one place where the trainer link, the
@@ -96,7 +101,14 @@ from dora.protocol import (
 from dora.serve.evaluate import Evaluator
 from dora.serve.instances import InstanceHandle
 from dora.serve.journal import JournaledQueue, Restored
-from dora.serve.metrics import MetricsLog, Progress, RolloutReport, Snapshots, Ticker
+from dora.serve.metrics import (
+    MetricsLog,
+    Progress,
+    RolloutReport,
+    SampleLog,
+    Snapshots,
+    Ticker,
+)
 from dora.serve.router import Router
 from dora.serve.weights import WeightStore, read_folder
 from dora.tracking import open_tracking
@@ -127,6 +139,7 @@ class Rollout:
         replace_instance: Callable[[str], Awaitable[InstanceHandle]] | None = None,
         prompts_skipped: int = 0,
         eval_prompts_skipped: int = 0,
+        sample_log: SampleLog | None = None,
     ) -> None:
         r = config.rollout
         self.config = config
@@ -166,6 +179,7 @@ class Rollout:
         self.prompts_skipped = prompts_skipped
         """Training tasks left out at load because their prompt does not fit the context."""
         self.eval_prompts_skipped = eval_prompts_skipped
+        self._sample_log = sample_log
         self.restored = Restored()
         """What the journal held at start (`restored.starts > 0`: this serve is a restart)."""
         self._lost_ready = asyncio.Event()
@@ -186,6 +200,14 @@ class Rollout:
         self.group_tasks: dict[str, asyncio.Task[None]] = {}
         """Running groups (to stop them when a roll-back removes them)."""
         self._all_sent = asyncio.Event()
+        """Every step the run will train is sent (the last of `learn.steps`, or of a budget)."""
+        self._send_lock = asyncio.Lock()
+        self._closed_step = -1
+        """The newest step whose `StepClosed` went out: the trainer will train it."""
+        self._end_step: int | None = None
+        """The last step of a run cut short by `learn.max_minutes` (None: `learn.steps - 1`)."""
+        self._budget_s = config.learn.max_minutes * 60
+        self._budget_hit = False
         self._load_locks: dict[str, asyncio.Lock] = {}
         self._tg: asyncio.TaskGroup | None = None
         self.started_at = time.monotonic()
@@ -293,24 +315,43 @@ class Rollout:
         self.restored.lost = lost
         return lost
 
+    def version_trained_at(self, version: int) -> float | None:
+        """When `version` was trained (its `StepDone` arrived), in seconds on the clock of the
+        run's records (`time_s`); 0 for the initial weights; None if this serve did not see it."""
+        if version == 0:
+            return 0.0
+        at = self._trained_at.get(version - 1)
+        return None if at is None else at - self.metrics.start
+
     def spawn(self, coro: Coroutine[Any, Any, None], *, name: str) -> asyncio.Task[None]:
         """Run `coro` in the run's task group (one crash stops the run)."""
         assert self._tg is not None, "the rollout is not running"
         return self._tg.create_task(coro, name=name)
 
+    def _last_step(self) -> int:
+        return self.num_steps - 1 if self._end_step is None else self._end_step
+
     async def _finish(self) -> None:
         """Wait until the last step is durable (the trainer checkpoints it before it stops: a
         trainer that dies before that resumes and needs the groups serve still holds)."""
-        last = self.num_steps - 1
         timeout_s = self.config.serve.request_timeout_s
+        last = self._last_step()
         while self._durable < last:
             await self._all_sent.wait()
+            last = self._last_step()
+            if self._durable < last:
+                log.info(
+                    "every step is sent; waiting up to %g s for the trainer to make step %d "
+                    "durable (trained: %d, durable: %d)",
+                    *(timeout_s, last, self.trained_step, self._durable),
+                )
             try:
                 async with asyncio.timeout(timeout_s):
                     # A roll-back clears `_all_sent` (and wakes this): the steps go out again.
                     while self._durable < last and self._all_sent.is_set():
                         self._trained_event.clear()
                         await self._trained_event.wait()
+                        last = self._last_step()
             except TimeoutError:
                 log.warning(
                     "the trainer did not make step %d durable within %g s (trained: %d)",
@@ -318,8 +359,9 @@ class Rollout:
                 )
                 break
         if self.evaluator is not None:
+            log.info("the run ends with step %d; evaluating the final version", last)
             await self._final_eval(timeout_s)
-        if not self._trainer_stopped:
+        if not self._trainer_stopped and self._end_step is None:
             # The trainer may have finished and closed its end first: nothing left to tell it.
             with contextlib.suppress(ServerUnavailable):
                 await self.link.send(Shutdown(reason="rollout finished"), timeout_s=timeout_s)
@@ -520,6 +562,7 @@ class Rollout:
                         self._trained_at[step] = time.monotonic()
                         self._trained_event.set()
                         self.metrics.write("trained", {"step": step, "metrics": m})
+                        self._check_budget()
                         self._maybe_publish()
                         self.changed.set()
                 case Durable(step=step, incarnation=inc):
@@ -594,6 +637,7 @@ class Rollout:
         while not self._outbox.empty():  # assignments of the lost run that were not sent yet
             self._outbox.get_nowait()
         self.sent_per_step = {s: n for s, n in self.sent_per_step.items() if s <= c}
+        self._closed_step = min(self._closed_step, c)
         self._step_versions = {s: v for s, v in self._step_versions.items() if s <= c}
         self.trained_step = c
         self._durable = max(self._durable, c)
@@ -644,6 +688,8 @@ class Rollout:
         """A group completed (or was masked): keep it, queue what the completion assigned."""
         self.groups[group.id] = group
         self.completed += 1
+        if self._sample_log is not None:
+            self._sample_log.write(group)
         self.assigned(assigned)
 
     def assigned(self, assigned: list[Assigned] | tuple[Assigned, ...]) -> None:
@@ -653,22 +699,57 @@ class Rollout:
             self._outbox.put_nowait((self.queue.incarnation, a))
         self.changed.set()
 
+    def _check_budget(self) -> None:
+        """At a step boundary: end the run here if `learn.max_minutes` ran out."""
+        if not self._budget_s or self._budget_hit or self._all_sent.is_set():
+            return
+        if time.monotonic() - self.started_at >= self._budget_s:
+            self._budget_hit = True
+            # In a task: the send lock may be held by a send that waits for `_receive`.
+            self.spawn(self._stop_for_budget(), name="budget")
+
+    async def _stop_for_budget(self) -> None:
+        """`learn.max_minutes` ran out: the run ends with the newest step already closed (the
+        trainer trains the steps it has, then finds `Shutdown` where the next step's groups would
+        be, checkpoints the last one and stops); nothing more is sent. Under the send lock, so no
+        `StepClosed` slips in between the choice of the last step and the `Shutdown`."""
+        async with self._send_lock:
+            self._end_step = max(self._closed_step, self.trained_step)
+            minutes = self.config.learn.max_minutes
+            log.info(
+                "learn.max_minutes = %g reached: the run ends with step %d (checkpointed, then the "
+                "final evaluation)",
+                *(minutes, self._end_step),
+            )
+            self.metrics.write("budget", {"max_minutes": minutes, "last_step": self._end_step})
+            with contextlib.suppress(ServerUnavailable):
+                reason = f"learn.max_minutes = {minutes:g} reached after step {self._end_step}"
+                await self.link.send(
+                    Shutdown(reason=reason), timeout_s=self.config.serve.request_timeout_s
+                )
+            self._all_sent.set()
+
     async def _send(self) -> None:
         while True:
             incarnation, a = await self._outbox.get()
-            if incarnation != self.queue.incarnation:
-                continue  # assigned by a run the trainer rolled back
-            group = self.groups[a.group_id]
-            if group.incarnation != self.queue.incarnation:  # offered again after a roll-back
-                group = msgspec.structs.replace(group, incarnation=self.queue.incarnation)
-            if not await self._deliver(AssignedMessage(step=a.step, group=group), incarnation):
-                continue
-            n = self.sent_per_step[a.step] = self.sent_per_step.get(a.step, 0) + 1
-            self._step_versions.setdefault(a.step, []).append((a.group_id, a.version))
-            if n == self.batch_size:
-                if not await self._deliver(StepClosed(step=a.step, num_groups=n), incarnation):
-                    continue
-                self._step_sent(a.step)
+            async with self._send_lock:
+                await self._send_one(incarnation, a)
+
+    async def _send_one(self, incarnation: int, a: Assigned) -> None:
+        if self._end_step is not None or incarnation != self.queue.incarnation:
+            return  # the run ends at a budget, or this was assigned by a run rolled back since
+        group = self.groups[a.group_id]
+        if group.incarnation != self.queue.incarnation:  # offered again after a roll-back
+            group = msgspec.structs.replace(group, incarnation=self.queue.incarnation)
+        if not await self._deliver(AssignedMessage(step=a.step, group=group), incarnation):
+            return
+        n = self.sent_per_step[a.step] = self.sent_per_step.get(a.step, 0) + 1
+        self._step_versions.setdefault(a.step, []).append((a.group_id, a.version))
+        if n == self.batch_size:
+            if not await self._deliver(StepClosed(step=a.step, num_groups=n), incarnation):
+                return
+            self._closed_step = max(self._closed_step, a.step)
+            self._step_sent(a.step)
 
     async def _deliver(self, message: AssignedMessage | StepClosed, incarnation: int) -> bool:
         """Send to the trainer. If it is gone, wait (bounded) for a trainer to say hello again:

@@ -18,7 +18,9 @@ from dora.launch import Supervisor
 
 pytestmark = pytest.mark.timeout(60)
 
-SLEEP = "import time; time.sleep(60)"
+READY = "import os, pathlib; pathlib.Path(os.environ['DORA_READY_FILE']).touch()\n"
+"""What a side runs once it started (`dora.launch.mark_ready`): failures after it are restarted."""
+SLEEP = READY + "import time; time.sleep(60)"
 
 
 def _run(
@@ -43,7 +45,7 @@ def _run(
 def test_a_dying_serve_is_restarted_with_a_resumed_learn_until_the_limit(
     tmp_path: Path, capfd: pytest.CaptureFixture[str]
 ) -> None:
-    code, sup, records = _run(tmp_path, "import sys; sys.exit(3)", SLEEP, max_restarts=2)
+    code, sup, records = _run(tmp_path, READY + "import sys; sys.exit(3)", SLEEP, max_restarts=2)
     assert code == 1
     exits = [r for r in records if r["kind"] == "exit"]
     assert [(r["component"], r["returncode"]) for r in exits] == [("serve", 3)] * 3
@@ -56,14 +58,34 @@ def test_a_dying_serve_is_restarted_with_a_resumed_learn_until_the_limit(
 
 def test_a_dying_learn_is_resumed_and_a_clean_finish_ends_the_run(tmp_path: Path) -> None:
     # learn fails on its first start and succeeds once resumed; serve finishes after a while
-    learn = "import sys; sys.exit(0 if '--resume' in sys.argv else 5)"
-    code, _, records = _run(tmp_path, "import time; time.sleep(1.5)", learn, max_restarts=1)
+    learn = READY + "import sys; sys.exit(0 if '--resume' in sys.argv else 5)"
+    code, _, records = _run(tmp_path, READY + "import time; time.sleep(1.5)", learn, max_restarts=1)
     assert code == 0
     assert [(r["component"], r.get("returncode")) for r in records if r["kind"] == "exit"] == [
         ("learn", 5)
     ]
     starts = [(r["component"], r["resume"]) for r in records if r["kind"] == "start"]
     assert starts == [("serve", False), ("learn", False), ("learn", True)]
+
+
+@pytest.mark.parametrize("side", ["serve", "learn"])
+def test_a_side_that_fails_before_it_is_ready_stops_the_run_at_once(
+    tmp_path: Path, side: str, capfd: pytest.CaptureFixture[str]
+) -> None:
+    failing = "import sys; print('bad model folder', file=sys.stderr); sys.exit(2)"
+    serve, learn = (failing, SLEEP) if side == "serve" else (SLEEP, failing)
+    started = time.monotonic()
+    code, sup, records = _run(tmp_path, serve, learn, max_restarts=3)
+    assert code == 1
+    assert time.monotonic() - started < 20, "stopped at once, not after the other side's sleep"
+    starts = [r["component"] for r in records if r["kind"] == "start"]
+    assert sorted(starts) == ["learn", "serve"], "started once each, never restarted"
+    exits = [(r["component"], r["returncode"], r["ready"]) for r in records if r["kind"] == "exit"]
+    assert exits == [(side, 2, False)]
+    assert all(p.poll() is not None for p in sup.children.values()), "both sides stopped"
+    err = capfd.readouterr().err
+    assert f"{side} failed while starting (status 2), before it was ready" in err
+    assert "bad model folder" in err  # learn's error comes from learn.log, serve's is on stderr
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])

@@ -1,0 +1,172 @@
+"""The evaluator against the real orchestrator, with a fake rollout around it (a scripted sampler
+instead of instances): a due evaluation whose version is superseded before it finds room
+evaluates the version that takes requests, instead of waiting for room that never comes; the end
+of the run is not held up by it; the record says which version, when it was trained, and how many
+episodes ran at once."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Coroutine
+from typing import Any
+
+import pytest
+
+from dora.config import load_config
+from dora.core.orchestrator import Action, Load, Orchestrator
+from dora.env import Env, Episode, Message, Task
+from dora.models.tiny import char_tokenizer
+from dora.protocol import Completion, SamplingParams
+from dora.serve.episode import ChatRenderer
+from dora.serve.evaluate import Evaluator
+
+pytestmark = pytest.mark.timeout(30)
+
+CAPACITY = 4
+
+
+class Answer4(Env):
+    def reset(self, task: Task) -> list[Message]:
+        return [{"role": "user", "content": str(task["question"])}]
+
+    def reward(self, episode: Episode) -> float:
+        return 1.0 if "4" in episode.completion else 0.0
+
+
+class Sampler:
+    """Answers every call with "4<|im_end|>" tagged with its lease's version."""
+
+    def __init__(self, rollout: FakeRollout, lease_id: str) -> None:
+        self.rollout, self.lease_id = rollout, lease_id
+
+    async def generate(self, prompt_ids: list[int], params: SamplingParams) -> Completion:
+        r = self.rollout
+        r.running += 1
+        r.peak = max(r.peak, r.running)
+        try:
+            await asyncio.sleep(0.01)
+        finally:
+            r.running -= 1
+        version = r.orchestrator.request_version(self.lease_id)
+        ids = r.tokenizer.encode("4<|im_end|>", add_special_tokens=False)
+        return Completion(
+            request_id=self.lease_id,
+            token_ids=ids,
+            logprobs=[-0.1] * len(ids),
+            versions=[version] * len(ids),
+            finish_reason="stop",
+        )
+
+
+class FakeRouter:
+    def __init__(self, rollout: FakeRollout) -> None:
+        self.rollout = rollout
+        self.leases: set[str] = set()
+
+    def open(self, lease_id: str, *, version: int, instance: str) -> None:
+        self.leases.add(lease_id)
+
+    def close(self, lease_id: str) -> bool:
+        if lease_id in self.leases:
+            self.leases.discard(lease_id)
+            return True
+        return False
+
+    def sampler(self, lease_id: str) -> Sampler:
+        return Sampler(self.rollout, lease_id)
+
+
+class FakeQueue:
+    newest_version: int | None = 0
+
+
+class FakeMetrics:
+    def __init__(self) -> None:
+        self.start = time.monotonic()
+        self.records: list[tuple[str, dict[str, object]]] = []
+
+    def write(self, kind: str, record: dict[str, object]) -> None:
+        self.records.append((kind, {"time_s": time.monotonic() - self.start, **record}))
+
+
+class FakeRollout:
+    """What the evaluator uses of `Rollout`: the orchestrator is real, loads are instant."""
+
+    def __init__(self) -> None:
+        self.config = load_config(
+            None, [f"serve.max_running={CAPACITY}", "rollout.group_size=4", "data.eval_every=1"]
+        )
+        self.tokenizer = char_tokenizer()
+        self.orchestrator = Orchestrator()
+        self.router = FakeRouter(self)
+        self.queue = FakeQueue()
+        self.metrics = FakeMetrics()
+        self.tasks: list[asyncio.Task[None]] = []
+        self.evaluator: Evaluator | None = None
+        self.trained_at = {1: 1.5}
+        self.running = self.peak = 0
+        self.apply(self.orchestrator.add_instance("i0", capacity=CAPACITY))
+
+    def spawn(self, coro: Coroutine[Any, Any, None], *, name: str) -> asyncio.Task[None]:
+        task = asyncio.get_running_loop().create_task(coro, name=name)
+        self.tasks.append(task)
+        return task
+
+    def apply(self, actions: list[Action]) -> None:
+        for action in actions:
+            if isinstance(action, Load):
+                self.queue.newest_version = action.version
+                self.apply(self.orchestrator.on_loaded(action.instance, action.version))
+        if self.evaluator is not None:
+            self.evaluator.wake()
+
+    def version_trained_at(self, version: int) -> float | None:
+        return 0.0 if version == 0 else self.trained_at.get(version)
+
+
+def _evaluator(rollout: FakeRollout, n: int) -> Evaluator:
+    tasks = [Task(f"e{i}", {"question": "2+2?"}) for i in range(n)]
+    renderer = ChatRenderer(rollout.tokenizer)  # type: ignore[arg-type]
+    evaluator = Evaluator(rollout, tasks=tasks, env_factory=Answer4, renderer=renderer)  # type: ignore[arg-type]
+    rollout.evaluator = evaluator
+    return evaluator
+
+
+async def test_an_evaluation_whose_version_is_superseded_before_it_finds_room() -> None:
+    r = FakeRollout()
+    evaluator = _evaluator(r, 6)
+    group = [f"g0/{i}" for i in range(CAPACITY)]
+    assert r.orchestrator.place(group, version=0) == "i0"  # the only instance is full
+    evaluator.on_loaded(0)  # version 0 is due: no room for it
+    await asyncio.sleep(0.05)
+    assert not [k for k, _ in r.metrics.records if k == "eval"]
+    r.apply(r.orchestrator.publish(1))
+    for lid in group:  # the group ends; the instance loads version 1 at once
+        r.apply(r.orchestrator.finish(lid))
+    assert r.queue.newest_version == 1
+    # the end of the run: the final version (1) is evaluated; nothing waits forever
+    await asyncio.wait_for(evaluator.finish(1, timeout_s=5), 10)
+    evals = [rec for kind, rec in r.metrics.records if kind == "eval"]
+    assert [(e["version"], e["due"], e["n"]) for e in evals] == [(1, 0, 6)], evals
+    e = evals[0]
+    assert e["accuracy"] == 1.0 and e["concurrency"] == CAPACITY // 2
+    assert e["version_time_s"] == 1.5 and e["started_s"] <= e["time_s"]
+    assert not r.router.leases, "every evaluation lease ended"
+    assert r.orchestrator.live() == {}
+
+
+async def test_an_evaluation_that_starts_on_a_busy_instance_grows_to_its_share() -> None:
+    r = FakeRollout()
+    evaluator = _evaluator(r, 20)
+    group = [f"g0/{i}" for i in range(CAPACITY)]
+    r.orchestrator.place(group, version=0)
+    evaluator.on_loaded(0)
+    await asyncio.sleep(0.02)
+    for lid in group:  # slots free one at a time, as the group's episodes end
+        r.apply(r.orchestrator.finish(lid))
+        await asyncio.sleep(0.02)
+    await asyncio.wait_for(evaluator.finish(0, timeout_s=5), 10)
+    [e] = [rec for kind, rec in r.metrics.records if kind == "eval"]
+    assert (e["version"], e["n"], e["accuracy"]) == (0, 20, 1.0)
+    assert e["concurrency"] == CAPACITY // 2 == r.peak, "as many at once as an idle instance gives"
