@@ -137,6 +137,13 @@ class ServeConfig(_Section):
     max_instance_restarts: Annotated[
         int, M(ge=0, description="Dead instances dora serve replaces in one run before it stops")
     ] = 3
+    health_timeout_s: Annotated[
+        float,
+        M(
+            ge=0,
+            description="An instance silent to health probes this long counts as dead (0: off)",
+        ),
+    ] = 10.0
 
 
 class RolloutConfig(_Section):
