@@ -127,7 +127,13 @@ def _count(run_dir: Path, kind: str) -> int:
 
 
 @pytest.mark.parametrize(
-    ("seed", "faults"), [(1, FAULTS), (2, FAULTS), (3, FAULTS), (4, ("stall",))]
+    ("seed", "faults"),
+    [
+        pytest.param(1, FAULTS, id="seed1-kills"),
+        pytest.param(2, FAULTS, id="seed2-kills"),
+        pytest.param(3, FAULTS, id="seed3-kills"),
+        pytest.param(4, ("stall",), id="seed4-stall"),
+    ],
 )
 def test_chaos(tmp_path: Path, seed: int, faults: tuple[str, ...]) -> None:
     rng = random.Random(seed)
