@@ -227,7 +227,9 @@ class EngineClient:
         what: str,
     ) -> bytes:
         if self._session is None:
-            self._session = aiohttp.ClientSession()
+            # No connection limit (aiohttp's default is 100): serve's admission already bounds
+            # the calls to an instance, and a health probe must never queue behind long calls.
+            self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
         headers = dict(self._headers)
         if content_type:
             headers["Content-Type"] = content_type

@@ -414,3 +414,34 @@ async def test_an_answer_that_does_not_decode_is_a_protocol_error(answer: bytes)
                     await c.health()
     finally:
         await runner.cleanup()
+
+
+async def test_the_client_does_not_cap_calls_in_flight_so_a_probe_never_queues() -> None:
+    """aiohttp caps a session at 100 connections by default: past that, calls (and the health
+    probe that must notice a hung instance) would queue inside the client."""
+    from aiohttp import web
+
+    inside, all_in = 0, asyncio.Event()
+    n = 130
+
+    async def slow(request: web.Request) -> web.Response:
+        nonlocal inside
+        inside += 1
+        if inside == n:
+            all_in.set()
+        await all_in.wait()
+        return web.json_response({"status": "ok"})
+
+    app = web.Application()
+    app.add_routes([web.get("/health", slow)])
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    host, port = runner.addresses[0][:2]
+    try:
+        async with EngineClient(f"http://{host}:{port}") as c:
+            answers = await asyncio.gather(*(c.health(timeout_s=30) for _ in range(n)))
+        assert all(a["status"] == "ok" for a in answers)
+    finally:
+        await runner.cleanup()
