@@ -204,7 +204,8 @@ def test_dora_serve_stops_with_a_clear_error_when_no_instance_is_left(
         model_dir=long_tail_model,
         steps=STEPS,
         batch_size=B,
-        timeout_s=20,  # serve is gone without a word: the trainer gives up after this
+        timeout_s=60,  # serve is gone without a word: the trainer gives up after this (and
+        # waits this long for serve to start its instance: over 20 s on a loaded machine)
         on_trained=kill_the_instance,
     )
     trainer.start()
