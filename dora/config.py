@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import difflib
 import ipaddress
+import math
 import tomllib
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -24,6 +25,7 @@ from typing import Annotated, Literal, get_args, get_origin, get_type_hints
 import msgspec
 
 from dora.errors import ConfigError
+from dora.protocol import MIN_TEMPERATURE
 
 Mode = Literal["sync", "one_step_off", "partial", "dora"]
 M = msgspec.Meta
@@ -138,6 +140,13 @@ class ServeConfig(_Section):
     max_instance_restarts: Annotated[
         int, M(ge=0, description="Dead instances dora serve replaces in one run before it stops")
     ] = 3
+    health_timeout_s: Annotated[
+        float,
+        M(
+            ge=0,
+            description="An instance silent to health probes this long counts as dead (0: off)",
+        ),
+    ] = 10.0
 
 
 class RolloutConfig(_Section):
@@ -156,7 +165,10 @@ class RolloutConfig(_Section):
         int,
         M(ge=0, description="Most tokens the policy samples in one turn (0: only max_tokens)"),
     ] = 0
-    temperature: Annotated[float, M(gt=0, description="Sampling temperature")] = 1.0
+    temperature: Annotated[
+        float,
+        M(ge=MIN_TEMPERATURE, description="Sampling temperature (lower underflows: NaN logprobs)"),
+    ] = 1.0
     top_p: Annotated[
         float, M(gt=0, le=1, description="Nucleus sampling; keep 1 for unbiased training")
     ] = 1.0
@@ -473,8 +485,23 @@ def _literal_choices(path: str) -> tuple[object, ...]:
     return get_args(tp) if get_origin(tp) is Literal else ()
 
 
+def _check_finite(struct: msgspec.Struct, *, prefix: str) -> None:
+    """No setting may be NaN or infinite: `learn.lr = inf` would train NaN weights, and a deadline
+    of `inf` is a wait forever (every network wait has a deadline)."""
+    for name in struct.__struct_fields__:
+        value = getattr(struct, name)
+        if isinstance(value, msgspec.Struct):
+            _check_finite(value, prefix=f"{prefix}{name}.")
+        elif isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(
+                f"{prefix}{name} = {value!r} is invalid: expected a finite number "
+                "(NaN and infinities are never valid settings)"
+            )
+
+
 def _resolve(config: DoraConfig) -> DoraConfig:
     """Apply mode presets and check rules that span fields."""
+    _check_finite(config, prefix="")
     rollout = config.rollout
     if rollout.mode in MODE_STALENESS:
         rollout = msgspec.structs.replace(rollout, staleness=MODE_STALENESS[rollout.mode])

@@ -54,6 +54,11 @@ class DataError(DoraError):
     """A dataset row is malformed; the message names the file and the row."""
 
 
+class TrainingError(DoraError):
+    """The trainer met a value it must not train on (a non-finite loss or gradient norm); the
+    message says what, at which step, and where it came from."""
+
+
 class SchedulingError(DoraError):
     """The scheduling core was asked for something its invariants forbid."""
 

@@ -32,6 +32,11 @@ def pack(
     return np.ascontiguousarray(values, dtype=dtype).tobytes()
 
 
+MIN_TEMPERATURE = 1e-4
+"""The lowest sampling temperature but 0 (greedy). Below it `logits / T` overflows float32 for
+ordinary logits and the behaviour logprobs become NaN; the config and the engine refuse it."""
+
+
 class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """How to sample one completion. Training rollouts keep top_p = 1 and top_k = -1 (DESIGN §5)."""
 

@@ -23,13 +23,16 @@ from typing import Annotated, Literal, TypeVar
 
 import msgspec
 
-from dora.protocol import SamplingParams
+from dora.protocol import MIN_TEMPERATURE, SamplingParams
 
 PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
 SampleCount = Annotated[int, msgspec.Meta(ge=1, le=256)]
 NonNegInt = Annotated[int, msgspec.Meta(ge=0)]
 Temperature = Annotated[float, msgspec.Meta(ge=0.0)]
 TopP = Annotated[float, msgspec.Meta(gt=0.0, le=1.0)]
+TopK = Annotated[int, msgspec.Meta(ge=-1)]
+"""-1 or 0: off; otherwise the k most likely tokens."""
+Seed = Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)]
 
 
 class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
@@ -44,16 +47,24 @@ class _Sampling(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     ignore_eos: bool = False
     temperature: Temperature = 1.0
     top_p: TopP = 1.0
-    top_k: int = -1
+    top_k: TopK = -1
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    seed: int | None = None
+    stop_token_ids: list[NonNegInt] | None = None
+    """Checked against the vocabulary by the server."""
+    seed: Seed | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     return_token_ids: bool = False
     user: str | None = None
     version: int | None = None
     request_id: str | None = None
+
+    def __post_init__(self) -> None:
+        if 0.0 < self.temperature < MIN_TEMPERATURE:
+            raise ValueError(
+                f"temperature = {self.temperature!r}: expected 0 (greedy) or at least "
+                f"{MIN_TEMPERATURE:g} (lower overflows logits / temperature: NaN logprobs)"
+            )
 
     def sampling_params(self, default_max_tokens: int) -> SamplingParams:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -95,6 +106,7 @@ class ChatRequest(_Sampling, kw_only=True, forbid_unknown_fields=True):
     add_generation_prompt: bool = True
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         for i, message in enumerate(self.messages):
             role, content = message.get("role"), message.get("content")
             if role not in ROLES:
@@ -102,8 +114,19 @@ class ChatRequest(_Sampling, kw_only=True, forbid_unknown_fields=True):
             if content is not None and not isinstance(content, str | list):
                 raise ValueError(
                     f"messages[{i}].content is {type(content).__name__}: expected a string, a "
-                    "list of parts, or null"
+                    "list of text parts, or null"
                 )
+            for j, part in enumerate(content if isinstance(content, list) else []):
+                if not (
+                    isinstance(part, dict)
+                    and part.get("type") == "text"
+                    and isinstance(part.get("text"), str)
+                ):
+                    kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                    raise ValueError(
+                        f"messages[{i}].content[{j}] is of type {kind!r}: the engine takes text "
+                        'only, as {"type": "text", "text": "..."}'
+                    )
 
 
 LoadMode = Literal["drain", "abort", "keep"]
@@ -173,6 +196,8 @@ def decode_strict(body: bytes, cls: type[S]) -> S:
         raw = msgspec.json.decode(body)
     except msgspec.DecodeError as exc:
         raise ValueError(f"body is not valid UTF-8 JSON: {exc}") from exc
+    except RecursionError:
+        raise ValueError("body is nested too deeply to decode") from None
     if not isinstance(raw, dict):
         raise ValueError(f"body must be a JSON object, got {type(raw).__name__}")
     fields = cls.__struct_fields__

@@ -20,6 +20,7 @@ stays within `max_kv_tokens` (by default `max_kv_bytes` worth), so nothing ever 
 
 from __future__ import annotations
 
+import math
 import random
 from collections import deque
 from collections.abc import Callable
@@ -345,7 +346,8 @@ class Batcher:
         done = (stopped | full).nonzero()[:, 0].tolist()
         version = self.version
         seqs = self.running[start:end]
-        for seq, tok, lp in zip(seqs, tokens.tolist(), logprobs.tolist(), strict=True):
+        lps = logprobs.tolist()
+        for seq, tok, lp in zip(seqs, tokens.tolist(), lps, strict=True):
             seq.token_ids.append(tok)
             seq.logprobs.append(lp)
             seq.versions.append(version)
@@ -353,6 +355,11 @@ class Batcher:
         finished: dict[int, FinishReason] = {}
         for i in done:
             finished[start + i] = "stop" if bool(stopped[i]) else "length"
+        # Finite logits give finite logprobs at any allowed temperature; weights that produce
+        # NaN or inf must end the request with an error, never reach a client as non-JSON.
+        broken = {start + i for i, lp in enumerate(lps) if not math.isfinite(lp)}
+        for row in broken:
+            finished[row] = "error"
         if self._stop_rows:
             for seq in seqs:
                 if seq.params.stop and seq.row not in finished and self._hit_stop_string(seq):
@@ -363,6 +370,13 @@ class Batcher:
         for row in sorted(finished, reverse=True):
             seq = self.running[row]
             seq.finish_reason = finished[row]
+            if row in broken:
+                seq.error_status = 500
+                seq.error = (
+                    f"version {version} of the model gave a non-finite logprob "
+                    f"({seq.logprobs[-1]}) at token {len(seq.token_ids) - 1}: "
+                    "its weights are broken"
+                )
             self._remove(row)
             self._notify(seq)
 

@@ -4,26 +4,35 @@ generate (token ids in; token ids, behaviour logprobs and per-token versions out
 abort (returns the tokens so far), health, metrics, and the optional capability export/import
 (migration with the KV cache). Every call has a deadline (`asyncio.timeout`). Failures map onto
 dora.errors: unreachable -> ServerUnavailable, deadline -> ServerTimeout, 409 -> VersionMismatch,
-other 4xx -> RequestError, 5xx -> ServerError. The client does not retry: the caller owns the retry
-policy.
+other 4xx -> RequestError, 5xx -> ServerError; an answer that does not decode (not JSON or msgpack,
+or without the fields the call needs) -> ProtocolError. The client does not retry: the caller owns
+the retry policy.
 """
 
 from __future__ import annotations
 
 import asyncio
 import io
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from types import TracebackType
-from typing import Literal
+from typing import Literal, TypeVar
 
 import aiohttp
 import msgspec
 
 from dora.engine.api import ExportedRequest
-from dora.errors import RequestError, ServerError, ServerTimeout, ServerUnavailable, VersionMismatch
+from dora.errors import (
+    ProtocolError,
+    RequestError,
+    ServerError,
+    ServerTimeout,
+    ServerUnavailable,
+    VersionMismatch,
+)
 from dora.protocol import Completion, SamplingParams
 
 Json = dict[str, object]
+T = TypeVar("T")
 _completion = msgspec.json.Decoder(Completion)
 
 
@@ -84,15 +93,23 @@ class EngineClient:
         if version is not None:
             body["version"] = version
         out = await self._post("/v1/completions", body, timeout_s or self.timeout_s, "generate")
-        choice = out["choices"][0]  # type: ignore[index]
-        return Completion(
-            request_id=request_id,
-            token_ids=choice["token_ids"],
-            logprobs=choice["logprobs"]["token_logprobs"],
-            versions=choice["versions"],
-            finish_reason=choice["finish_reason"],
-            prompt_tokens=len(prompt_ids),
-        )
+        try:
+            choice = out["choices"][0]  # type: ignore[index]
+            return msgspec.convert(
+                {
+                    "request_id": request_id,
+                    "token_ids": choice["token_ids"],
+                    "logprobs": choice["logprobs"]["token_logprobs"],
+                    "versions": choice["versions"],
+                    "finish_reason": choice["finish_reason"],
+                    "prompt_tokens": len(prompt_ids),
+                },
+                Completion,
+            )
+        except (KeyError, IndexError, TypeError, msgspec.ValidationError) as exc:
+            raise ProtocolError(
+                f"generate: {self.base_url} answered without a valid completion: {exc!r}"
+            ) from exc
 
     async def load_weights(
         self,
@@ -127,7 +144,12 @@ class EngineClient:
             timeout_s or self.control_timeout_s,
             "abort",
         )
-        return msgspec.convert(out["completions"][0], Completion, strict=False)  # type: ignore[index]
+        try:
+            return msgspec.convert(out["completions"][0], Completion, strict=False)  # type: ignore[index]
+        except (KeyError, IndexError, TypeError, msgspec.ValidationError) as exc:
+            raise ProtocolError(
+                f"abort: {self.base_url} answered without a valid completion: {exc!r}"
+            ) from exc
 
     async def pause(self, *, timeout_s: float | None = None) -> None:
         await self._post("/control/pause", {}, timeout_s or self.control_timeout_s, "pause")
@@ -147,7 +169,7 @@ class EngineClient:
             timeout_s or self.control_timeout_s,
             "export",
         )
-        return msgspec.msgpack.decode(raw, type=ExportedRequest)
+        return self._decode(raw, "export", msgspec.msgpack.Decoder(ExportedRequest).decode)
 
     async def import_request(
         self, exported: ExportedRequest, *, timeout_s: float | None = None
@@ -161,17 +183,15 @@ class EngineClient:
             timeout_s or self.timeout_s,
             "import",
         )
-        return _completion.decode(raw)
+        return self._decode(raw, "import", _completion.decode)
 
     async def health(self, *, timeout_s: float = 5.0) -> Json:
-        return msgspec.json.decode(
-            await self._call("GET", "/health", None, None, timeout_s, "health")
-        )
+        raw = await self._call("GET", "/health", None, None, timeout_s, "health")
+        return self._decode(raw, "health", _json_object)
 
     async def metrics(self, *, timeout_s: float = 5.0) -> Json:
-        return msgspec.json.decode(
-            await self._call("GET", "/metrics", None, None, timeout_s, "metrics")
-        )
+        raw = await self._call("GET", "/metrics", None, None, timeout_s, "metrics")
+        return self._decode(raw, "metrics", _json_object)
 
     # -- transport ---------------------------------------------------------------------------------
 
@@ -186,7 +206,16 @@ class EngineClient:
             raw = await self._call(
                 "POST", path, msgspec.json.encode(body), "application/json", timeout_s, what
             )
-        return msgspec.json.decode(raw)
+        return self._decode(raw, what, _json_object)
+
+    def _decode(self, raw: bytes, what: str, decode: Callable[[bytes], T]) -> T:
+        try:
+            return decode(raw)
+        except (msgspec.DecodeError, RecursionError) as exc:
+            raise ProtocolError(
+                f"{what}: {self.base_url} answered with a body that does not decode: {exc} "
+                f"({raw[:80]!r})"
+            ) from exc
 
     async def _call(
         self,
@@ -198,7 +227,9 @@ class EngineClient:
         what: str,
     ) -> bytes:
         if self._session is None:
-            self._session = aiohttp.ClientSession()
+            # No connection limit (aiohttp's default is 100): serve's admission already bounds
+            # the calls to an instance, and a health probe must never queue behind long calls.
+            self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
         headers = dict(self._headers)
         if content_type:
             headers["Content-Type"] = content_type
@@ -227,6 +258,13 @@ class EngineClient:
         if 400 <= status < 500:
             raise RequestError(f"{what}: HTTP {status}: {message}")
         raise ServerError(f"{what}: HTTP {status}: {message}")
+
+
+def _json_object(raw: bytes) -> Json:
+    out = msgspec.json.decode(raw)
+    if not isinstance(out, dict):
+        raise msgspec.DecodeError(f"expected a JSON object, got {type(out).__name__}")
+    return out
 
 
 def _error_message(raw: bytes) -> str:

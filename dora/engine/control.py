@@ -71,7 +71,9 @@ class ControlRoutes:
         denied = self._allowed(request)
         if denied is not None:
             return denied
-        body = await self.server.read_body(request, self.server.max_control_bytes)
+        body = await self.server.read_body(
+            request, self.server.max_control_bytes, timeout_s=self.server.control_body_timeout_s
+        )
         if isinstance(body, web.Response):
             return body
         try:
@@ -80,6 +82,8 @@ class ControlRoutes:
             return api.decode_strict(body or b"{}", cls)
         except (ValueError, msgspec.DecodeError) as exc:
             return self.server.error(400, str(exc))
+        except RecursionError:
+            return self.server.error(400, "body is nested too deeply to decode")
 
     async def _load_weights(self, request: web.Request) -> web.Response:
         req = await self._control_body(request, api.LoadWeightsRequest)

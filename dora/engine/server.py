@@ -44,6 +44,11 @@ from dora.protocol import Completion, SamplingParams
 
 MAX_REQUEST_BYTES = 16 << 20
 MAX_CONTROL_BYTES = 4 << 30  # weights travel through /control/load_weights
+BODY_TIMEOUT_S = 30.0
+"""Deadline for reading one request body on the OpenAI routes (a client that trickles its body
+would hold a connection forever); control bodies, which carry weights, get the longer
+`CONTROL_BODY_TIMEOUT_S`."""
+CONTROL_BODY_TIMEOUT_S = 600.0
 
 
 class Watch:
@@ -85,8 +90,11 @@ class EngineServer:
         control_token: str | None = None,
         max_request_bytes: int = MAX_REQUEST_BYTES,
         max_control_bytes: int = MAX_CONTROL_BYTES,
+        body_timeout_s: float = BODY_TIMEOUT_S,
     ) -> None:
         self.worker = worker
+        self.body_timeout_s = body_timeout_s
+        self.control_body_timeout_s = CONTROL_BODY_TIMEOUT_S
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.control_token = control_token
@@ -126,6 +134,7 @@ class EngineServer:
         control_token: str | None = None,
         max_request_bytes: int = MAX_REQUEST_BYTES,
         max_control_bytes: int = MAX_CONTROL_BYTES,
+        body_timeout_s: float = BODY_TIMEOUT_S,
     ) -> AsyncIterator[EngineServer]:
         """Load the model, start the engine thread and serve; stop all of it on exit."""
         if not is_loopback(host) and not control_token:
@@ -149,6 +158,7 @@ class EngineServer:
             control_token=control_token,
             max_request_bytes=max_request_bytes,
             max_control_bytes=max_control_bytes,
+            body_timeout_s=body_timeout_s,
         )
         runner = web.AppRunner(server.app, access_log=None, handle_signals=False)
         worker.start()
@@ -193,18 +203,30 @@ class EngineServer:
         }
         return web.json_response(body, status=status)
 
-    async def read_body(self, request: web.Request, limit: int) -> bytes | web.Response:
+    async def read_body(
+        self, request: web.Request, limit: int, *, timeout_s: float | None = None
+    ) -> bytes | web.Response:
         """The whole body, or a 413 as soon as it exceeds `limit` (chunked bodies included: it
-        is never buffered past the limit)."""
+        is never buffered past the limit), or a 408 if it has not all arrived within `timeout_s`
+        (default `body_timeout_s`)."""
         if request.content_length is not None and request.content_length > limit:
             return self.error(
                 413, f"request body of {request.content_length} bytes exceeds the limit of {limit}"
             )
+        deadline = self.body_timeout_s if timeout_s is None else timeout_s
         body = bytearray()
-        async for chunk in request.content.iter_chunked(1 << 16):
-            body += chunk
-            if len(body) > limit:
-                return self.error(413, f"request body exceeds the limit of {limit} bytes")
+        try:
+            async with asyncio.timeout(deadline):
+                async for chunk in request.content.iter_chunked(1 << 16):
+                    body += chunk
+                    if len(body) > limit:
+                        return self.error(413, f"request body exceeds the limit of {limit} bytes")
+        except TimeoutError:
+            response = self.error(
+                408, f"request body not received within {deadline:g} s ({len(body)} bytes came)"
+            )
+            response.force_close()  # the rest of a trickled body must not be read as a request
+            return response
         return bytes(body)
 
     async def _submit(
@@ -295,6 +317,10 @@ class EngineServer:
             default_max = context - len(prompt_ids) if chat else 16
             max_tokens = req.max_completion_tokens if isinstance(req, api.ChatRequest) else None
             params = req.sampling_params(max_tokens or max(default_max, 1))
+            vocab = self.worker.batcher.vocab_size
+            bad_stops = [t for t in params.stop_token_ids if t >= vocab]
+            if bad_stops:
+                raise ValueError(f"stop_token_ids out of range [0, {vocab}): {bad_stops[:5]}")
             request_id = req.request_id or f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
             watches = await self._submit(
                 request_id, prompt_ids, params, n=req.n, version=req.version, stream=req.stream

@@ -23,6 +23,7 @@ Step `t`, on every rank (they see the same messages in the same order, `dora.lea
 from __future__ import annotations
 
 import json
+import math
 import time
 from collections import defaultdict
 from contextlib import AbstractContextManager, nullcontext
@@ -34,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from dora.config import DoraConfig
-from dora.errors import ProtocolError
+from dora.errors import ProtocolError, TrainingError
 from dora.learn.batching import (
     MicroBatch,
     PreparedGroup,
@@ -124,6 +125,7 @@ class Trainer:
             kl_coef=self.cfg.kl_coef,
         )
         self._seen: set[str] = set()
+        self._step = -1
 
     def _load(self, config: DoraConfig, run_dir: Path, *, resume: bool) -> None:
         """Incarnation, start step, `Hello`, then the model and optimizer (from the checkpoint)."""
@@ -197,6 +199,7 @@ class Trainer:
         return 0
 
     def _train_step(self, step: int) -> dict[str, float] | None:
+        self._step = step
         started = time.perf_counter()
         state = _Step()
         updates = [_Update() for _ in range(self.cfg.updates_per_step)]
@@ -314,9 +317,16 @@ class Trainer:
                 weights=mb.weights,
                 settings=self.settings,
             )
+            loss = float(terms.loss_sum.detach())
+            if not math.isfinite(loss):
+                groups = sorted({item.group_id for item in items})
+                raise TrainingError(
+                    f"step {self._step}: the loss of a micro-batch of group(s) {groups} is "
+                    f"{loss}: {_non_finite_source(mb, logprobs)}; no version is published"
+                )
             self.accelerator.backward(terms.loss_sum)
         active = (mb.weights > 0).float()
-        update.sums["loss"] += float(terms.loss_sum.detach())
+        update.sums["loss"] += loss
         update.sums["entropy_sum"] += float((token_entropy(logits) * active).sum())
         for key in SUMS[1:-1]:
             update.sums[key] += terms.stats[key]
@@ -339,6 +349,12 @@ class Trainer:
             assert p.grad is not None
             p.grad.mul_(scale)
         norm = self.accelerator.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
+        if not math.isfinite(float(norm)):
+            raise TrainingError(
+                f"step {self._step}: the gradient norm of update {u} is {float(norm)} although "
+                "every loss was finite (the gradients overflowed: try a lower learn.lr or "
+                "learn.grad_clip); no version is published"
+            )
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return float(norm)
@@ -413,3 +429,15 @@ class Trainer:
         t = torch.tensor([value], dtype=torch.int64)
         dist.broadcast(t, src=0, group=self._group)
         return int(t.item())
+
+
+def _non_finite_source(mb: MicroBatch, logprobs: torch.Tensor) -> str:
+    """Which input of a non-finite loss is not finite, as a hint where it came from."""
+    loss_tokens = mb.weights > 0
+    if not bool(torch.isfinite(mb.advantages).all()):
+        return "its advantages are not finite (a reward was NaN or infinite)"
+    if not bool(torch.isfinite(mb.behaviour[loss_tokens]).all()):
+        return "its behaviour logprobs are not finite (the instance that sampled them)"
+    if not bool(torch.isfinite(logprobs.detach()[loss_tokens]).all()):
+        return "the policy's own logprobs are not finite (its weights)"
+    return "every input is finite: the loss itself overflowed"

@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from dora.env import Env, Message, Task, call_maybe_async
+from dora.errors import ChatTemplateMissing, EnvError
 from dora.tools import ToolBox
 
 if TYPE_CHECKING:
@@ -101,30 +102,51 @@ async def _render_example(
     task: Task,
     add_special_tokens: bool,
 ) -> list[Segment] | None:
+    """One task's example. An environment that fails here (a hook that raises, or returns what
+    cannot be rendered) is an EnvError naming the environment, the task and what failed: the
+    warm-up has no policy for a broken environment, but the user must learn which one it is."""
     try:
-        prompt = await call_maybe_async(env.reset, task)
-        demonstration = await call_maybe_async(env.demonstration, task)
-        if demonstration is not None:
-            if not isinstance(prompt, list):
-                raise TypeError(f"task {task.prompt_id!r}: a demonstration needs a chat prompt")
-            toolbox = ToolBox(await call_maybe_async(env.tools))
-            toolbox.close()  # only the schemas are needed
-            return _transcript(renderer(), prompt, toolbox, demonstration)
-        answer = task.data.get("answer")
-        if not isinstance(answer, str):
-            return None
-        if isinstance(prompt, str):
-            prompt_ids: list[int] = tokenizer(prompt, add_special_tokens=add_special_tokens)[  # type: ignore[operator]
-                "input_ids"
-            ]
-        else:
-            prompt_ids = tokenizer.apply_chat_template(  # type: ignore[attr-defined]
-                prompt, add_generation_prompt=True, tokenize=True, return_dict=False
-            )
-        completion = tokenizer.encode(answer, add_special_tokens=False)  # type: ignore[attr-defined]
-        return [(list(prompt_ids), False), ([*completion, tokenizer.eos_token_id], True)]  # type: ignore[attr-defined]
+        return await _render_hooks(tokenizer, renderer, env, task, add_special_tokens)
+    except ChatTemplateMissing:
+        raise  # a property of the model, not of this environment: its own error says so
+    except Exception as exc:
+        name = f"{type(env).__module__}.{type(env).__qualname__}"
+        raise EnvError(
+            f"warm-up: environment {name} failed on task {task.prompt_id!r}: "
+            f"{type(exc).__name__}: {exc}"
+        ) from exc
     finally:
         await env.close()
+
+
+async def _render_hooks(
+    tokenizer: object,
+    renderer: Callable[[], ChatRenderer],
+    env: Env,
+    task: Task,
+    add_special_tokens: bool,
+) -> list[Segment] | None:
+    prompt = await call_maybe_async(env.reset, task)
+    demonstration = await call_maybe_async(env.demonstration, task)
+    if demonstration is not None:
+        if not isinstance(prompt, list):
+            raise TypeError(f"task {task.prompt_id!r}: a demonstration needs a chat prompt")
+        toolbox = ToolBox(await call_maybe_async(env.tools))
+        toolbox.close()  # only the schemas are needed
+        return _transcript(renderer(), prompt, toolbox, demonstration)
+    answer = task.data.get("answer")
+    if not isinstance(answer, str):
+        return None
+    if isinstance(prompt, str):
+        prompt_ids: list[int] = tokenizer(prompt, add_special_tokens=add_special_tokens)[  # type: ignore[operator]
+            "input_ids"
+        ]
+    else:
+        prompt_ids = tokenizer.apply_chat_template(  # type: ignore[attr-defined]
+            prompt, add_generation_prompt=True, tokenize=True, return_dict=False
+        )
+    completion = tokenizer.encode(answer, add_special_tokens=False)  # type: ignore[attr-defined]
+    return [(list(prompt_ids), False), ([*completion, tokenizer.eos_token_id], True)]  # type: ignore[attr-defined]
 
 
 def batch_loss(

@@ -41,6 +41,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import math
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -286,10 +287,20 @@ def _check_reply(raw: object, kind: type[R]) -> tuple[R, bool]:
 
 
 def _total(reward: Reward) -> tuple[float, dict[str, float]]:
+    """The reward and its components; a non-finite one is a ValueError naming it (a NaN or an
+    infinity would poison the group's advantages and then every weight the trainer touches)."""
     if isinstance(reward, dict):
         components = {str(k): float(v) for k, v in reward.items()}
-        return sum(components.values()), components
+        bad = {k: v for k, v in components.items() if not math.isfinite(v)}
+        if bad:
+            raise ValueError(f"reward components are not finite: {bad}")
+        total = sum(components.values())
+        if not math.isfinite(total):
+            raise ValueError(f"the sum of the reward components is not finite: {components}")
+        return total, components
     if isinstance(reward, (int, float)) and not isinstance(reward, bool):
+        if not math.isfinite(reward):
+            raise ValueError(f"reward is not finite: {reward}")
         return float(reward), {}
     raise TypeError(f"reward must be a float or a dict of floats, got {type(reward).__name__}")
 

@@ -75,7 +75,7 @@ class InstanceClient(Protocol):
 
     async def import_request(self, exported: ExportedRequest) -> Completion: ...
 
-    async def health(self) -> dict[str, object]: ...
+    async def health(self, *, timeout_s: float = 5.0) -> dict[str, object]: ...
 
     async def close(self) -> None: ...
 
@@ -122,7 +122,7 @@ class ProcessPool:
     def __init__(self, spec: InstanceSpec) -> None:
         self.spec = spec
         self.handles: list[InstanceHandle] = []
-        self._procs: list[asyncio.subprocess.Process] = []
+        self._procs: dict[str, asyncio.subprocess.Process] = {}
         self._started = 0
 
     async def start(self, count: int) -> list[InstanceHandle]:
@@ -138,14 +138,21 @@ class ProcessPool:
         return handles
 
     async def replace(self, dead: str) -> InstanceHandle:
-        """A new instance in place of `dead` (whose process is stopped at exit like the rest)."""
+        """A new instance in place of `dead`, whose process is killed first: it was declared dead
+        (gone, or hung past its health deadline), so nothing it holds is wanted, and a hung
+        process would not act on SIGTERM."""
+        proc = self._procs.get(dead)
+        if proc is not None and proc.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()
+            await proc.wait()
         (handle,) = await self.start(1)
         return handle
 
     async def close(self) -> None:
         for h in self.handles:
             await h.client.close()
-        await asyncio.gather(*(_stop_process(p) for p in self._procs))
+        await asyncio.gather(*(_stop_process(p) for p in self._procs.values()))
 
 
 @contextlib.asynccontextmanager
@@ -160,7 +167,7 @@ async def start_processes(spec: InstanceSpec, count: int) -> AsyncIterator[Proce
 
 
 async def _start_process(
-    spec: InstanceSpec, instance_id: str, procs: list[asyncio.subprocess.Process]
+    spec: InstanceSpec, instance_id: str, procs: dict[str, asyncio.subprocess.Process]
 ) -> InstanceHandle:
     args = [
         *("-m", "dora.engine", "--model", spec.model_dir, "--host", "127.0.0.1", "--port", "0"),
@@ -181,7 +188,7 @@ async def _start_process(
         stdin=asyncio.subprocess.DEVNULL,
         env=env,
     )
-    procs.append(proc)
+    procs[instance_id] = proc
     assert proc.stdout is not None
     try:
         async with asyncio.timeout(spec.start_timeout_s):

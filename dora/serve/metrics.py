@@ -199,6 +199,9 @@ class RolloutReport:
     steps_trained: int
     tick_versions_serving: int = 0
     """Most versions with calls in flight seen by a metrics tick (coarser than the router's)."""
+    masked_reasons: dict[str, int] = field(default_factory=dict)
+    """Masked samples by what failed (`reset raised KeyError`, `reward`, ...); `extra` holds
+    their total (`masked_samples`)."""
     extra: dict[str, float] = field(default_factory=dict)
 
 

@@ -99,6 +99,8 @@ from dora.protocol import (
     WeightsReady,
 )
 from dora.serve.evaluate import Evaluator
+from dora.serve.health import HealthWatch
+from dora.serve.history import History, check_not_all_masked, masked_reasons, read_history
 from dora.serve.instances import InstanceHandle
 from dora.serve.journal import JournaledQueue, Restored
 from dora.serve.metrics import (
@@ -182,6 +184,10 @@ class Rollout:
         self._sample_log = sample_log
         self.restored = Restored()
         """What the journal held at start (`restored.starts > 0`: this serve is a restart)."""
+        self.history = History()
+        """What earlier serves of this run recorded (empty unless this serve is a restart)."""
+        self.masked_samples = 0
+        self.masked_reasons: dict[str, int] = {}
         self._lost_ready = asyncio.Event()
         """Set once groups lost with a previous serve may be restarted (the trainer said hello)."""
         self._outbox: asyncio.Queue[tuple[int, Assigned]] = asyncio.Queue(
@@ -228,6 +234,9 @@ class Rollout:
 
     async def run(self) -> RolloutReport:
         self.started_at = time.monotonic()
+        self.metrics.write(
+            "serve_start", {"serve_start": self.restored.starts + 1, "unix_time": time.time()}
+        )
         try:
             async with asyncio.TaskGroup() as tg:
                 self._tg = tg
@@ -242,6 +251,8 @@ class Rollout:
                 tg.create_task(self._send(), name="trainer-send")
                 tg.create_task(self.dispatcher.run(), name="dispatcher")
                 tg.create_task(self.ticker.run(), name="metrics")
+                if self.config.serve.health_timeout_s > 0:
+                    tg.create_task(self._health().run(), name="health")
                 tg.create_task(self._finish(), name="finish")
         except* _RunComplete:
             pass
@@ -250,6 +261,7 @@ class Rollout:
             if self._progress is not None:
                 self._progress.close()
             report = self._snapshots.report()
+            self._whole_run(report)
             acct = self.queue.accounting()
             report.extra.update(
                 admitted=acct.admitted,
@@ -260,7 +272,8 @@ class Rollout:
                 masked=acct.masked,
                 groups_restarted=acct.restarted,
                 serve_restarts=self.restored.starts,
-                instance_restarts=self.instance_restarts,
+                instance_restarts=self.instance_restarts + self.history.instance_restarts,
+                masked_samples=self.masked_samples + self.history.masked_samples,
                 weight_load_retries=self.weight_load_retries,
                 prompts_skipped=self.prompts_skipped,
                 eval_prompts_skipped=self.eval_prompts_skipped,
@@ -270,11 +283,25 @@ class Rollout:
             self.queue.close()
         return report
 
+    def _whole_run(self, report: RolloutReport) -> None:
+        """A restored serve reports the whole run: what earlier serves recorded, added."""
+        h = self.history
+        report.instances_failed = h.instances_failed + report.instances_failed
+        if h.started_unix is not None:
+            report.wall_s = round(time.time() - h.started_unix, 3)
+        if h.first_eval is not None:
+            report.extra["eval_first_version"], report.extra["eval_first_accuracy"] = h.first_eval
+        reasons = dict(h.masked_reasons)
+        for reason, n in self.masked_reasons.items():
+            reasons[reason] = reasons.get(reason, 0) + n
+        report.masked_reasons = reasons
+
     def _restore(self) -> None:
         """Replay the journal of a `dora serve` that ran on this run directory before."""
         restored = self.restored = self.queue.restore()
         if not restored.starts:
             return
+        self.history = read_history(self.metrics.path)
         self.groups = dict(restored.groups)
         self.completed = len(restored.groups)
         self.trained_step = restored.trained_step
@@ -426,6 +453,25 @@ class Rollout:
         self.apply(self.orchestrator.remove_instance(instance))
         self._replace(instance)
 
+    def _health(self) -> HealthWatch:
+        return HealthWatch(
+            targets=lambda: {
+                i: s.client for i, s in self.router.instances.items() if i not in self.dead
+            },
+            on_dead=self.instance_unresponsive,
+            timeout_s=self.config.serve.health_timeout_s,
+        )
+
+    def instance_unresponsive(self, instance: str, error: str) -> None:
+        """An instance missed its health deadline (it may hang rather than be gone): dead, like
+        one that is unreachable, and the calls still waiting on it are cut and resubmitted."""
+        if instance in self.dead:
+            return
+        self.metrics.write("instance_unresponsive", {"instance": instance, "error": error})
+        self.instance_failed(instance)
+        cut = self.router.cut(instance)
+        log.warning("instance %s missed its health deadline; %d calls cut", instance, cut)
+
     def _replace(self, instance: str) -> None:
         """Start a replacement for a dead instance, within `serve.max_instance_restarts`."""
         limit = self.config.serve.max_instance_restarts
@@ -459,9 +505,11 @@ class Rollout:
             return  # superseded during the load (another Load, a roll-back, the instance died)
         self.queue.on_version_loaded(load.version)
         self.apply(self.orchestrator.on_loaded(load))
-        newest = self.queue.newest_version
-        if self.evaluator is not None and newest is not None:
-            self.evaluator.on_loaded(newest)
+        # Evaluate only what an instance now holds, and in a restored serve only after the
+        # trainer's roll-back: before it, the journal's newest version is weights no instance has.
+        settled = not self.restored.starts or self._lost_ready.is_set()
+        if self.evaluator is not None and settled and load.version == self.queue.newest_version:
+            self.evaluator.on_loaded(load.version)
 
     async def _load(self, load: Load) -> None:
         instance, version = load.instance, load.version
@@ -690,6 +738,13 @@ class Rollout:
         self.completed += 1
         if self._sample_log is not None:
             self._sample_log.write(group)
+        reasons = masked_reasons(group.samples)
+        if reasons:
+            n = sum(reasons.values())
+            self.masked_samples += n
+            for reason, k in reasons.items():
+                self.masked_reasons[reason] = self.masked_reasons.get(reason, 0) + k
+            self.metrics.write("masked", {"group": group.id, "samples": n, "reasons": reasons})
         self.assigned(assigned)
 
     def assigned(self, assigned: list[Assigned] | tuple[Assigned, ...]) -> None:
@@ -781,6 +836,8 @@ class Rollout:
         if ready_at is not None:
             self.trainer_wait_s += max(0.0, now - ready_at)
         groups = self._step_versions.pop(step)
+        samples = [s for gid, _ in groups for s in self.groups[gid].samples]
+        check_not_all_masked(step, samples, env=self.config.env.cls)
         self.queue.sync()
         self.metrics.write(
             "step",

@@ -25,6 +25,8 @@ Invariants:
   rollout removes it from the orchestrator, which migrates or parks its leases); the calls it was
   running are resubmitted with the tokens their episodes had before the call (the lost call's
   tokens are gone with the instance; it is the same version, so C1 holds);
+- an instance declared dead without an error (it stopped answering: `cut`) goes the same way:
+  every call in flight on it ends at once, as if the instance had been unreachable;
 - a request the instance refuses as malformed (`RequestError`, HTTP 4xx) ends its episode with
   finish reason "error" (the runner masks the sample, the group stays whole); any other server
   error propagates and stops the run.
@@ -66,6 +68,8 @@ class InstanceState:
     tokens: int = 0
     """Tokens sampled by calls that returned from this instance."""
     alive: bool = True
+    cuts: set[asyncio.Timeout] = field(default_factory=set)
+    """One deadline per call in flight; `Router.cut` expires them all."""
 
     def __post_init__(self) -> None:
         self.idle.set()
@@ -122,6 +126,16 @@ class Router:
 
     def add_instance(self, instance_id: str, client: InstanceClient, *, version: int) -> None:
         self.instances[instance_id] = InstanceState(instance_id, client, version)
+
+    def cut(self, instance_id: str) -> int:
+        """The instance is dead although its calls have not failed (it hangs): end every call in
+        flight on it now, as if it had become unreachable. Returns how many were cut."""
+        inst = self.instances[instance_id]
+        inst.alive = False
+        now = asyncio.get_running_loop().time()
+        for deadline in inst.cuts:
+            deadline.reschedule(now)
+        return len(inst.cuts)
 
     # --- leases ------------------------------------------------------------------------------
 
@@ -255,16 +269,27 @@ class Router:
         lease.call_id, lease.call_instance = call_id, inst.id
         self._begin(inst)
         completion: Completion | None = None
+        cut = asyncio.timeout(None if inst.alive else 0)
         try:
-            if imported is None:
-                completion = await inst.client.generate(
-                    prompt_ids, params, request_id=call_id, version=lease.version
-                )
-            else:
-                self.kv_migrations += 1
-                completion = await inst.client.import_request(
-                    msgspec.structs.replace(imported, request_id=call_id)
-                )
+            async with cut:
+                inst.cuts.add(cut)
+                try:
+                    if imported is None:
+                        completion = await inst.client.generate(
+                            prompt_ids, params, request_id=call_id, version=lease.version
+                        )
+                    else:
+                        self.kv_migrations += 1
+                        completion = await inst.client.import_request(
+                            msgspec.structs.replace(imported, request_id=call_id)
+                        )
+                finally:
+                    inst.cuts.discard(cut)
+        except TimeoutError:
+            if not cut.expired():
+                raise
+            if self.on_failure is None:
+                raise ServerUnavailable(f"instance {inst.id} was declared dead") from None
         except ServerUnavailable:
             if self.on_failure is None:
                 raise

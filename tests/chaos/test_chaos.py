@@ -1,5 +1,7 @@
 """Chaos: `dora run` on the math example, made small, while an instance, the trainer and `dora
-serve` are each killed once (SIGKILL) at random moments drawn from a seed.
+serve` are each killed once (SIGKILL) at random moments drawn from a seed; and, in one more seed,
+while an instance is stopped (SIGSTOP) for longer than `serve.health_timeout_s`: hung, not gone,
+it must be declared dead and replaced by serve itself, with no serve restart.
 
 The run must finish on its own (dora run restarts what died, serve restores its journal, the
 trainer resumes from its last checkpoint; the checkpoint interval is 3, so every trainer restart
@@ -11,6 +13,7 @@ exactly B groups, no group in two steps, staleness at most K; every fault seen a
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -28,6 +31,7 @@ ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "math" / "config.toml"
 STEPS, B, G, K, EVERY = 12, 2, 4, 2, 3
 FAULTS = ("instance", "learn", "serve")
+HEALTH_TIMEOUT_S = 5
 
 
 def _children(pid: int) -> list[int]:
@@ -77,14 +81,20 @@ def _last_step(run_dir: Path) -> int:
 
 def _kill(run_pid: int, fault: str) -> int | None:
     serve = _side(run_pid, "serve")
-    if fault == "instance":
+    if fault in ("instance", "stall"):
         victims = _instances(serve) if serve else []
         victim = victims[0] if victims else None
     else:
         victim = _side(run_pid, fault)
     if victim is not None:
-        os.kill(victim, signal.SIGKILL)
+        os.kill(victim, signal.SIGSTOP if fault == "stall" else signal.SIGKILL)
     return victim
+
+
+def _resume(pid: int) -> None:
+    """End a stall (serve has killed the process by then: nothing to resume)."""
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGCONT)
 
 
 def _step_time(run_dir: Path) -> float:
@@ -99,10 +109,16 @@ def _records(path: Path) -> list[dict[str, object]]:
     return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
 
 
-RECOVERED = {"instance": "instance_failed", "serve": "restore", "learn": "rollback"}
+RECOVERED = {
+    "instance": "instance_failed",
+    "serve": "restore",
+    "learn": "rollback",
+    "stall": "instance_unresponsive",
+}
 """The rollout record that shows the run saw (instance: its requests moved on, a replacement is
-starting) or recovered from each fault (a new serve restored its journal; serve rolled back for
-the resumed trainer) before the next fault is injected."""
+starting; stall: it missed its health deadline) or recovered from each fault (a new serve
+restored its journal; serve rolled back for the resumed trainer) before the next fault is
+injected."""
 
 
 def _count(run_dir: Path, kind: str) -> int:
@@ -110,12 +126,20 @@ def _count(run_dir: Path, kind: str) -> int:
     return path.read_text().count(f'"kind":"{kind}"') if path.exists() else 0
 
 
-@pytest.mark.parametrize("seed", [1, 2, 3])
-def test_chaos(tmp_path: Path, seed: int) -> None:
+@pytest.mark.parametrize(
+    ("seed", "faults"),
+    [
+        pytest.param(1, FAULTS, id="seed1-kills"),
+        pytest.param(2, FAULTS, id="seed2-kills"),
+        pytest.param(3, FAULTS, id="seed3-kills"),
+        pytest.param(4, ("stall",), id="seed4-stall"),
+    ],
+)
+def test_chaos(tmp_path: Path, seed: int, faults: tuple[str, ...]) -> None:
     rng = random.Random(seed)
-    order = rng.sample(FAULTS, len(FAULTS))
+    order = rng.sample(faults, len(faults))
     # The trained-step counts that trigger each fault, then a random moment inside the step.
-    triggers = sorted(rng.sample(range(1, STEPS - 3), len(FAULTS)))
+    triggers = sorted(rng.sample(range(1, STEPS - 3), len(faults)))
     run_dir = tmp_path / "run"
     overrides = [
         f"learn.steps={STEPS}",
@@ -129,6 +153,7 @@ def test_chaos(tmp_path: Path, seed: int) -> None:
         "serve.max_running=16",
         "serve.request_timeout_s=90",
         "serve.weight_load_timeout_s=60",
+        f"serve.health_timeout_s={HEALTH_TIMEOUT_S}",
         "model.warmup_steps=10",
         "data.eval_source=",
         "log.progress=false",
@@ -175,11 +200,16 @@ def test_chaos(tmp_path: Path, seed: int) -> None:
                 assert time.monotonic() < deadline, f"no recovery from the {fault} fault"
                 _remember(run.pid, seen)
                 time.sleep(0.1)
+            if fault == "stall":  # stopped for longer than the health deadline, by construction
+                _resume(victim)
         while run.poll() is None and time.monotonic() < deadline:
             _remember(run.pid, seen)
             time.sleep(0.2)
         code = run.wait(timeout=max(1.0, deadline - time.monotonic()))
     finally:
+        for fault, victim in killed:
+            if fault == "stall":
+                _resume(victim)
         if run.poll() is None:
             os.killpg(run.pid, signal.SIGINT)
             try:
@@ -198,7 +228,7 @@ def test_chaos(tmp_path: Path, seed: int) -> None:
     assert extra["unassigned"] == 0
     assert extra["admitted"] == extra["consumed"] + extra["filtered"] + extra["rolled_back"]
     assert extra["consumed"] == STEPS * B
-    assert extra["serve_restarts"] == 1, extra
+    assert extra["serve_restarts"] == int("serve" in faults), extra
 
     steps: dict[int, list[str]] = {}
     staleness: dict[int, list[int]] = {}
@@ -218,9 +248,13 @@ def test_chaos(tmp_path: Path, seed: int) -> None:
         assert r["groups"] == B and r["duplicate_groups"] == 0, (step, r)
 
     restarts = [r for r in _records(run_dir / "supervisor.jsonl") if r["kind"] == "exit"]
-    assert sorted(r["component"] for r in restarts) == ["learn", "serve"], restarts
-    for kind in ("instance_failed", "restore", "rollback"):
-        assert _count(run_dir, kind) >= 1, kind
+    sides = sorted(f for f in faults if f in ("learn", "serve"))
+    assert sorted(r["component"] for r in restarts) == sides, restarts
+    for fault in faults:
+        assert _count(run_dir, RECOVERED[fault]) >= 1, fault
+    if "stall" in faults:  # serve itself replaced the hung instance
+        assert _count(run_dir, "instance_failed") >= 1
+        assert extra["instance_restarts"] >= 1, extra
 
     # --- the final checkpoint loads -----------------------------------------------------------
     from transformers import AutoModelForCausalLM

@@ -44,6 +44,18 @@ def test_bounds_and_choices_are_explained() -> None:
         load_config(None, ["rollout.mode=fast"])
 
 
+def test_settings_that_can_only_give_nan_are_refused() -> None:
+    for key in ("learn.lr", "model.warmup_lr", "serve.request_timeout_s"):
+        with pytest.raises(ConfigError, match=rf"{key} = inf is invalid: expected a finite number"):
+            load_config(None, [f"{key}=inf"])
+        for value in ("-inf", "nan"):
+            with pytest.raises(ConfigError, match=rf"{key} = "):
+                load_config(None, [f"{key}={value}"])
+    with pytest.raises(ConfigError, match=r"rollout\.temperature = 1e-45 .*>= 0\.0001"):
+        load_config(None, ["rollout.temperature=1e-45"])
+    assert load_config(None, ["rollout.temperature=0.0001"]).rollout.temperature == 1e-4
+
+
 def test_modes_are_presets_of_staleness() -> None:
     assert load_config(EXAMPLE, ["rollout.mode=sync"]).rollout.staleness == 0
     assert load_config(EXAMPLE, ["rollout.mode=one_step_off"]).rollout.staleness == 1

@@ -3,6 +3,7 @@ server keeps serving, and control stays closed to callers without the token."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -97,6 +98,14 @@ async def test_oversized_bodies_are_413_also_when_chunked(tiny_model: Path) -> N
         (b'{"prompt": "a", "presence_penalty": 0.5}', "unsupported field(s) of the OpenAI API"),
         (b'{"prompt": ""}', "prompt is empty"),
         (b'{"prompt": [-1]}', "out of range"),
+        (b"[" * 100_000, "nested too deeply"),
+        (b'{"prompt": ' + b"[" * 100_000, "nested too deeply"),
+        (b'{"prompt": [1, 2], "top_k": -5}', "$.top_k"),
+        (b'{"prompt": [1, 2], "stop_token_ids": [-1]}', "$.stop_token_ids"),
+        (b'{"prompt": [1, 2], "stop_token_ids": [100000000]}', "stop_token_ids out of range"),
+        (b'{"prompt": [1, 2], "seed": -1}', "$.seed"),
+        (b'{"prompt": [1, 2], "seed": 1208925819614629174706176}', "$.seed"),
+        (b'{"prompt": [8, 79], "max_tokens": 4, "temperature": 1e-45}', "temperature = 1e-45"),
     ],
 )
 async def test_bad_completion_bodies_are_400_naming_the_problem(
@@ -125,6 +134,45 @@ async def test_long_prompts_and_malformed_messages_are_400(server: EngineServer)
     bad = [{"role": "user", "content": "a"}, {"role": "user", "content": 3}]
     status, message = await send(chat, json_body({"messages": bad}))
     assert status == 400 and "messages[1].content is int" in message
+    image = {"type": "image_url", "image_url": {"url": "http://127.0.0.1/cat.png"}}
+    parts = [{"type": "text", "text": "what is this?"}, image]
+    status, message = await send(
+        chat, json_body({"messages": [{"role": "user", "content": parts}], "max_tokens": 2})
+    )
+    assert status == 400 and "messages[0].content[1] is of type 'image_url'" in message
+    status, message = await send(
+        chat, json_body({"messages": [{"role": "user", "content": parts[:1]}], "max_tokens": 2})
+    )
+    assert status == 200, message  # text parts are fine
+
+
+async def test_a_trickled_body_is_cut_at_its_deadline(tiny_model: Path) -> None:
+    async with EngineServer.start(tiny_model, body_timeout_s=0.5) as srv:
+
+        async def trickle() -> AsyncIterator[bytes]:
+            yield b'{"prompt": "'
+            for _ in range(50):
+                await asyncio.sleep(0.2)
+                yield b"a"
+
+        status, message = await send(srv.url + "/v1/completions", trickle())
+        assert status == 408 and "not received within 0.5 s" in message
+        status, _ = await send(srv.url + "/v1/completions", json_body({"prompt": "ab"}))
+        assert status == 200  # the server serves on
+
+
+async def test_logprobs_are_finite_json_at_every_allowed_temperature(server: EngineServer) -> None:
+    for temperature in (0.0, 1e-4, 1e-3, 1.0, 50.0):
+        body = {"prompt": [8, 79, 8, 87], "max_tokens": 4, "logprobs": 1}
+        async with (
+            aiohttp.ClientSession() as s,
+            s.post(server.url + "/v1/completions", json={**body, "temperature": temperature}) as r,
+        ):
+            raw = await r.read()
+        assert r.status == 200, raw
+        out = msgspec.json.decode(raw)  # strict JSON: NaN would not decode
+        logprobs = out["choices"][0]["logprobs"]["token_logprobs"]
+        assert len(logprobs) == 4 and all(isinstance(x, float) for x in logprobs)
 
 
 async def test_dora_clients_send_only_fields_the_server_knows(

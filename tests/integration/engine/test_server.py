@@ -377,3 +377,71 @@ async def test_client_errors_map_to_dora_errors(server: EngineServer, client: En
     async with EngineClient("http://127.0.0.1:9") as nowhere:
         with pytest.raises(ServerUnavailable):
             await nowhere.health()
+
+
+@pytest.mark.parametrize(
+    "answer",
+    [
+        b'{"choices": [{"token_ids": [1], "logprobs": {"token_logprobs": [NaN]}}]}',
+        b"<html>proxy error</html>",
+        b'{"choices": []}',
+        b'{"choices": [{"token_ids": ["a"], "logprobs": {"token_logprobs": [0.1]}, '
+        b'"versions": [0], "finish_reason": "stop"}]}',
+        b"[" * 100_000,
+    ],
+)
+async def test_an_answer_that_does_not_decode_is_a_protocol_error(answer: bytes) -> None:
+    from aiohttp import web
+
+    from dora.errors import ProtocolError
+
+    async def handler(request: web.Request) -> web.Response:
+        return web.Response(body=answer, content_type="application/json")
+
+    app = web.Application()
+    app.add_routes([web.post("/v1/completions", handler), web.get("/health", handler)])
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    host, port = runner.addresses[0][:2]
+    try:
+        async with EngineClient(f"http://{host}:{port}") as c:
+            with pytest.raises(ProtocolError, match=r"generate: http://127\.0\.0\.1"):
+                await c.generate([1, 2], SamplingParams(max_tokens=1), request_id="x")
+            if not answer.startswith(b"{"):
+                with pytest.raises(ProtocolError, match="health"):
+                    await c.health()
+    finally:
+        await runner.cleanup()
+
+
+async def test_the_client_does_not_cap_calls_in_flight_so_a_probe_never_queues() -> None:
+    """aiohttp caps a session at 100 connections by default: past that, calls (and the health
+    probe that must notice a hung instance) would queue inside the client."""
+    from aiohttp import web
+
+    inside, all_in = 0, asyncio.Event()
+    n = 130
+
+    async def slow(request: web.Request) -> web.Response:
+        nonlocal inside
+        inside += 1
+        if inside == n:
+            all_in.set()
+        await all_in.wait()
+        return web.json_response({"status": "ok"})
+
+    app = web.Application()
+    app.add_routes([web.get("/health", slow)])
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    host, port = runner.addresses[0][:2]
+    try:
+        async with EngineClient(f"http://{host}:{port}") as c:
+            answers = await asyncio.gather(*(c.health(timeout_s=30) for _ in range(n)))
+        assert all(a["status"] == "ok" for a in answers)
+    finally:
+        await runner.cleanup()

@@ -8,6 +8,7 @@ the trainer publishes; the policy must move towards digits, and versions, acks, 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import sys
@@ -24,6 +25,7 @@ from learn_standin import (
     sample_group,
 )
 
+from dora.errors import TrainingError
 from dora.learn.checkpoint import latest_checkpoint
 from dora.learn.publish import state_dict_from_chunks
 from dora.models import TinyModelSpec, build_tiny_model
@@ -326,4 +328,50 @@ async def test_rank_zero_timeout_stops_every_rank(tmp_path: Path, tiny_dir: Path
         assert proc.returncode != 0
         assert b"the groups of step 0" in err
     finally:
+        standin.close()
+
+
+async def test_a_non_finite_loss_stops_the_step_without_publishing(
+    tmp_path: Path, tiny_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A NaN reward that reached the trainer anyway (serve masks them) makes the loss NaN: the
+    step stops with an error naming the step, the group and the cause, and publishes nothing."""
+    standin = StandIn(tiny_dir)
+    monkeypatch.setenv("DORA_SERVE_ADDRESS", standin.link.address)
+    config = write_config(tmp_path, tiny_dir, steps=2, weight_transport="filesystem")
+    gen = torch.Generator().manual_seed(0)
+
+    def make(step: int, version: int) -> list[Group]:
+        groups = [
+            sample_group(
+                standin.model,
+                standin.tokenizer,
+                gid=f"s{step}g{i}",
+                version=version,
+                group_size=G,
+                new_tokens=NEW,
+                generator=gen,
+            )
+            for i in range(B)
+        ]
+        bad = msgspec.structs.replace(groups[1].samples[0], reward=float("nan"))
+        groups[1] = msgspec.structs.replace(groups[1], samples=[bad, *groups[1].samples[1:]])
+        return groups
+
+    serving: asyncio.Future[object] | None = None
+    try:
+        learner = await run_learn_in_thread(learn_args(config))
+        serving = asyncio.ensure_future(standin.serve(range(1), make))
+        with pytest.raises(TrainingError) as info:
+            await asyncio.wait_for(learner, 60)
+        message = str(info.value)
+        assert "step 0: the loss of a micro-batch of group(s) ['s0g1'] is nan" in message
+        assert "advantages are not finite (a reward was NaN" in message, message
+        assert "no version is published" in message
+        assert not [m for m in standin.record.messages if isinstance(m, WeightsReady)]
+    finally:
+        if serving is not None:
+            serving.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await serving
         standin.close()

@@ -12,6 +12,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -72,20 +73,32 @@ progress = false
     return config
 
 
-def test_dora_serve_command_survives_a_dead_instance(tmp_path: Path, long_tail_model: Path) -> None:
+def _run_with_a_faulty_instance(
+    tmp_path: Path, model: Path, fault: signal.Signals, *, serve_extra: str = ""
+) -> tuple[str, list[int]]:
+    """`dora serve` with INSTANCES engines, one of which gets `fault` after step 1 is trained
+    (SIGSTOP: resumed 20 s later, if it still exists); the trainer waits at step 2 until a
+    replacement started, so the run outlasts the fault. Checks that every group was trained
+    once within K and C1; returns serve's stderr and the victim's pid."""
     port = free_port("127.0.0.1")
     run_dir = tmp_path / "run"
-    config = _config(tmp_path, long_tail_model, port, instances=INSTANCES)
+    config = _config(tmp_path, model, port, instances=INSTANCES, serve_extra=serve_extra)
     serve: list[subprocess.Popen[str]] = []
-    killed: list[int] = []
+    victims: list[int] = []
 
-    def kill_one_instance(step: int) -> None:
-        # Fault injection: SIGKILL one engine process (by pid) after step 1 is trained.
+    def resume(pid: int) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGCONT)
+
+    def inject(step: int) -> None:
         if step == 1:
             victim = _engine_children(serve[0].pid)[0]
-            os.kill(victim, signal.SIGKILL)
-            killed.append(victim)
-        if step == 2:  # the trainer waits until the replacement serves: the run outlasts it
+            os.kill(victim, fault)
+            victims.append(victim)
+            timer = threading.Timer(20.0, resume, args=(victim,))
+            timer.daemon = True
+            timer.start()
+        if step == 2:
             log = run_dir / "rollout.jsonl"
             deadline = time.monotonic() + 90
             while b"instance_restarted" not in log.read_bytes() and time.monotonic() < deadline:
@@ -93,11 +106,11 @@ def test_dora_serve_command_survives_a_dead_instance(tmp_path: Path, long_tail_m
 
     trainer = ToyTrainer(
         f"tcp://127.0.0.1:{port}",
-        model_dir=long_tail_model,
+        model_dir=model,
         steps=STEPS,
         batch_size=B,
         timeout_s=180,
-        on_trained=kill_one_instance,
+        on_trained=inject,
     )
     trainer.start()
     proc = subprocess.Popen(
@@ -113,11 +126,12 @@ def test_dora_serve_command_survives_a_dead_instance(tmp_path: Path, long_tail_m
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+        for pid in victims:
+            resume(pid)
     trainer.join()
     assert proc.returncode == 0, stderr[-3000:]
     assert f"trainer link on tcp://127.0.0.1:{port}" in stdout
-    assert killed, "the fault was injected"
-
+    assert victims, "the fault was injected"
     ids = [g.id for _, g in trainer.received]
     assert len(ids) == STEPS * B == len(set(ids)), "every group exactly once"
     assert trainer.trained == list(range(STEPS)) and trainer.shutdown
@@ -125,7 +139,12 @@ def test_dora_serve_command_survives_a_dead_instance(tmp_path: Path, long_tail_m
         assert 0 <= step - group.version <= 1
         for s in group.samples:
             assert (s.token_versions()[s.mask() == 1] == group.version).all(), "C1"
+    return stderr, victims
 
+
+def test_dora_serve_command_survives_a_dead_instance(tmp_path: Path, long_tail_model: Path) -> None:
+    run_dir = tmp_path / "run"
+    stderr, killed = _run_with_a_faulty_instance(tmp_path, long_tail_model, signal.SIGKILL)
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps"] == STEPS and summary["groups_sent"] == STEPS * B
     replacement = f"i{INSTANCES}"
@@ -142,6 +161,27 @@ def test_dora_serve_command_survives_a_dead_instance(tmp_path: Path, long_tail_m
     for pid in pids:  # every instance process was stopped by its handle
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
+
+
+def test_a_hung_instance_is_declared_dead_at_its_health_deadline_and_replaced(
+    tmp_path: Path, long_tail_model: Path
+) -> None:
+    """SIGSTOP one engine: it answers nothing but is not gone. Past `serve.health_timeout_s` it is
+    dead like a killed one: its calls are cut and resubmitted to the other instances, it is
+    killed and replaced, and the run finishes without waiting for `serve.request_timeout_s`."""
+    run_dir = tmp_path / "run"
+    stderr, stopped = _run_with_a_faulty_instance(
+        tmp_path, long_tail_model, signal.SIGSTOP, serve_extra="health_timeout_s = 2"
+    )
+    records = [json.loads(x) for x in (run_dir / "rollout.jsonl").read_text().splitlines()]
+    hung = [r for r in records if r["kind"] == "instance_unresponsive"]
+    assert len(hung) == 1 and "within 2 s" in hung[0]["error"], (hung, stderr[-3000:])
+    failed = [r["instance"] for r in records if r["kind"] == "instance_failed"]
+    assert failed == [hung[0]["instance"]], failed
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["extra"]["instance_restarts"] == 1, summary
+    with pytest.raises(ProcessLookupError):  # serve killed the hung process
+        os.kill(stopped[0], 0)
 
 
 def test_dora_serve_stops_with_a_clear_error_when_no_instance_is_left(
@@ -164,7 +204,8 @@ def test_dora_serve_stops_with_a_clear_error_when_no_instance_is_left(
         model_dir=long_tail_model,
         steps=STEPS,
         batch_size=B,
-        timeout_s=20,  # serve is gone without a word: the trainer gives up after this
+        timeout_s=60,  # serve is gone without a word: the trainer gives up after this (and
+        # waits this long for serve to start its instance: over 20 s on a loaded machine)
         on_trained=kill_the_instance,
     )
     trainer.start()

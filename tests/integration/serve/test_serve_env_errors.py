@@ -5,6 +5,7 @@ way: every step still gets exactly B whole groups)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import json
 from pathlib import Path
@@ -12,8 +13,9 @@ from pathlib import Path
 import pytest
 from serve_trainer import ToyTrainer
 
-from dora.config import load_config
+from dora.config import DoraConfig, load_config
 from dora.env import Episode, Task
+from dora.errors import EnvError
 from dora.link import ServeLink
 from dora.serve.main import run_serve
 from envs.math import ChainArithmeticEnv, chain_arithmetic_tasks
@@ -33,16 +35,22 @@ class FlakyEnv(ChainArithmeticEnv):
         return 0.0
 
 
+class BrokenEnv(ChainArithmeticEnv):
+    """Every reset raises: no episode can run."""
+
+    def reset(self, task: Task) -> list[dict[str, str]]:
+        raise KeyError("no such task")
+
+
 def short_tasks(seed: int) -> list[Task]:
     return chain_arithmetic_tasks(50, seed=seed, max_terms=6)
 
 
-@pytest.mark.parametrize("policy", ["mask", "retry"])
-async def test_env_errors(tmp_path: Path, long_tail_model: Path, policy: str) -> None:
-    config = load_config(
+def _config(tmp_path: Path, model: Path, *overrides: str) -> DoraConfig:
+    return load_config(
         None,
         [
-            f"model.path={json.dumps(str(long_tail_model))}",
+            f"model.path={json.dumps(str(model))}",
             "model.max_model_len=256",
             "serve.instances=2",
             "serve.max_running=8",
@@ -50,16 +58,25 @@ async def test_env_errors(tmp_path: Path, long_tail_model: Path, policy: str) ->
             f"rollout.batch_size={B}",
             "rollout.max_tokens=16",
             "rollout.max_turns=1",
-            f"rollout.on_env_error={policy}",
-            "rollout.max_retries=1",
             f"learn.steps={STEPS}",
-            "env.cls=test_serve_env_errors:FlakyEnv",
             "data.source=test_serve_env_errors:short_tasks",
             "data.kwargs={}",
             f"log.run_dir={json.dumps(str(tmp_path))}",
             "log.metrics_every_s=0.2",
             "log.progress=false",
+            *overrides,
         ],
+    )
+
+
+@pytest.mark.parametrize("policy", ["mask", "retry"])
+async def test_env_errors(tmp_path: Path, long_tail_model: Path, policy: str) -> None:
+    config = _config(
+        tmp_path,
+        long_tail_model,
+        f"rollout.on_env_error={policy}",
+        "rollout.max_retries=1",
+        "env.cls=test_serve_env_errors:FlakyEnv",
     )
     link = ServeLink()
     trainer = ToyTrainer(link.address, model_dir=long_tail_model, steps=STEPS, batch_size=B)
@@ -83,3 +100,33 @@ async def test_env_errors(tmp_path: Path, long_tail_model: Path, policy: str) ->
         # a group is sent with masked samples only once its retry failed too
         with_masked = {g.id for _, g in trainer.received if any(s.masked for s in g.samples)}
         assert last["masked"] == len(with_masked)
+    if policy == "mask":  # the summary counts masked samples, by what failed
+        summary = json.loads((tmp_path / "summary.json").read_text())
+        assert summary["extra"]["masked_samples"] == len(masked) > 0
+        assert summary["masked_reasons"] == {"reward raised RuntimeError": len(masked)}
+
+
+async def test_a_step_whose_every_sample_is_masked_stops_the_run(
+    tmp_path: Path, long_tail_model: Path
+) -> None:
+    config = _config(tmp_path, long_tail_model, "env.cls=test_serve_env_errors:BrokenEnv")
+    link = ServeLink()
+    trainer = ToyTrainer(link.address, model_dir=long_tail_model, steps=STEPS, batch_size=B)
+    trainer.start()
+    try:
+        with pytest.raises(ExceptionGroup) as info:
+            await asyncio.wait_for(
+                run_serve(config, run_dir=tmp_path, in_process=True, link=link), 90
+            )
+    finally:
+        link.close()
+    with contextlib.suppress(Exception):  # serve stopped without a word: the trainer times out
+        await asyncio.to_thread(trainer.join, 30)
+    [error] = info.value.exceptions
+    assert isinstance(error, EnvError), error
+    message = str(error)
+    assert f"every one of the {B * G} samples of step 0 was masked" in message, message
+    assert "'reset raised KeyError'" in message and "BrokenEnv" in message, message
+    records = [json.loads(x) for x in (tmp_path / "rollout.jsonl").read_text().splitlines()]
+    [summary] = [r for r in records if r["kind"] == "summary"]  # written however the run ends
+    assert summary["extra"]["masked_samples"] >= B * G

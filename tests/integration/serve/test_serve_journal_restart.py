@@ -17,6 +17,7 @@ import contextlib
 import json
 from pathlib import Path
 
+import msgspec
 import pytest
 from serve_trainer import (
     ToyTrainer,
@@ -59,6 +60,14 @@ async def test_a_restarted_serve_restores_its_journal(
     tmp_path: Path, long_tail_model: Path
 ) -> None:
     config = restart_config(tmp_path, long_tail_model, steps=STEPS, batch_size=B, k=K)
+    evaluating = msgspec.structs.replace(
+        config.data,
+        eval_source="envs.math:chain_arithmetic_tasks",
+        eval_kwargs={"n": 2, "seed": 99, "max_terms": 2},
+        eval_size=2,
+        eval_every=2,
+    )
+    config = msgspec.structs.replace(config, data=evaluating)
     first = await _serve_until_stopped(config, tmp_path, long_tail_model)
 
     link = ServeLink()
@@ -87,6 +96,22 @@ async def test_a_restarted_serve_restores_its_journal(
     assert extra["serve_restarts"] == 1
     assert extra["admitted"] == extra["consumed"] + extra["filtered"] + extra["rolled_back"]
     assert extra["unassigned"] == 0 and extra["consumed"] == STEPS * B
+    # the summary covers the whole run: its first evaluation (version 0, by the first serve) and
+    # the wall time of both serves
+    at = records.index(restore)
+    assert extra["eval_first_version"] == 0 and records[0]["kind"] == "serve_start"
+    first_s = max(float(r["time_s"]) for r in records[:at])
+    second_s = max(float(r["time_s"]) for r in records[at:])
+    assert report.wall_s >= first_s + second_s, (report.wall_s, first_s, second_s)  # type: ignore[attr-defined]
+    # the restored serve evaluates only versions it loaded, after the trainer's roll-back
+    loaded_at = {0: 0.0}
+    for r in records[at:]:
+        if r["kind"] == "weight_load":
+            loaded_at.setdefault(int(r["version"]), float(r["time_s"]))
+    for e in (r for r in records[at:] if r["kind"] == "eval"):
+        # a periodic one starts on a loaded version; the final one waits for its load
+        began = float(e["time_s"]) - (0.0 if e["version"] == STEPS else float(e["seconds"]))
+        assert e["version"] in loaded_at and loaded_at[e["version"]] <= began, (e, loaded_at)
     # groups that were running when serve stopped (if any: timing decides; tests/chaos sees them):
     # restarted (counted) or, if their version was a ghost of the lost trainer, rolled back
     assert extra["groups_restarted"] + extra["rolled_back"] >= restore["lost"]

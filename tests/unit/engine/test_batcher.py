@@ -186,3 +186,19 @@ def test_one_long_request_limits_its_batch_mates(
         assert b.reserved_tokens <= 200
     assert all(len(s.token_ids) == 5 for s in short) and len(long.token_ids) == 90
     assert b.cache.cols_cap <= b.max_model_len + 1
+
+
+def test_weights_that_give_nan_end_the_request_with_an_error(tmp_path: Path) -> None:
+    """Non-finite logprobs never reach a client: the sequence fails, naming version and token."""
+    path = build_tiny_model(tmp_path / "tiny")
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(path)
+    with torch.no_grad():
+        model.get_output_embeddings().weight.fill_(float("nan"))
+    b = Batcher(model, eos_token_ids=[tok.eos_token_id], decode=tok.decode, version=3)
+    seqs = [b.new_sequence(f"r{i}", [5, 6, 7], SamplingParams(max_tokens=4)) for i in range(2)]
+    run(b, seqs)
+    for s in seqs:
+        assert s.finish_reason == "error" and s.error_status == 500
+        assert s.error is not None and "version 3" in s.error and "non-finite logprob" in s.error
+    assert not b.has_work()

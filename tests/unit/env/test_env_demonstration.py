@@ -12,6 +12,7 @@ import pytest
 
 from dora.data import load_tasks
 from dora.env import Env, Episode, Message, Task, load_env
+from dora.errors import EnvError
 from dora.models import TinyModelSpec, build_tiny_model
 from dora.models.warmup import _shared_prefix, batch_loss, render_examples
 from dora.protocol import SamplingParams
@@ -107,6 +108,20 @@ def test_an_answer_is_the_reply_to_the_prompt(tokenizer) -> None:
     )
     answer = tokenizer.encode(str(task["answer"]), add_special_tokens=False)  # type: ignore[attr-defined]
     assert segments == [(expected_prompt, False), ([*answer, tokenizer.eos_token_id], True)]  # type: ignore[attr-defined]
+
+
+class BrokenEnv(DemoEnv):
+    def reset(self, task: Task) -> list[Message]:
+        raise KeyError("question")
+
+
+def test_an_environment_failing_in_the_warm_up_is_named_with_its_task(tokenizer) -> None:
+    task = Task("p7", {"question": "q", "answer": "a"})
+    with pytest.raises(EnvError) as info:
+        render_examples(tokenizer, BrokenEnv, [task])
+    message = str(info.value)
+    assert f"{__name__}.BrokenEnv" in message and "task 'p7'" in message, message
+    assert "KeyError: 'question'" in message, message
 
 
 def test_a_shared_prefix_runs_once_with_the_same_loss_and_gradients(

@@ -262,11 +262,19 @@ class FailingEnv(CalcEnv):
             raise ZeroDivisionError("scorer bug")
         if self.where == "bad-reward":
             return "high"  # type: ignore[return-value]
+        if self.where == "nan-reward":
+            return float("nan")  # type: ignore[return-value]
+        if self.where == "inf-component":
+            return {"correct": 1.0, "style": float("-inf")}
         return await super().reward(episode)
 
 
 @pytest.mark.parametrize(
-    "where", ["reset", "step", "bad-step", "bad-reply", "reward", "bad-reward"]
+    "where",
+    [
+        *("reset", "step", "bad-step", "bad-reply", "reward", "bad-reward"),
+        *("nan-reward", "inf-component"),
+    ],
 )
 async def test_env_that_raises_gives_a_masked_sample(tokenizer, scripted, where, caplog) -> None:
     sample = await run_episode(
@@ -281,6 +289,9 @@ async def test_env_that_raises_gives_a_masked_sample(tokenizer, scripted, where,
     assert sample.reward == 0.0
     assert sample.metadata["prompt_id"] == "t0"
     assert sample.metadata["error"]
+    if where in ("nan-reward", "inf-component"):
+        assert sample.metadata["error"].startswith("reward: ")
+        assert "not finite" in sample.metadata["error"]
     assert len(sample.mask()) == len(sample.tokens()) == len(sample.behaviour_logprobs())
     if where == "reset":
         assert len(sample) == 0

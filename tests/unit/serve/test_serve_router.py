@@ -99,7 +99,7 @@ class FakeInstance:
         self.version = version
         return {}
 
-    async def health(self) -> dict[str, object]:
+    async def health(self, *, timeout_s: float = 5.0) -> dict[str, object]:
         return {"status": "ok"}
 
     async def close(self) -> None:
@@ -234,6 +234,37 @@ async def test_an_unreachable_instance_is_reported_and_the_call_resubmitted() ->
     router.on_failure = on_failure
     done = await router.sampler("g0/0").generate(PROMPT, PARAMS)
     assert failed == ["a"] and done.token_ids == [4, 5] and router.failed_calls == 1
+
+
+async def test_a_cut_instance_ends_its_calls_at_once_and_they_resubmit() -> None:
+    """A hung instance (its calls never return) that the rollout declares dead: `cut` ends the
+    calls in flight on it like an unreachable instance's, and they continue on a peer."""
+    a, b = FakeInstance("a", 0), FakeInstance("b", 0, first=0, rest=2)
+    b.release.set()
+    router = _router(False, a=a, b=b)
+    failed: list[str] = []
+
+    def on_failure(instance: str) -> None:  # what the orchestrator's remove_instance decides
+        failed.append(instance)
+        for lid, lease in router.leases.items():
+            if lease.instance == instance:
+                router.move(lid, "b")
+
+    router.on_failure = on_failure
+    calls = []
+    for lid in ("g0/0", "g0/1"):
+        router.open(lid, version=0, instance="a")
+        calls.append(asyncio.ensure_future(router.sampler(lid).generate(PROMPT, PARAMS)))
+    while len(a.calls) < 2:
+        a.blocked.clear()
+        await a.blocked.wait()
+    assert router.cut("a") == 2
+    done = await asyncio.gather(*calls)
+    assert [d.token_ids for d in done] == [[4, 5], [4, 5]] and failed == ["a", "a"]
+    assert router.failed_calls == 2 and router.instances["a"].inflight == 0
+    router.open("g1/0", version=0, instance="a")  # a call placed on it after the cut ends too
+    assert (await router.sampler("g1/0").generate(PROMPT, PARAMS)).token_ids == [4, 5]
+    assert failed == ["a", "a", "a"]
 
 
 class RefusingInstance(FakeInstance):

@@ -1,0 +1,66 @@
+"""The health deadline of the instances: one that does not answer a probe in time is dead.
+
+A killed engine is noticed by the first call that finds it unreachable; a hung one (stopped,
+deadlocked, swapping) is not: its calls just wait, up to `serve.request_timeout_s`, which has to
+be as long as the longest LLM call. `HealthWatch` probes every instance's `/health` every
+`timeout_s / 4` seconds, each probe bounded by `timeout_s` (`serve.health_timeout_s`); an
+instance whose probe fails or times out is handed to `on_dead`, and the rollout treats it
+exactly like a dead one (`Rollout.instance_unresponsive`): its requests move to another instance
+of their version, the calls it was running are cut and resubmitted with the tokens their episodes
+hold, and it is replaced. A hung instance then costs seconds, not the run.
+
+The probe is cheap on purpose: the engine answers `/health` on its event loop, which never waits
+on the model (the model runs on the engine thread), so a busy instance answers at once and only a
+stalled process misses the deadline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Mapping
+
+from dora.errors import ProtocolError, ServerError
+from dora.serve.instances import InstanceClient
+
+__all__ = ["HealthWatch"]
+
+log = logging.getLogger("dora.serve")
+
+
+class HealthWatch:
+    """Probe `targets()` (instance id -> client) until cancelled; report failures to `on_dead`
+    (instance id, what failed), once per instance."""
+
+    def __init__(
+        self,
+        *,
+        targets: Callable[[], Mapping[str, InstanceClient]],
+        on_dead: Callable[[str, str], None],
+        timeout_s: float,
+    ) -> None:
+        self.timeout_s = timeout_s
+        self.every_s = timeout_s / 4
+        self._targets = targets
+        self._on_dead = on_dead
+        self.probes = 0
+        self.failures = 0
+
+    async def run(self) -> None:
+        while True:
+            await asyncio.sleep(self.every_s)
+            async with asyncio.TaskGroup() as tg:
+                for instance, client in self._targets().items():
+                    tg.create_task(self._probe(instance, client), name=f"health-{instance}")
+
+    async def _probe(self, instance: str, client: InstanceClient) -> None:
+        self.probes += 1
+        try:
+            # The client's own deadline; the outer one also bounds a client that has none.
+            async with asyncio.timeout(self.timeout_s + 1.0):
+                await client.health(timeout_s=self.timeout_s)
+        except (ServerError, ProtocolError, TimeoutError) as exc:
+            self.failures += 1
+            what = str(exc) or f"no answer within {self.timeout_s:g} s"
+            log.warning("instance %s failed its health probe: %s", instance, what)
+            self._on_dead(instance, what)
