@@ -64,6 +64,27 @@ def _stop(proc: subprocess.Popen[bytes]) -> None:
         proc.wait()
 
 
+def _running(text: str) -> list[int]:
+    """Processes whose command line mentions `text`."""
+    found = []
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            if text in proc.joinpath("cmdline").read_bytes().decode(errors="replace"):
+                found.append(int(proc.name))
+        except OSError:
+            continue
+    return found
+
+
+async def _gone(text: str, timeout_s: float = 20) -> list[int]:
+    """Wait until no process mentions `text`; what is left then."""
+    for _ in range(int(timeout_s * 10)):
+        if not _running(text):
+            return []
+        await asyncio.sleep(0.1)
+    return _running(text)
+
+
 def _dcp(folder: Path, out: Path) -> dict[str, torch.Tensor]:
     """A DCP folder as one flat dict of full tensors ("optimizer/state/<param>/<key>")."""
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
@@ -126,7 +147,10 @@ async def test_fsdp_resumed_after_a_kill_ends_like_an_uninterrupted_run(
         procs.append(_start(killed_cfg, standin.link.address))
         first = await standin.serve(range(3), make)
         assert [d.step for d in first.of(Durable)] == [1]
-        _stop(procs[-1])
+        assert len(_running(str(killed_cfg))) == 4  # dora learn, torchrun, two ranks
+        os.kill(procs[-1].pid, signal.SIGKILL)  # dora learn alone: the rest dies with it
+        procs[-1].wait()
+        assert await _gone(str(killed_cfg)) == [], "ranks outlived the killed trainer"
         standin.close()
 
         # resumed from step 1: steps 2 and 3 again
