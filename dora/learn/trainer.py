@@ -163,6 +163,7 @@ class Trainer:
         if self.cfg.kl_coef > 0:  # KL to the initial policy, also after a resume
             self.ref = AutoModelForCausalLM.from_pretrained(init_path, dtype=dtype).eval()
             self.ref.requires_grad_(False)
+            self.ref.to(self.accelerator.device)
         self.model, self.optimizer, self.raw = self.parallel.prepare(
             model,
             lambda params: torch.optim.AdamW(
@@ -284,8 +285,8 @@ class Trainer:
         if self.settings.off_policy == "none":
             return items
         # an empty (padding) micro-batch still runs: under FSDP every forward is a collective
-        mb = collate(items, pad_id=self.pad_id)
-        logprobs = self._logprobs(self.raw, mb)[0]
+        mb = collate(items, pad_id=self.pad_id).to(self.accelerator.device)
+        logprobs = self._logprobs(self.raw, mb)[0].cpu()
         self.parallel.after_forward_only(self.raw)
         return [
             replace(item, proximal=logprobs[row, : item.length - 1].numpy().copy())
@@ -301,7 +302,7 @@ class Trainer:
         return token_logprobs(logits, mb.targets), logits
 
     def _backward(self, items: list[SequenceItem], update: _Update, *, sync: bool) -> None:
-        mb = collate(items, pad_id=self.pad_id)
+        mb = collate(items, pad_id=self.pad_id).to(self.accelerator.device)
         context: AbstractContextManager[object] = nullcontext()
         if not sync:
             context = self.parallel.accumulate(self.model)
