@@ -17,8 +17,8 @@ Step `t`, on every rank (they see the same messages in the same order, `dora.lea
    DDP one zero-weight micro-batch outside `no_sync` all-reduces the accumulated gradients; they
    are scaled by `world / Z_u` (DDP and FSDP average over ranks; `Z_u` is the update's
    normaliser, the same on every rank because every rank prepares every group), clipped and
-   applied. The loss is exactly
-   the one of `dora.learn.loss` over the whole mini-batch, whatever the arrival order or the split.
+   applied. The loss is exactly the one of `dora.learn.loss` over the whole mini-batch, whatever
+   the arrival order or the split.
 3. Version `t + 1` is published (`dora.learn.publish`), then `WeightsReady(t + 1)`, then
    `StepDone(t, metrics)`; every `learn.checkpoint_every` steps a checkpoint, then `Durable(t)`.
 """
