@@ -2,8 +2,9 @@
 
 Both strategies offer the trainer the same operations, so the step loop does not branch on them:
 `prepare` (model and optimizer, the optimizer state of a checkpoint loaded), `accumulate` (the
-context of a micro-batch whose gradients are not yet exchanged), `full_state_dict` (the whole model,
-for publishing and checkpoints), `clip_grad_norm`, and `save_optimizer` / `load_optimizer`.
+context of a micro-batch whose gradients are not yet exchanged), `after_forward_only`,
+`full_state_dict` (the whole model, for publishing and checkpoints), `clip_grad_norm`, and
+`save_optimizer`.
 
 - `ddp`: every rank holds the whole model (Accelerate's DDP over gloo on CPU). Micro-batches run
   under DDP's `no_sync`; one synchronising micro-batch per update all-reduces the accumulated
@@ -20,8 +21,8 @@ for publishing and checkpoints), `clip_grad_norm`, and `save_optimizer` / `load_
   Weights are gathered whole onto rank 0 for publishing and for the checkpoint's Hugging Face
   folder; the optimizer state is saved sharded with `torch.distributed.checkpoint` (DCP): every
   rank writes its own share into `optimizer/` of the checkpoint (so the run directory must be on a
-  filesystem every trainer node sees), and DCP reshards it on load, so a run may resume on another
-  number of ranks.
+  filesystem every trainer node sees). DCP reshards on load, so resuming on another number of
+  ranks should work; the tests resume on the same two ranks only.
 
 Accelerate's own FSDP and DeepSpeed integrations are not used: Accelerate ignores its FSDP plugin
 on CPU (the model silently becomes DDP), and DeepSpeed owns gradient accumulation, which breaks the
@@ -33,9 +34,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
+
+if TYPE_CHECKING:
+    from accelerate import Accelerator
 
 Strategy = Literal["ddp", "fsdp"]
 OPTIMIZER_FILE = "optimizer.pt"  # ddp: the whole optimizer state dict
@@ -49,7 +53,7 @@ class DataParallel:
 
     name: Strategy = "ddp"
 
-    def __init__(self, accelerator: Any) -> None:
+    def __init__(self, accelerator: Accelerator) -> None:
         self.accelerator = accelerator
         self.world = int(accelerator.num_processes)
         self.sync_micro_batch = self.world > 1
@@ -103,7 +107,7 @@ class FullySharded:
     name: Strategy = "fsdp"
     sync_micro_batch = False
 
-    def __init__(self, accelerator: Any) -> None:
+    def __init__(self, accelerator: Accelerator) -> None:
         import torch.distributed as dist
         from torch.distributed.device_mesh import init_device_mesh
 
@@ -221,7 +225,7 @@ def refuse_accelerate_plugins() -> None:
         )
 
 
-def make_parallel(strategy: Strategy, accelerator: Any) -> DataParallel | FullySharded:
+def make_parallel(strategy: Strategy, accelerator: Accelerator) -> DataParallel | FullySharded:
     return FullySharded(accelerator) if strategy == "fsdp" else DataParallel(accelerator)
 
 
