@@ -201,7 +201,13 @@ class LearnConfig(_Section):
     updates_per_step: Annotated[
         int, M(ge=1, description="Optimizer updates per step (mini-batches of the B groups)")
     ] = 1
-    processes: Annotated[int, M(ge=1, description="Trainer ranks (gloo DDP on CPU)")] = 1
+    processes: Annotated[
+        int, M(ge=1, description="Trainer ranks dora learn starts itself (torchrun; gloo on CPU)")
+    ] = 1
+    strategy: Annotated[
+        Literal["ddp", "fsdp"],
+        M(description="How ranks share the model: ddp (a whole copy each) or fsdp (FSDP2 shards)"),
+    ] = "ddp"
     threads: Annotated[int, M(ge=1, description="torch threads per trainer rank")] = 1
     loss: Annotated[
         Literal["grpo", "dr_grpo", "gspo"], M(description="Policy-gradient objective")

@@ -172,6 +172,18 @@ class MicroBatch:
     def targets(self) -> torch.Tensor:
         return self.input_ids[:, 1:]
 
+    def to(self, device: torch.device) -> MicroBatch:
+        """The same micro-batch on `device` (the trainer's accelerator)."""
+        if device.type == "cpu":
+            return self
+        return MicroBatch(
+            input_ids=self.input_ids.to(device),
+            behaviour=self.behaviour.to(device),
+            proximal=None if self.proximal is None else self.proximal.to(device),
+            advantages=self.advantages.to(device),
+            weights=self.weights.to(device),
+        )
+
 
 def collate(items: Sequence[SequenceItem], *, pad_id: int) -> MicroBatch:
     """Right-pad `items` into one micro-batch; no items gives a 1 x 2 zero-weight batch."""

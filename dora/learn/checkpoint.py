@@ -5,14 +5,18 @@ Layout, under `{run_dir}/checkpoints/`:
     step-000009/
         model/          Hugging Face folder: config.json, model.safetensors, tokenizer files
                         (loadable by transformers and vLLM as it is)
-        optimizer.pt    the optimizer's state dict (torch.save; read back with weights_only=True)
+        optimizer.pt    learn.strategy = "ddp": the optimizer's state dict (torch.save; read back
+                        with weights_only=True)
+        optimizer/      learn.strategy = "fsdp": every rank's share of the optimizer state
+                        (torch.distributed.checkpoint; see dora.learn.parallel)
         trainer.json    {"step": 9, "version": 10, "incarnation": 0}
     latest              the name of the newest complete checkpoint ("step-000009")
     incarnation         the incarnation of the trainer that last started in this run directory
 
-A checkpoint is written under a temporary name and renamed; only then does `latest` move (also by
-an atomic rename). So `latest` always names a complete checkpoint, and `Durable(t)` is sent after
-it moved. The newest `KEEP_CHECKPOINTS` are kept.
+A checkpoint is written under a temporary name (`stage_checkpoint`; every rank may write its share
+of the optimizer there) and renamed (`commit_checkpoint`, rank 0); only then does `latest` move
+(also by an atomic rename). So `latest` always names a complete checkpoint, and `Durable(t)` is
+sent after it moved. The newest `KEEP_CHECKPOINTS` are kept.
 
 Incarnation: 0 for a fresh run; every `--resume` takes the last started incarnation + 1, even when
 the previous trainer died before its first checkpoint, so a ghost version of a lost trainer can
@@ -69,8 +73,23 @@ def start_incarnation(run_dir: Path, *, resume: bool) -> int:
     return incarnation
 
 
-def save_checkpoint(
+def staging_dir(run_dir: Path, *, step: int) -> Path:
+    """The temporary folder that step `step`'s checkpoint is written to, before its rename."""
+    return checkpoints_dir(run_dir) / f".{_name(step)}.tmp"
+
+
+def stage_checkpoint(run_dir: Path, *, step: int) -> Path:
+    """Create `staging_dir` empty (rank 0, before any rank writes its share there)."""
+    tmp = staging_dir(run_dir, step=step)
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    return tmp
+
+
+def commit_checkpoint(
     run_dir: Path,
+    tmp: Path,
     *,
     step: int,
     version: int,
@@ -78,18 +97,14 @@ def save_checkpoint(
     model: torch.nn.Module,
     state_dict: Mapping[str, torch.Tensor],
     tokenizer: object,
-    optimizer_state: Mapping[str, object],
 ) -> CheckpointInfo:
-    """Write a complete checkpoint, then move `latest` to it; prune old ones."""
+    """Add the model and the trainer's state to the staged `tmp`, rename it, then move `latest`
+    to it; prune old ones. The optimizer state is already in `tmp`."""
     root = checkpoints_dir(run_dir)
-    name = f"step-{step:06d}"
+    name = _name(step)
     final = root / name
-    tmp = root / f".{name}.tmp"
-    if tmp.exists():
-        shutil.rmtree(tmp)
     model.save_pretrained(tmp / "model", state_dict=dict(state_dict))  # type: ignore[operator]
     tokenizer.save_pretrained(tmp / "model")  # type: ignore[attr-defined]
-    torch.save(dict(optimizer_state), tmp / "optimizer.pt")
     meta = {"step": step, "version": version, "incarnation": incarnation}
     (tmp / "trainer.json").write_text(json.dumps(meta) + "\n")
     if final.exists():  # a resumed run passing a step again: the new checkpoint wins
@@ -101,6 +116,10 @@ def save_checkpoint(
         if old.name != name:
             shutil.rmtree(old, ignore_errors=True)
     return CheckpointInfo(step=step, version=version, incarnation=incarnation, path=final)
+
+
+def _name(step: int) -> str:
+    return f"step-{step:06d}"
 
 
 def latest_checkpoint(run_dir: Path) -> CheckpointInfo | None:
@@ -117,11 +136,6 @@ def latest_checkpoint(run_dir: Path) -> CheckpointInfo | None:
         incarnation=int(meta["incarnation"]),
         path=path,
     )
-
-
-def load_optimizer_state(info: CheckpointInfo) -> dict[str, object]:
-    state: dict[str, object] = torch.load(info.path / "optimizer.pt", weights_only=True)
-    return state
 
 
 def _write_atomic(path: Path, text: str) -> None:

@@ -5,6 +5,12 @@ With `learn.processes > 1` and no distributed environment yet, it re-launches it
 --cpu` would silently run one process) and returns torchrun's exit status. Every rank then runs
 this module with the same arguments, plus the resolved run directory.
 
+torchrun starts each rank in a session of its own, so killing the process group of `dora learn`
+(what `dora run` does to a failed trainer) would not reach them. On Linux every link of the chain
+dies with its parent instead (`PR_SET_PDEATHSIG`): torchrun gets SIGTERM when `dora learn` dies
+(and stops its ranks), and every rank gets SIGKILL when its launcher dies, so a killed trainer
+never leaves ranks behind that hold their cores and wait on a link that serve no longer serves.
+
 Rank 0 connects to dora serve at `$DORA_SERVE_ADDRESS` when set (what `dora run` does, since serve
 may bind port 0), else `tcp://{serve.host}:{serve.port}`.
 """
@@ -12,7 +18,9 @@ may bind port 0), else `tcp://{serve.host}:{serve.port}`.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -50,6 +58,14 @@ def _in_distributed_env() -> bool:
     return "LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
+def die_with_parent(sig: int) -> None:
+    """Ask Linux to send `sig` to this process when its parent exits (a no-op elsewhere)."""
+    if not sys.platform.startswith("linux"):
+        return
+    pr_set_pdeathsig = 1
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, sig, 0, 0, 0)
+
+
 def _launch(config: DoraConfig, args: argparse.Namespace, run_dir: Path) -> int:
     command = [
         sys.executable,
@@ -67,7 +83,9 @@ def _launch(config: DoraConfig, args: argparse.Namespace, run_dir: Path) -> int:
     if args.resume:
         command.append("--resume")
     env = dict(os.environ, OMP_NUM_THREADS=str(config.learn.threads))
-    return subprocess.run(command, env=env, check=False).returncode
+    return subprocess.run(
+        command, env=env, check=False, preexec_fn=lambda: die_with_parent(signal.SIGTERM)
+    ).returncode
 
 
 def main(args: argparse.Namespace) -> int:
@@ -76,6 +94,8 @@ def main(args: argparse.Namespace) -> int:
     run_dir = resolve_run_dir(config, resume=args.resume)
     if config.learn.processes > 1 and not _in_distributed_env():
         return _launch(config, args, run_dir)
+    if _in_distributed_env():
+        die_with_parent(signal.SIGKILL)
     address = serve_address(config)
     run_dir.mkdir(parents=True, exist_ok=True)
     from transformers.utils import logging as hf_logging

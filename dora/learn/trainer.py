@@ -1,4 +1,5 @@
-"""The synchronous step loop of `dora learn`: plain torch under Accelerate (DDP over gloo on CPU).
+"""The synchronous step loop of `dora learn`: plain torch under Accelerate (over gloo on CPU), the
+ranks sharing the model by DDP or FSDP2 (`learn.strategy`, `dora.learn.parallel`).
 
 Step `t`, on every rank (they see the same messages in the same order, `dora.learn.receiver`):
 
@@ -8,14 +9,16 @@ Step `t`, on every rank (they see the same messages in the same order, `dora.lea
    `learn.micro_batch_tokens` with equal micro-batch counts per rank. The i-th group of the step
    belongs to mini-batch `i * U // B` (`U = learn.updates_per_step`). Groups of mini-batch 0 run
    forward and backward at once (streaming: gradients accumulate unnormalised, under DDP's
-   `no_sync`, while later groups are still being generated). Groups of later mini-batches are kept,
-   with their proximal logprobs computed at once (no grad) while the weights are still the step's
-   starting weights, which is what decoupled PPO and TIS need.
-2. `StepClosed(step=t)`: for each mini-batch `u` (after running the kept groups for `u > 0`), one
-   zero-weight micro-batch outside `no_sync` makes DDP all-reduce the accumulated gradients; they
-   are scaled by `world / Z_u` (DDP averages over ranks; `Z_u` is the update's normaliser, the same
-   on every rank because every rank prepares every group), clipped and applied. The loss is exactly
-   the one of `dora.learn.loss` over the whole mini-batch, whatever the arrival order or the split.
+   `no_sync` or reduce-scattered into FSDP's shards, while later groups are still being
+   generated). Groups of later mini-batches are kept, with their proximal logprobs computed at
+   once (no grad) while the weights are still the step's starting weights, which is what
+   decoupled PPO and TIS need.
+2. `StepClosed(step=t)`: for each mini-batch `u` (after running the kept groups for `u > 0`), under
+   DDP one zero-weight micro-batch outside `no_sync` all-reduces the accumulated gradients; they
+   are scaled by `world / Z_u` (DDP and FSDP average over ranks; `Z_u` is the update's
+   normaliser, the same on every rank because every rank prepares every group), clipped and
+   applied. The loss is exactly the one of `dora.learn.loss` over the whole mini-batch, whatever
+   the arrival order or the split.
 3. Version `t + 1` is published (`dora.learn.publish`), then `WeightsReady(t + 1)`, then
    `StepDone(t, metrics)`; every `learn.checkpoint_every` steps a checkpoint, then `Durable(t)`.
 """
@@ -46,13 +49,15 @@ from dora.learn.batching import (
 )
 from dora.learn.checkpoint import (
     CheckpointInfo,
+    commit_checkpoint,
     latest_checkpoint,
-    load_optimizer_state,
-    save_checkpoint,
+    stage_checkpoint,
+    staging_dir,
     start_incarnation,
 )
 from dora.learn.loss import LossSettings, policy_loss, token_entropy, token_logprobs
 from dora.learn.metrics import SUMS, step_metrics
+from dora.learn.parallel import make_parallel, refuse_accelerate_plugins
 from dora.learn.publish import inline_chunks, publish_filesystem
 from dora.learn.receiver import Receiver
 from dora.protocol import (
@@ -97,9 +102,11 @@ class Trainer:
         torch.set_num_threads(self.cfg.threads)
         torch.manual_seed(self.cfg.seed)
         timeout = InitProcessGroupKwargs(timeout=timedelta(seconds=self.cfg.recv_timeout_s + 300))
+        refuse_accelerate_plugins()
         self.accelerator = Accelerator(cpu=not torch.cuda.is_available(), kwargs_handlers=[timeout])
         self.rank = self.accelerator.process_index
         self.world = self.accelerator.num_processes
+        self.parallel = make_parallel(self.cfg.strategy, self.accelerator)
         group = dist.new_group(backend="gloo") if self.world > 1 else None
         self.receiver = Receiver(
             address=address,
@@ -158,13 +165,14 @@ class Trainer:
         if self.cfg.kl_coef > 0:  # KL to the initial policy, also after a resume
             self.ref = AutoModelForCausalLM.from_pretrained(init_path, dtype=dtype).eval()
             self.ref.requires_grad_(False)
-        optimizer = torch.optim.AdamW(
-            model.parameters(), lr=self.cfg.lr, weight_decay=self.cfg.weight_decay
+            self.ref.to(self.accelerator.device)
+        self.model, self.optimizer, self.raw = self.parallel.prepare(
+            model,
+            lambda params: torch.optim.AdamW(
+                params, lr=self.cfg.lr, weight_decay=self.cfg.weight_decay
+            ),
+            checkpoint.path if checkpoint else None,
         )
-        if checkpoint is not None:
-            optimizer.load_state_dict(load_optimizer_state(checkpoint))
-        self.model, self.optimizer = self.accelerator.prepare(model, optimizer)
-        self.raw = self.accelerator.unwrap_model(self.model)
 
     # --- the loop ---------------------------------------------------------------------------
 
@@ -277,10 +285,12 @@ class Trainer:
     def _with_proximal(self, items: list[SequenceItem]) -> list[SequenceItem]:
         from dataclasses import replace
 
-        if not items or self.settings.off_policy == "none":
+        if self.settings.off_policy == "none":
             return items
-        mb = collate(items, pad_id=self.pad_id)
-        logprobs = self._logprobs(self.raw, mb)[0]
+        # an empty (padding) micro-batch still runs: under FSDP every forward is a collective
+        mb = collate(items, pad_id=self.pad_id).to(self.accelerator.device)
+        logprobs = self._logprobs(self.raw, mb)[0].cpu()
+        self.parallel.after_forward_only(self.raw)
         return [
             replace(item, proximal=logprobs[row, : item.length - 1].numpy().copy())
             for row, item in enumerate(items)
@@ -295,10 +305,10 @@ class Trainer:
         return token_logprobs(logits, mb.targets), logits
 
     def _backward(self, items: list[SequenceItem], update: _Update, *, sync: bool) -> None:
-        mb = collate(items, pad_id=self.pad_id)
+        mb = collate(items, pad_id=self.pad_id).to(self.accelerator.device)
         context: AbstractContextManager[object] = nullcontext()
-        if not sync and self.world > 1:
-            context = self.accelerator.no_sync(self.model)
+        if not sync:
+            context = self.parallel.accumulate(self.model)
         with context:
             logprobs, logits = self._logprobs(self.model, mb)
             proximal = mb.proximal if items and items[0].proximal is not None else None
@@ -338,7 +348,7 @@ class Trainer:
         for group_batches in update.kept:
             for items in group_batches:
                 self._backward(items, update, sync=False)
-        if self.world > 1:  # all-reduce what no_sync accumulated: same count on every rank
+        if self.parallel.sync_micro_batch:  # all-reduce what no_sync accumulated, on every rank
             self._backward([], update, sync=True)
         params = [p for p in self.model.parameters() if p.grad is not None]
         if update.norm == 0:  # every group filtered or masked: nothing to learn from
@@ -348,22 +358,22 @@ class Trainer:
         for p in params:
             assert p.grad is not None
             p.grad.mul_(scale)
-        norm = self.accelerator.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
-        if not math.isfinite(float(norm)):
+        norm = self.parallel.clip_grad_norm(self.model, self.cfg.grad_clip)
+        if not math.isfinite(norm):
             raise TrainingError(
-                f"step {self._step}: the gradient norm of update {u} is {float(norm)} although "
+                f"step {self._step}: the gradient norm of update {u} is {norm} although "
                 "every loss was finite (the gradients overflowed: try a lower learn.lr or "
                 "learn.grad_clip); no version is published"
             )
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return float(norm)
+        return norm
 
     # --- publishing, checkpoints, metrics ------------------------------------------------------
 
     def _publish(self, version: int) -> float:
         started = time.perf_counter()
-        state = self.accelerator.get_state_dict(self.model)
+        state = self.parallel.full_state_dict(self.model)
         if self.rank == 0:
             if self.cfg.weight_transport == "filesystem":
                 path = publish_filesystem(
@@ -385,17 +395,22 @@ class Trainer:
         return time.perf_counter() - started
 
     def _checkpoint(self, step: int) -> None:
-        state = self.accelerator.get_state_dict(self.model)
+        state = self.parallel.full_state_dict(self.model)
+        tmp = staging_dir(self.run_dir, step=step)  # the same folder on every rank
         if self.rank == 0:
-            save_checkpoint(
+            stage_checkpoint(self.run_dir, step=step)
+        self.accelerator.wait_for_everyone()  # it exists (empty) before any rank writes there
+        self.parallel.save_optimizer(self.optimizer, self.model, tmp)
+        if self.rank == 0:
+            commit_checkpoint(
                 self.run_dir,
+                tmp,
                 step=step,
                 version=step + 1,
                 incarnation=self.incarnation,
                 model=self.raw,
                 state_dict=state,
                 tokenizer=self.tokenizer,
-                optimizer_state=self.optimizer.state_dict(),
             )
             self.receiver.send(Durable(step=step, incarnation=self.incarnation))
         self.accelerator.wait_for_everyone()

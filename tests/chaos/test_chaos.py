@@ -210,42 +210,15 @@ def test_chaos(tmp_path: Path, seed: int, faults: tuple[str, ...]) -> None:
         for fault, victim in killed:
             if fault == "stall":
                 _resume(victim)
-        if run.poll() is None:
-            os.killpg(run.pid, signal.SIGINT)
-            try:
-                run.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(run.pid, signal.SIGKILL)
-                run.wait()
+        _stop(run)
         out.close()
     log = (tmp_path / "dora-run.log").read_text(errors="replace")
     assert code == 0, log[-4000:]
     assert [f for f, _ in killed] == list(order), f"every fault was injected: {killed}"
 
     # --- the run's accounting, from the run directory -------------------------------------------
-    summary = json.loads((run_dir / "summary.json").read_text())
-    extra = summary["extra"]
-    assert extra["unassigned"] == 0
-    assert extra["admitted"] == extra["consumed"] + extra["filtered"] + extra["rolled_back"]
-    assert extra["consumed"] == STEPS * B
+    extra = check_accounting(run_dir, steps=STEPS, batch_size=B, staleness=K)
     assert extra["serve_restarts"] == int("serve" in faults), extra
-
-    steps: dict[int, list[str]] = {}
-    staleness: dict[int, list[int]] = {}
-    for r in _records(run_dir / "rollout.jsonl"):
-        if r["kind"] == "step":  # a step sent again after a roll-back: the last sending counts
-            steps[int(r["step"])] = list(r["groups"])  # type: ignore[call-overload]
-            staleness[int(r["step"])] = list(r["staleness"])  # type: ignore[call-overload]
-    assert sorted(steps) == list(range(STEPS))
-    groups = [g for s in range(STEPS) for g in steps[s]]
-    assert all(len(steps[s]) == B for s in steps)
-    assert len(groups) == len(set(groups)), "no group trained in two steps"
-    assert all(0 <= x <= K for s in staleness for x in staleness[s]), staleness
-
-    trained = {int(r["step"]): r for r in _records(run_dir / "learn-metrics.jsonl")}
-    assert sorted(trained) == list(range(STEPS))
-    for step, r in trained.items():  # the last training of each step: B groups, none twice
-        assert r["groups"] == B and r["duplicate_groups"] == 0, (step, r)
 
     restarts = [r for r in _records(run_dir / "supervisor.jsonl") if r["kind"] == "exit"]
     sides = sorted(f for f in faults if f in ("learn", "serve"))
@@ -256,19 +229,8 @@ def test_chaos(tmp_path: Path, seed: int, faults: tuple[str, ...]) -> None:
         assert _count(run_dir, "instance_failed") >= 1
         assert extra["instance_restarts"] >= 1, extra
 
-    # --- the final checkpoint loads -----------------------------------------------------------
-    from transformers import AutoModelForCausalLM
-
-    latest = (run_dir / "checkpoints" / "latest").read_text().strip()
-    meta = json.loads((run_dir / "checkpoints" / latest / "trainer.json").read_text())
-    assert meta["step"] == STEPS - 1 and meta["version"] == STEPS
-    model = AutoModelForCausalLM.from_pretrained(run_dir / "checkpoints" / latest / "model")
-    assert sum(p.numel() for p in model.parameters()) > 0
-
-    # --- nothing left running ---------------------------------------------------------------
-    time.sleep(0.5)
-    alive = [pid for pid in seen if Path(f"/proc/{pid}").exists() and _cmdline(pid)]
-    assert not alive, f"processes left behind: {[(p, _cmdline(p)) for p in alive]}"
+    check_final_checkpoint(run_dir, steps=STEPS)
+    check_nothing_left(seen)
 
 
 def _remember(run_pid: int, seen: set[int]) -> None:
@@ -280,3 +242,60 @@ def _remember(run_pid: int, seen: set[int]) -> None:
             if child not in seen:
                 seen.add(child)
                 frontier.append(child)
+
+
+def _stop(run: subprocess.Popen[bytes]) -> None:
+    """Stop what is left of `dora run` (its process group), gracefully first."""
+    if run.poll() is None:
+        os.killpg(run.pid, signal.SIGINT)
+        try:
+            run.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(run.pid, signal.SIGKILL)
+            run.wait()
+
+
+def check_accounting(
+    run_dir: Path, *, steps: int, batch_size: int, staleness: int
+) -> dict[str, int]:
+    """Nothing lost, nothing trained twice, staleness within K; serve's summary's `extra`."""
+    extra: dict[str, int] = json.loads((run_dir / "summary.json").read_text())["extra"]
+    assert extra["unassigned"] == 0
+    assert extra["admitted"] == extra["consumed"] + extra["filtered"] + extra["rolled_back"]
+    assert extra["consumed"] == steps * batch_size
+
+    sent: dict[int, list[str]] = {}
+    lags: dict[int, list[int]] = {}
+    for r in _records(run_dir / "rollout.jsonl"):
+        if r["kind"] == "step":  # a step sent again after a roll-back: the last sending counts
+            sent[int(r["step"])] = list(r["groups"])  # type: ignore[call-overload]
+            lags[int(r["step"])] = list(r["staleness"])  # type: ignore[call-overload]
+    assert sorted(sent) == list(range(steps))
+    groups = [g for s in range(steps) for g in sent[s]]
+    assert all(len(sent[s]) == batch_size for s in sent)
+    assert len(groups) == len(set(groups)), "no group trained in two steps"
+    assert all(0 <= x <= staleness for s in lags for x in lags[s]), lags
+
+    trained = {int(r["step"]): r for r in _records(run_dir / "learn-metrics.jsonl")}
+    assert sorted(trained) == list(range(steps))
+    for step, r in trained.items():  # the last training of each step: B groups, none twice
+        assert r["groups"] == batch_size and r["duplicate_groups"] == 0, (step, r)
+    return extra
+
+
+def check_final_checkpoint(run_dir: Path, *, steps: int) -> Path:
+    """The last step's checkpoint loads with transformers; its folder."""
+    from transformers import AutoModelForCausalLM
+
+    latest = run_dir / "checkpoints" / (run_dir / "checkpoints" / "latest").read_text().strip()
+    meta = json.loads((latest / "trainer.json").read_text())
+    assert meta["step"] == steps - 1 and meta["version"] == steps
+    model = AutoModelForCausalLM.from_pretrained(latest / "model")
+    assert sum(p.numel() for p in model.parameters()) > 0
+    return latest
+
+
+def check_nothing_left(seen: set[int]) -> None:
+    time.sleep(0.5)
+    alive = [pid for pid in seen if Path(f"/proc/{pid}").exists() and _cmdline(pid)]
+    assert not alive, f"processes left behind: {[(p, _cmdline(p)) for p in alive]}"

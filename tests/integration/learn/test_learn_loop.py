@@ -261,17 +261,17 @@ def fixed_groups(standin: StandIn):  # type: ignore[no-untyped-def]
     return make
 
 
-async def run_fixed(tmp: Path, tiny_dir: Path, processes: int) -> list[dict[str, float]]:
-    config = write_config(
-        tmp,
-        tiny_dir,
-        steps=3,
-        lr=5e-3,
-        processes=processes,
-        off_policy="decoupled",
-        updates_per_step=2,
-        micro_batch_tokens=64,
-    )
+async def run_fixed(
+    tmp: Path, tiny_dir: Path, processes: int, **learn: object
+) -> list[dict[str, float]]:
+    settings: dict[str, object] = {
+        "steps": 3,
+        "lr": 5e-3,
+        "off_policy": "decoupled",
+        "updates_per_step": 2,
+        "micro_batch_tokens": 64,
+    }
+    config = write_config(tmp, tiny_dir, **{**settings, **learn, "processes": processes})
     standin = StandIn(tiny_dir, on_policy=False)
     try:
         proc = await asyncio.create_subprocess_exec(
