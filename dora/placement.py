@@ -9,8 +9,8 @@ operating system balance them. So every mode gets every core:
   training run at the same time, so the threads are shared out rather than each process taking
   every core: instances `cores // (instances + 1)` threads each (at least 1), the trainer the
   cores the instances leave over (at least 1). On the project's 2-core machine with 4 instances
-  that is 1 and 1, which measured best there (docs/benchmarks.md); larger machines follow the
-  same rule unmeasured.
+  that is 1 and 1, the setting measured there (docs/benchmarks.md; other thread counts with this
+  placement were not measured, and larger machines follow the same rule unmeasured).
 - `split` (an option, `dora bench modes --placement split`): serve and its instances pinned
   (`taskset -c`, inherited by children) to the first `cores - trainer_cores` cores, the trainer to
   the rest, as separate GPU pools would be. On 2 cores it leaves the rollout on one core while the

@@ -43,6 +43,7 @@ from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 
+from dora.bench.proc import TrainedCounter, own_cpu_s, tree_cpu_s
 from dora.launch import free_port, stop_all
 from dora.placement import KINDS, Kind, Placement, place
 from dora.report import RunData, load_run
@@ -65,7 +66,6 @@ __all__ = [
 MODES = ("sync", "one_step_off", "partial", "dora")
 KNOWN = (*MODES, "sync_split")
 POLL_S = 0.2
-TICKS_PER_S = os.sysconf("SC_CLK_TCK")
 
 
 def plan(
@@ -373,58 +373,6 @@ def ratio_lines(results: list[ModeResult]) -> list[str]:
 # --- launching one run ---------------------------------------------------------------------------
 
 
-def _tree_cpu_s(roots: list[int]) -> float:
-    """CPU seconds of `roots` and every live descendant, reaped children included."""
-    children: dict[int, list[int]] = {}
-    stats: dict[int, list[str]] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:  # exited while we looked
-            continue
-        pid = int(entry)
-        stats[pid] = fields
-        children.setdefault(int(fields[1]), []).append(pid)
-    total, todo = 0, list(roots)
-    while todo:
-        pid = todo.pop()
-        if pid in stats:
-            st = stats[pid]
-            total += int(st[11]) + int(st[12]) + int(st[13]) + int(st[14])
-        todo.extend(children.get(pid, []))
-    return total / TICKS_PER_S
-
-
-def _own_cpu_s(pid: int) -> float:
-    """CPU seconds of `pid` alone (not its children): `dora serve` without its instances."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-    except OSError:
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / TICKS_PER_S
-
-
-class _TrainedCounter:
-    """Counts `trained` records in a growing rollout.jsonl (whole lines only)."""
-
-    def __init__(self, path: Path) -> None:
-        self.path, self.offset, self.count, self._rest = path, 0, 0, b""
-
-    def poll(self) -> int:
-        if self.path.is_file():
-            with self.path.open("rb") as f:
-                f.seek(self.offset)
-                data = f.read()
-            self.offset += len(data)
-            *lines, self._rest = (self._rest + data).split(b"\n")
-            self.count += sum(b'"kind":"trained"' in line for line in lines)
-        return self.count
-
-
 def run_mode(
     config_path: str, overrides: list[str], run_dir: Path, placement: Placement, *, steps: int
 ) -> int:
@@ -460,7 +408,7 @@ def run_mode(
     def pinned(cores: list[int]) -> list[str]:
         return ["taskset", "-c", ",".join(map(str, cores))] if placement.pinned else []
 
-    counter = _TrainedCounter(run_dir / "rollout.jsonl")
+    counter = TrainedCounter(run_dir / "rollout.jsonl")
     sides = (("serve", placement.serve_cores), ("learn", placement.trainer_cores))
     with contextlib.ExitStack() as stack:
         procs: dict[str, subprocess.Popen[bytes]] = {}
@@ -481,8 +429,8 @@ def run_mode(
             while any(p.poll() is None for p in procs.values()):
                 if any(p.returncode not in (None, 0) for p in procs.values()):
                     break
-                cpu = {side: _tree_cpu_s([p.pid]) for side, p in procs.items()}
-                cpu["serve_self"] = _own_cpu_s(procs["serve"].pid)
+                cpu = {side: tree_cpu_s([p.pid]) for side, p in procs.items()}
+                cpu["serve_self"] = own_cpu_s(procs["serve"].pid)
                 last_cpu = cpu
                 n = counter.poll()
                 if n >= 1 and at_first is None:
