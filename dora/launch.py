@@ -84,6 +84,7 @@ def main(args: argparse.Namespace) -> int:
         if not found:
             raise NotYetAvailable(f"{side} is not in this version yet")
     config = load_config(args.config, args.overrides)
+    args.overrides = [*args.overrides, *_thread_overrides(args.config, args.overrides, config)]
     run_dir = make_run_dir(config)
     port = config.serve.port or free_port(config.serve.host)
     from dora.models.prepare import prepare_model
@@ -100,7 +101,11 @@ def main(args: argparse.Namespace) -> int:
     print(f"dora run: run directory {run_dir}", flush=True)
 
     cli = [sys.executable, "-m", "dora.cli"]
-    env = {**os.environ, "DORA_SERVE_ADDRESS": f"tcp://{config.serve.host}:{port}"}
+    env = {
+        "OMP_WAIT_POLICY": "PASSIVE",
+        **os.environ,
+        "DORA_SERVE_ADDRESS": f"tcp://{config.serve.host}:{port}",
+    }
     supervisor = Supervisor(
         serve_cmd=[*cli, "serve", args.config, *overrides],
         learn_cmd=[*cli, "learn", args.config, *overrides],
@@ -112,6 +117,20 @@ def main(args: argparse.Namespace) -> int:
     if code == 0:
         print(f"dora run: finished; run directory {run_dir}", flush=True)
     return code
+
+
+def _thread_overrides(path: str | None, overrides: list[str], config: DoraConfig) -> list[str]:
+    """Threads per instance and trainer threads for this mode on this machine, where unset."""
+    from dora.config import _read_file
+    from dora.placement import given_keys, run_threads
+
+    raw = _read_file(Path(path)) if path else {}
+    return run_threads(
+        config.rollout.mode,
+        len(os.sched_getaffinity(0)),
+        instances=config.serve.instances,
+        given=given_keys(raw, overrides),
+    )
 
 
 class Supervisor:

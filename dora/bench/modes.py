@@ -5,13 +5,11 @@ differs), launched the way `dora run` launches one: the initial model prepared o
 `python -m dora.cli serve` and `python -m dora.cli learn` with the same overrides, a free port and a
 run directory of their own (`OUT/<mode>`). The benchmark then reads the run directories.
 
-Where the cores go (DESIGN §8), stated in the table:
-- `sync` is colocated, as the paper's synchronous baseline: no pinning, every process may use every
-  core; the instances get `cores // instances` threads each (at least 1) and the trainer `cores`
-  threads, since its phases and the rollout's do not overlap.
-- `one_step_off`, `partial`, `dora` (and `sync_split`, on request) are split, as separate GPU pools
-  would be: serve and its instance processes are pinned (`taskset -c`, inherited by children) to the
-  first `cores - trainer_cores` cores, the trainer to the rest, each with as many threads as cores.
+Where the cores go, stated in the table's `cores` column (dora/placement.py): every mode gets
+every core. `sync` is colocated, as the paper's synchronous baseline; `one_step_off`, `partial`
+and `dora` share the cores unpinned (`--placement shared`, the default) or, with `--placement
+split`, are pinned to a fixed split as separate GPU pools would be; `sync_split` (on request) is
+sync on that split.
 Every mode uses the same engine, the same fast paths and the same config otherwise. Every process
 runs with `OMP_WAIT_POLICY=PASSIVE` (unless the caller set it): on a shared machine, a trainer with
 two OpenMP threads spins at every barrier while its peer thread is descheduled, which made colocated
@@ -23,7 +21,10 @@ that of the last step (serve's clock), so process start-up and the first fill ar
 mode alike. Trained tokens are the trainer's loss tokens of steps 1..T-1. CPU-seconds are those of
 every process of the run (utime + stime, reaped children included, from /proc), sampled every
 `POLL_S` and read at the two ends of that window. The runs' instance x time timelines are drawn
-stacked in `OUT/modes.png`. The last line is `dora/sync throughput ratio: X.XX`.
+stacked in `OUT/modes.png`. The machine's bound is the trained tokens/s the machine would give if
+every core were busy at the best CPU cost per trained token measured in this benchmark (the lowest
+CPU-seconds per token of any run of any mode): `cores / best CPU-s per token`; each mode's
+tokens/s is printed as a share of it. The last line is `dora/sync throughput ratio: X.XX`.
 """
 
 from __future__ import annotations
@@ -42,12 +43,16 @@ from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 
+from dora.bench.proc import TrainedCounter, own_cpu_s, tree_cpu_s
 from dora.launch import free_port, stop_all
+from dora.placement import KINDS, Kind, Placement, place
 from dora.report import RunData, load_run
 
 __all__ = [
     "ModeResult",
     "Placement",
+    "bound_lines",
+    "machine_bound",
     "main",
     "median_run",
     "plan",
@@ -61,29 +66,6 @@ __all__ = [
 MODES = ("sync", "one_step_off", "partial", "dora")
 KNOWN = (*MODES, "sync_split")
 POLL_S = 0.2
-TICKS_PER_S = os.sysconf("SC_CLK_TCK")
-
-
-@dataclass(frozen=True, kw_only=True)
-class Placement:
-    """Where one mode's processes run and with how many threads."""
-
-    name: str
-    mode: str
-    colocated: bool
-    serve_cores: list[int]
-    trainer_cores: list[int]
-    instance_threads: int
-    trainer_threads: int
-
-    def describe(self) -> str:
-        if self.colocated:
-            return f"colocated {_cores(self.serve_cores)}, trainer {self.trainer_threads} thr"
-        return f"serve {_cores(self.serve_cores)} | learn {_cores(self.trainer_cores)}"
-
-
-def _cores(cores: list[int]) -> str:
-    return ",".join(map(str, cores))
 
 
 def plan(
@@ -92,42 +74,34 @@ def plan(
     *,
     instances: int,
     trainer_cores: int,
+    placement: str = "shared",
     sync_trainer_threads: int | None = None,
+    trainer_threads: int | None = None,
 ) -> list[Placement]:
-    """The placement of each mode on `cores` (pure)."""
-    if len(cores) < 2:
-        raise ValueError(f"a split needs at least 2 cores, this process may use {cores}")
-    if not 1 <= trainer_cores < len(cores):
-        raise ValueError(f"--trainer-cores must be in 1..{len(cores) - 1}, got {trainer_cores}")
-    serve, learn = cores[: len(cores) - trainer_cores], cores[len(cores) - trainer_cores :]
+    """The placement of each mode on `cores` (pure): sync colocated, `sync_split` split, the
+    asynchronous modes `placement` ("shared" or "split")."""
+    if placement not in KINDS:
+        raise ValueError(f"unknown placement {placement!r}; choose from {', '.join(KINDS)}")
     out = []
     for name in modes:
         if name not in KNOWN:
             raise ValueError(f"unknown mode {name!r}; choose from {', '.join(KNOWN)}")
-        if name == "sync":
-            out.append(
-                Placement(
-                    name=name,
-                    mode="sync",
-                    colocated=True,
-                    serve_cores=list(cores),
-                    trainer_cores=list(cores),
-                    instance_threads=max(1, len(cores) // instances),
-                    trainer_threads=sync_trainer_threads or len(cores),
-                )
+        mode = "sync" if name == "sync_split" else name
+        kind: Kind = (
+            "split" if name == "sync_split" else "colocated" if name == "sync" else placement  # type: ignore[assignment]
+        )
+        threads = sync_trainer_threads if name == "sync" else trainer_threads
+        out.append(
+            place(
+                name,
+                mode,
+                cores,
+                instances=instances,
+                kind=kind,
+                trainer_cores=trainer_cores,
+                trainer_threads=threads,
             )
-        else:
-            out.append(
-                Placement(
-                    name=name,
-                    mode="sync" if name == "sync_split" else name,
-                    colocated=False,
-                    serve_cores=serve,
-                    trainer_cores=learn,
-                    instance_threads=max(1, len(serve) // instances),
-                    trainer_threads=len(learn),
-                )
-            )
+        )
     return out
 
 
@@ -354,6 +328,34 @@ def plot_modes(results: list[ModeResult], path: Path) -> Path:
     return path
 
 
+def machine_bound(runs: list[ModeResult], cores: int) -> tuple[float, ModeResult] | None:
+    """Trained tokens/s if all `cores` were busy at the best CPU cost per trained token measured
+    among `runs` (every mode's, every repeat's), and the run that measured it."""
+    measured = [r for r in runs if r.cpu_s_per_token]
+    if not measured:
+        return None
+    best = min(measured, key=lambda r: r.cpu_s_per_token or 0.0)
+    return cores / (best.cpu_s_per_token or 1.0), best
+
+
+def bound_lines(results: list[ModeResult], bound: tuple[float, ModeResult] | None) -> list[str]:
+    """The bound, where it comes from, and each mode's tokens/s as a share of it."""
+    if bound is None:
+        return []
+    tokens_per_s, best = bound
+    lines = [
+        f"machine bound: {tokens_per_s:.0f} trained tokens/s (every core busy at "
+        f"{1000 * (best.cpu_s_per_token or 0.0):.3f} CPU-ms per trained token, the best measured: "
+        f"{best.name}, {Path(best.run_dir).name})"
+    ]
+    lines += [
+        f"  {r.name}: {r.tokens_per_s:.0f} tokens/s, {100 * r.tokens_per_s / tokens_per_s:.0f}% "
+        "of the bound"
+        for r in results
+    ]
+    return lines
+
+
 def ratio_lines(results: list[ModeResult]) -> list[str]:
     """dora's throughput over each baseline's; `dora/sync` (colocated) last."""
     by = {r.name: r for r in results}
@@ -369,58 +371,6 @@ def ratio_lines(results: list[ModeResult]) -> list[str]:
 
 
 # --- launching one run ---------------------------------------------------------------------------
-
-
-def _tree_cpu_s(roots: list[int]) -> float:
-    """CPU seconds of `roots` and every live descendant, reaped children included."""
-    children: dict[int, list[int]] = {}
-    stats: dict[int, list[str]] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:  # exited while we looked
-            continue
-        pid = int(entry)
-        stats[pid] = fields
-        children.setdefault(int(fields[1]), []).append(pid)
-    total, todo = 0, list(roots)
-    while todo:
-        pid = todo.pop()
-        if pid in stats:
-            st = stats[pid]
-            total += int(st[11]) + int(st[12]) + int(st[13]) + int(st[14])
-        todo.extend(children.get(pid, []))
-    return total / TICKS_PER_S
-
-
-def _own_cpu_s(pid: int) -> float:
-    """CPU seconds of `pid` alone (not its children): `dora serve` without its instances."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-    except OSError:
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / TICKS_PER_S
-
-
-class _TrainedCounter:
-    """Counts `trained` records in a growing rollout.jsonl (whole lines only)."""
-
-    def __init__(self, path: Path) -> None:
-        self.path, self.offset, self.count, self._rest = path, 0, 0, b""
-
-    def poll(self) -> int:
-        if self.path.is_file():
-            with self.path.open("rb") as f:
-                f.seek(self.offset)
-                data = f.read()
-            self.offset += len(data)
-            *lines, self._rest = (self._rest + data).split(b"\n")
-            self.count += sum(b'"kind":"trained"' in line for line in lines)
-        return self.count
 
 
 def run_mode(
@@ -456,9 +406,9 @@ def run_mode(
     cli = [sys.executable, "-m", "dora.cli"]
 
     def pinned(cores: list[int]) -> list[str]:
-        return [] if placement.colocated else ["taskset", "-c", _cores(cores)]
+        return ["taskset", "-c", ",".join(map(str, cores))] if placement.pinned else []
 
-    counter = _TrainedCounter(run_dir / "rollout.jsonl")
+    counter = TrainedCounter(run_dir / "rollout.jsonl")
     sides = (("serve", placement.serve_cores), ("learn", placement.trainer_cores))
     with contextlib.ExitStack() as stack:
         procs: dict[str, subprocess.Popen[bytes]] = {}
@@ -479,8 +429,8 @@ def run_mode(
             while any(p.poll() is None for p in procs.values()):
                 if any(p.returncode not in (None, 0) for p in procs.values()):
                     break
-                cpu = {side: _tree_cpu_s([p.pid]) for side, p in procs.items()}
-                cpu["serve_self"] = _own_cpu_s(procs["serve"].pid)
+                cpu = {side: tree_cpu_s([p.pid]) for side, p in procs.items()}
+                cpu["serve_self"] = own_cpu_s(procs["serve"].pid)
                 last_cpu = cpu
                 n = counter.poll()
                 if n >= 1 and at_first is None:
@@ -516,7 +466,19 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated from {KNOWN}")
     p.add_argument("--steps", type=int, default=None, help="learn.steps (default: the config's)")
     p.add_argument("--out", default=None, help="output folder (default runs/bench-modes-<time>)")
+    p.add_argument(
+        "--placement",
+        choices=KINDS,
+        default="shared",
+        help="the asynchronous modes: share every core unpinned (default) or a fixed split",
+    )
     p.add_argument("--trainer-cores", type=int, default=None, help="split: trainer's cores")
+    p.add_argument(
+        "--trainer-threads",
+        type=int,
+        default=None,
+        help="the asynchronous modes' trainer threads (default: dora.placement's rule)",
+    )
     p.add_argument(
         "--sync-trainer-threads",
         type=int,
@@ -542,7 +504,9 @@ def main(argv: list[str] | None = None) -> int:
         cores,
         instances=config.serve.instances,
         trainer_cores=args.trainer_cores or max(1, len(cores) // 2),
+        placement=args.placement,
         sync_trainer_threads=args.sync_trainer_threads,
+        trainer_threads=args.trainer_threads,
     )
     stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
     out = Path(args.out or f"runs/bench-modes-{stamp}")
@@ -577,6 +541,10 @@ def main(argv: list[str] | None = None) -> int:
         print("(the run with the median tokens/s of each mode; all runs, tokens/s:)")
         for name, rs in runs.items():
             print(f"  {name}: " + ", ".join(f"{r.tokens_per_s:.0f}" for r in rs))
+    bound = machine_bound([r for rs in runs.values() for r in rs], len(cores))
+    print()
+    for line in bound_lines(results, bound):
+        print(line)
     picture = plot_modes(results, out / "modes.png")
     print(f"\ntimelines of these runs, side by side: {picture}")
     ratios = ratio_lines(results)
@@ -594,6 +562,7 @@ def main(argv: list[str] | None = None) -> int:
                 "results": [asdict(r) for r in results],
                 "runs": {name: [asdict(r) for r in rs] for name, rs in runs.items()},
                 "ratios": ratios,
+                "bound_tokens_per_s": bound[0] if bound else None,
             },
             indent=2,
         )

@@ -11,7 +11,10 @@ operations whatever the batch holds: per-row state lives in a few tensors indexe
 `[0, n)` are live, kept dense by moving the last row into a freed one), the KV cache is slotted
 (kvcache.py), sampling is one vectorised call (sampling.py), and finish checks are tensor
 expressions. The only per-row Python is appending the sampled ids to each sequence's lists, and
-stop-string checks for rows that have them.
+stop-string checks for rows that have them. For Llama-style models the decode step skips HF's
+modules (fused.py: a few tensor calls per layer on the model's own weights); prefill runs each
+distinct prompt of a step once and copies its KV into the rows of every sequence that has it, so
+a group's G samples share one prefill.
 
 KV memory is bounded by reservation. The cache is dense (rows x columns), so what a batch can come
 to hold is `rows x the longest prompt + max_tokens among them`; a sequence is admitted only if that
@@ -29,6 +32,7 @@ from typing import Any
 
 import torch
 
+from dora.engine.fused import FusedDecoder, supported
 from dora.engine.kvcache import SlotCache
 from dora.engine.sampling import SamplingBatch, sample, sequence_key
 from dora.protocol import Completion, FinishReason, SamplingParams
@@ -50,9 +54,12 @@ class BatcherConfig:
     max_kv_bytes: int = 4 << 30
     """KV memory budget used when `max_kv_tokens` is not given."""
     max_prefill_tokens: int = 8192
-    """Most prompt tokens (padded) prefilled in one step; one longer prompt still goes alone."""
+    """Most prompt tokens (padded, each distinct prompt once) prefilled in one step; one longer
+    prompt still goes alone."""
     max_model_len: int | None = None
     """Longest sequence (prompt + output); defaults to the model's max_position_embeddings."""
+    fused_decode: bool = True
+    """Decode Llama-style models with the fused step (fused.py) where the model supports it."""
 
 
 @dataclass(eq=False, kw_only=True)
@@ -144,6 +151,11 @@ class Batcher:
         self._floats = torch.zeros(0, 2, dtype=torch.float32)
         self._stop_mask = torch.zeros(0, self.vocab_size, dtype=torch.bool)
         self._stop_rows = 0  # running sequences with stop strings
+        self._fused = (
+            FusedDecoder(model, self.max_model_len + 1)
+            if self.config.fused_decode and supported(model) is None and not self._float_mask
+            else None
+        )
 
     # -- requests ----------------------------------------------------------------------------------
 
@@ -223,6 +235,7 @@ class Batcher:
         new: list[Sequence] = []
         imported: list[Sequence] = []
         width = 0
+        prompts: set[tuple[int, ...]] = set()  # distinct prompts: each is prefilled once
         while (
             self.waiting and len(self.running) + len(new) + len(imported) < self.config.max_running
         ):
@@ -252,9 +265,12 @@ class Batcher:
                 break
             if seq.kv_import is None:
                 wider = max(width, len(seq.prompt_ids))
-                if new and wider * (len(new) + 1) > self.config.max_prefill_tokens:
+                key = tuple(seq.prompt_ids)
+                distinct = len(prompts) + (key not in prompts)
+                if new and wider * distinct > self.config.max_prefill_tokens:
                     break
                 width = wider
+                prompts.add(key)
                 new.append(seq)
             else:
                 imported.append(seq)
@@ -264,28 +280,36 @@ class Batcher:
         if imported:
             self._admit_imported(imported)
         if new:
-            self._prefill(new, width)
+            self._prefill(new)
 
-    def _prefill(self, new: list[Sequence], width: int) -> None:
+    def _prefill(self, new: list[Sequence]) -> None:
+        """Prefill each distinct prompt once (a group's G samples share theirs), then copy its
+        keys and values into the row of every sequence that has it."""
         b, start = len(new), len(self.running)
-        lengths = [len(s.prompt_ids) for s in new]
-        ids = torch.zeros(b, width, dtype=torch.int64)
-        for j, s in enumerate(new):
-            ids[j, : lengths[j]] = torch.tensor(s.prompt_ids)
+        first: dict[tuple[int, ...], int] = {}
+        source = [first.setdefault(tuple(s.prompt_ids), len(first)) for s in new]
+        prompts = [new[source.index(u)].prompt_ids for u in range(len(first))]
+        u = len(prompts)
+        lengths = [len(p) for p in prompts]
+        width = max(lengths)
+        ids = torch.zeros(u, width, dtype=torch.int64)
+        for j, prompt in enumerate(prompts):
+            ids[j, : lengths[j]] = torch.tensor(prompt)
         plen = torch.tensor(lengths)
         cols = torch.arange(width)
         mask = (cols[None, :, None] >= cols[None, None, :]) & (
             cols[None, None, :] < plen[:, None, None]
         )
         self._cache.begin_prefill()
-        hidden = self._forward(ids, mask[:, None], cols.expand(b, width))
-        last = hidden[torch.arange(b), plen - 1]
+        hidden = self._forward(ids, mask[:, None], cols.expand(u, width))
+        last = hidden[torch.arange(u), plen - 1]
         logits = self._lm_head(last)
-        self._cache.commit_prefill(start, lengths)
+        rows_of = torch.tensor(source)
+        self._cache.commit_prefill(start, [lengths[j] for j in source], sources=rows_of)
         self._grow_state(start + b)
         for j, s in enumerate(new):
-            self._place(s, start + j, lengths[j])
-        self._sample_rows(start, start + b, logits)
+            self._place(s, start + j, lengths[source[j]])
+        self._sample_rows(start, start + b, logits[rows_of])
 
     def _admit_imported(self, imported: list[Sequence]) -> None:
         for s in imported:
@@ -303,10 +327,15 @@ class Batcher:
         lens = self._ints[:n, _LEN]
         kv_len = int(lens.max()) + 1
         self._cache.ensure(n, kv_len)
-        mask = (torch.arange(kv_len)[None, :] <= lens[:, None])[:, None, None, :]
-        self._cache.begin_decode(n, lens.clone(), kv_len)
-        hidden = self._forward(self._ints[:n, _LAST, None], mask, lens[:, None])
-        logits = self._lm_head(hidden[:, 0])
+        if self._fused is not None:
+            logits = self._fused.decode(
+                self._ints[:n, _LAST], lens.clone(), self._cache.k, self._cache.v, kv_len
+            )
+        else:
+            mask = (torch.arange(kv_len)[None, :] <= lens[:, None])[:, None, None, :]
+            self._cache.begin_decode(n, lens.clone(), kv_len)
+            hidden = self._forward(self._ints[:n, _LAST, None], mask, lens[:, None])
+            logits = self._lm_head(hidden[:, 0])
         self._ints[:n, _LEN] += 1
         self._sample_rows(0, n, logits)
 

@@ -72,14 +72,20 @@ class SlotCache:
         self._cols = lens
         self._kv_len = kv_len
 
-    def commit_prefill(self, start: int, lengths: list[int]) -> None:
-        """Copy the last prefill's keys (rows in order) into rows `start, start + 1, ...`."""
+    def commit_prefill(
+        self, start: int, lengths: list[int], *, sources: torch.Tensor | None = None
+    ) -> None:
+        """Copy the last prefill's keys into rows `start, start + 1, ...`: prefill row
+        `sources[j]` into row `start + j` (by default prefill row j)."""
         b, width = len(lengths), self._fresh_k[0].shape[2]
         self._like = self._fresh_k[0][:0, :, :0]
         self.ensure(start + b, width + 1)
         for layer in range(self.num_layers):
-            self.k[layer][start : start + b, :, :width] = self._fresh_k[layer]
-            self.v[layer][start : start + b, :, :width] = self._fresh_v[layer]
+            k, v = self._fresh_k[layer], self._fresh_v[layer]
+            if sources is not None:
+                k, v = k[sources], v[sources]
+            self.k[layer][start : start + b, :, :width] = k
+            self.v[layer][start : start + b, :, :width] = v
         self._fresh_k, self._fresh_v = [], []
 
     def ensure(self, rows: int, cols: int) -> None:

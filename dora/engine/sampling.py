@@ -21,6 +21,7 @@ past 2**63, but only the low 32 bits are kept, which wrapping preserves.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -59,9 +60,16 @@ def sequence_key(seed: int, index: int = 0) -> int:
 def uniform_noise(keys: torch.Tensor, steps: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """u in (0, 1), shape [rows, vocab], a pure function of (keys[i], steps[i], v)."""
     row = mix32_tensor(keys ^ mix32_tensor(steps + _GOLDEN))
-    col = mix32_tensor(torch.arange(vocab_size, dtype=torch.int64) * 0x632BE5AB + 0x85EBCA6B)
+    col = _column_hash(vocab_size)
     bits = mix32_tensor(row[:, None] ^ col[None, :]) >> 8  # 24 bits: exact in float32
     return (bits.to(torch.float32) + 0.5) * (1.0 / (1 << 24))
+
+
+@functools.lru_cache(maxsize=8)
+def _column_hash(vocab_size: int) -> torch.Tensor:
+    """The per-vocabulary-entry half of the noise hash: the same at every step, so made once."""
+    with torch.inference_mode(False):
+        return mix32_tensor(torch.arange(vocab_size, dtype=torch.int64) * 0x632BE5AB + 0x85EBCA6B)
 
 
 @dataclass

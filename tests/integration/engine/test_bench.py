@@ -17,3 +17,7 @@ def test_bench_prints_table_and_ratio(capsys: pytest.CaptureFixture[str]) -> Non
     lines = capsys.readouterr().out.strip().splitlines()
     assert re.fullmatch(r"engine/generate throughput ratio: \d+\.\d\d", lines[-1])
     assert any(line.startswith("engine (continuous)") for line in lines)
+    assert any(line.startswith("engine, HF modules") for line in lines)
+    assert any(
+        re.fullmatch(r"fused/HF-modules decode throughput ratio: \d+\.\d\d", x) for x in lines
+    )

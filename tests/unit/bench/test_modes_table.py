@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from pathlib import Path
@@ -10,6 +11,8 @@ import pytest
 
 from dora.bench.modes import (
     ModeResult,
+    bound_lines,
+    machine_bound,
     median_run,
     plan,
     plot_modes,
@@ -21,26 +24,43 @@ from dora.bench.modes import (
 from tests.unit.bench.fixtures import write_run
 
 
-def test_sync_is_colocated_and_the_others_are_split() -> None:
+def test_every_mode_gets_every_core_by_default() -> None:
     placements = plan(
         ["sync", "one_step_off", "partial", "dora", "sync_split"],
         [0, 1],
         instances=4,
         trainer_cores=1,
     )
-    sync, *split = placements
-    assert sync.colocated and sync.serve_cores == sync.trainer_cores == [0, 1]
+    sync, *shared, sync_split = placements
+    assert sync.kind == "colocated" and sync.serve_cores == sync.trainer_cores == [0, 1]
     assert sync.trainer_threads == 2 and sync.instance_threads == 1
-    for p in split:
-        assert not p.colocated
-        assert p.serve_cores == [0] and p.trainer_cores == [1]
+    for p in shared:
+        assert p.kind == "shared" and not p.pinned
+        assert p.serve_cores == p.trainer_cores == [0, 1]
         assert p.trainer_threads == 1 and p.instance_threads == 1
-    assert split[-1].mode == "sync" and split[-1].name == "sync_split"
-    assert "colocated" in sync.describe() and "learn 1" in split[0].describe()
+        assert p.describe().startswith("shared 0,1") and "colocated" not in p.describe()
+    assert sync_split.kind == "split" and sync_split.mode == "sync"
+    assert "colocated" in sync.describe()
+
+
+def test_the_fixed_split_is_an_option_reported_as_such() -> None:
+    placements = plan(["sync", "dora"], [0, 1], instances=4, trainer_cores=1, placement="split")
+    sync, dora = placements
+    assert sync.kind == "colocated"  # the synchronous baseline always has every core per phase
+    assert dora.pinned and dora.serve_cores == [0] and dora.trainer_cores == [1]
+    assert dora.trainer_threads == 1 and dora.instance_threads == 1
+    assert dora.describe() == "split: serve 0 | learn 1"
+
+
+def test_shared_threads_on_a_bigger_machine_leave_the_trainer_its_cores() -> None:
+    [dora] = plan(["dora"], list(range(16)), instances=4, trainer_cores=4)
+    assert dora.instance_threads == 3 and dora.trainer_threads == 4
+    [dora] = plan(["dora"], [0, 1], instances=4, trainer_cores=1, trainer_threads=2)
+    assert dora.trainer_threads == 2
 
 
 def test_bigger_machines_split_the_cores_and_thread_the_instances() -> None:
-    [dora] = plan(["dora"], list(range(16)), instances=4, trainer_cores=4)
+    [dora] = plan(["dora"], list(range(16)), instances=4, trainer_cores=4, placement="split")
     assert dora.serve_cores == list(range(12)) and dora.trainer_cores == [12, 13, 14, 15]
     assert dora.instance_threads == 3 and dora.trainer_threads == 4
 
@@ -53,7 +73,9 @@ def test_impossible_plans_are_refused(
     modes: list[str], cores: list[int], trainer_cores: int
 ) -> None:
     with pytest.raises(ValueError):
-        plan(modes, cores, instances=4, trainer_cores=trainer_cores)
+        plan(modes, cores, instances=4, trainer_cores=trainer_cores, placement="split")
+    with pytest.raises(ValueError, match="placement"):
+        plan(["dora"], [0, 1], instances=4, trainer_cores=1, placement="colocated")
 
 
 def test_numbers_come_from_the_steady_window(tmp_path: Path) -> None:
@@ -137,6 +159,23 @@ def test_table_and_ratio_lines_end_with_dora_over_sync(tmp_path: Path) -> None:
     ]
     assert re.fullmatch(r"dora/sync throughput ratio: \d+\.\d\d", lines[-1])
     assert ratio_lines(results[:3]) == []  # no dora run, no ratio
+
+
+def test_the_bound_is_every_core_at_the_cheapest_measured_token(tmp_path: Path) -> None:
+    results = _modes(tmp_path, {"sync": 4.0, "dora": 2.0})  # 75 and 150 tokens/s
+    assert machine_bound(results, 2) is None  # no CPU measured, no bound
+    sync = dataclasses.replace(results[0], cpu_s_per_token=0.004)
+    dora = dataclasses.replace(results[1], cpu_s_per_token=0.008)
+    cheaper_repeat = dataclasses.replace(sync, cpu_s_per_token=0.0025)
+    bound = machine_bound([sync, dora, cheaper_repeat], 2)
+    assert bound is not None and bound[0] == pytest.approx(800.0) and bound[1] is cheaper_repeat
+    lines = bound_lines([sync, dora], bound)
+    assert lines[0].startswith("machine bound: 800 trained tokens/s")
+    assert "0.0025" not in lines[0] and "2.500 CPU-ms" in lines[0]
+    assert lines[1:] == [
+        "  sync: 75 tokens/s, 9% of the bound",
+        "  dora: 150 tokens/s, 19% of the bound",
+    ]
 
 
 def test_a_run_with_one_trained_step_is_refused(tmp_path: Path) -> None:

@@ -1,0 +1,257 @@
+"""`dora bench trl CONFIG`: TRL's GRPOTrainer against `dora run` on the same workload.
+
+What a user would otherwise pick on one machine: TRL's `GRPOTrainer` (the optional extra
+`pip install 'dora-rl[trl]'`), on the same initial model (the config's, built and warmed up once by
+`prepare_model`), the same tasks and prompts (the environment's `reset`, rendered by the model's
+chat template), prompts per step (`rollout.batch_size`), group size, max tokens, temperature,
+top-p, learning rate, weight decay, gradient clip, updates per step, and loss settings: GRPO
+advantages scaled by the group's std, token-level aggregation over the step (TRL's `dapo` loss),
+the clip range `[1 - learn.clip_low, 1 + learn.clip_high]`, `kl_coef` as TRL's `beta`. TRL
+generates with `model.generate` in the trainer's process, synchronously (on-policy), and has no
+counterpart of dora's off-policy correction, which an on-policy run does not need.
+
+Both runs are evaluated the same way, greedily on the config's held-out tasks, scored by the
+environment: dora by its own evaluation (`eval` records), TRL by a callback at the same versions
+(the initial model, every `data.eval_every` steps, the last step) that decodes with dora's engine
+in process (its time is left out of TRL's clock). Wall-clock seconds are counted from the start
+of training: for TRL from `train()`, for dora from the start of serve's rollout (its records'
+clock, which starts once its instances are up); the version w point is where step w-1 trained
+(dora: its `trained` record). Printed: steps/s and accuracy against seconds for each; written to
+`OUT/bench-trl.json`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from dora.config import DoraConfig, load_config
+from dora.errors import ConfigError
+
+__all__ = ["dora_curve", "grpo_args", "main"]
+
+
+def grpo_args(config: DoraConfig, out_dir: Path) -> dict[str, object]:
+    """GRPOConfig's arguments for the settings of `config` (pure)."""
+    learn, rollout = config.learn, config.rollout
+    return dict(
+        output_dir=str(out_dir),
+        learning_rate=learn.lr,
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        weight_decay=learn.weight_decay,
+        max_grad_norm=learn.grad_clip,
+        adam_beta1=0.9,  # torch.optim.AdamW's defaults, which dora's trainer uses
+        adam_beta2=0.999,
+        adam_epsilon=1e-8,
+        per_device_train_batch_size=rollout.batch_size * rollout.group_size,
+        gradient_accumulation_steps=1,
+        num_generations=rollout.group_size,
+        num_iterations=learn.updates_per_step,
+        max_completion_length=rollout.max_tokens,
+        temperature=rollout.temperature,
+        top_p=rollout.top_p,
+        top_k=0,
+        beta=learn.kl_coef,
+        epsilon=learn.clip_low,
+        epsilon_high=learn.clip_high,
+        loss_type="dapo" if learn.aggregation == "token" else "grpo",
+        scale_rewards="group" if learn.loss == "grpo" else "none",
+        max_steps=learn.steps,
+        seed=learn.seed,
+        use_cpu=True,
+        bf16=False,
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        disable_dropout=True,
+        dataloader_num_workers=0,
+    )
+
+
+def _rows(config: DoraConfig, *, held_out: bool) -> tuple[list[dict[str, Any]], list[Any]]:
+    """The tasks as TRL rows: the environment's prompt messages, and the task for the reward."""
+    from dora.data import load_tasks
+    from dora.env import load_env
+
+    data = config.data
+    tasks = (
+        load_tasks(
+            data.eval_source, kwargs=data.eval_kwargs, seed=data.seed, key="data.eval_source"
+        )[: data.eval_size]
+        if held_out
+        else load_tasks(data.source, kwargs=data.kwargs, seed=data.seed)
+    )
+    env = load_env(config.env.cls, **config.env.kwargs)()
+    return [{"prompt": env.reset(t), "task_index": i} for i, t in enumerate(tasks)], tasks
+
+
+def _score(config: DoraConfig, tasks: list[Any], index: int, text: str) -> float:
+    from dora.env import call_maybe_async, load_env
+
+    env: Any = load_env(config.env.cls, **config.env.kwargs)()  # a SingleTurnEnv: score(text)
+    reward = call_maybe_async(env.score, text, tasks[index])
+    if asyncio.iscoroutine(reward):
+        reward = asyncio.run(reward)
+    return float(reward)  # type: ignore[arg-type]
+
+
+def _greedy_accuracy(model: Any, tok: Any, config: DoraConfig, rows: list, tasks: list) -> float:
+    """Held-out accuracy of `model` as it is now, decoded greedily by dora's engine."""
+    import torch
+
+    from dora.engine.batcher import Batcher, BatcherConfig
+    from dora.protocol import SamplingParams
+    from dora.serve.evaluate import CORRECT_AT
+
+    was_training = model.training
+    model.eval()
+    batcher = Batcher(
+        model,
+        eos_token_ids=[tok.eos_token_id],
+        decode=tok.decode,
+        config=BatcherConfig(max_running=64, max_model_len=config.model.max_model_len),
+    )
+    params = SamplingParams(max_tokens=config.rollout.max_tokens, temperature=0.0)
+    seqs = []
+    for row in rows:
+        text = tok.apply_chat_template(row["prompt"], add_generation_prompt=True, tokenize=False)
+        ids = tok(text, add_special_tokens=False)["input_ids"]  # as TRL tokenizes its prompts
+        seq = batcher.new_sequence(f"e{row['task_index']}", list(ids), params)
+        batcher.add(seq)
+        seqs.append((row["task_index"], seq))
+    with torch.inference_mode():
+        while batcher.has_work():
+            batcher.step()
+    model.train(was_training)
+    eos = {tok.eos_token_id}
+    correct = 0
+    for index, seq in seqs:
+        text = tok.decode([t for t in seq.token_ids if t not in eos])
+        correct += _score(config, tasks, index, text) >= CORRECT_AT
+    return correct / len(seqs)
+
+
+def run_trl(config: DoraConfig, out: Path) -> dict[str, object]:
+    """Train with TRL's GRPOTrainer; the accuracy curve against training seconds."""
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+
+    try:
+        from trl import GRPOConfig, GRPOTrainer
+    except ImportError:
+        raise ConfigError(
+            "dora bench trl needs TRL: pip install torch==2.13.0 'dora-rl[trl]' (or trl>=1.16)"
+        ) from None
+
+    from dora.models.prepare import prepare_model
+
+    model_dir = prepare_model(config)
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir))
+    train_rows, train_tasks = _rows(config, held_out=False)
+    eval_rows, eval_tasks = _rows(config, held_out=True)
+
+    def reward(completions: list[Any], task_index: list[int], **_: object) -> list[float | None]:
+        texts = [c[0]["content"] if isinstance(c, list) else str(c) for c in completions]
+        return [
+            _score(config, train_tasks, i, text) for i, text in zip(task_index, texts, strict=True)
+        ]
+
+    curve: list[dict[str, float]] = []
+    clock = {"start": 0.0, "excluded": 0.0}
+    every = config.data.eval_every or config.learn.steps
+
+    def evaluate(step: int) -> None:
+        started = time.monotonic()
+        seconds = started - clock["start"] - clock["excluded"]
+        acc = _greedy_accuracy(model, tok, config, eval_rows, eval_tasks)
+        clock["excluded"] += time.monotonic() - started
+        curve.append({"version": step, "seconds": round(seconds, 2), "accuracy": acc})
+        print(f"trl: v{step} accuracy {acc:.3f} at {seconds:.0f} s", flush=True)
+
+    class Eval(TrainerCallback):
+        def on_train_begin(self, *args: object, **kwargs: object) -> None:
+            clock["start"] = time.monotonic()
+            evaluate(0)
+
+        def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: object) -> None:
+            if state.global_step % every == 0 or state.global_step == config.learn.steps:
+                evaluate(state.global_step)
+
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=[reward],
+        args=GRPOConfig(**grpo_args(config, out / "trl")),  # type: ignore[arg-type]
+        train_dataset=Dataset.from_list(train_rows),
+        processing_class=tok,
+        callbacks=[Eval()],
+    )
+    trainer.train()
+    seconds = time.monotonic() - clock["start"] - clock["excluded"]
+    return {"steps": config.learn.steps, "seconds": seconds, "curve": curve}
+
+
+def dora_curve(run_dir: Path, steps: int) -> dict[str, object]:
+    """`dora run`'s accuracy curve from its records: version w at the time step w-1 trained."""
+    records = [json.loads(line) for line in (run_dir / "rollout.jsonl").read_text().splitlines()]
+    trained = {r["step"]: float(r["time_s"]) for r in records if r["kind"] == "trained"}
+    curve = [
+        {
+            "version": int(r["version"]),
+            "seconds": trained.get(int(r["version"]) - 1, 0.0),
+            "accuracy": float(r["accuracy"]),
+        }
+        for r in records
+        if r["kind"] == "eval"
+    ]
+    return {"steps": steps, "seconds": trained.get(steps - 1, 0.0), "curve": curve}
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="dora bench trl", description=__doc__.split("\n")[0])
+    p.add_argument("config", help="config file, e.g. examples/math/config.toml")
+    p.add_argument("overrides", nargs="*", metavar="key=value", help="dotted config overrides")
+    p.add_argument("--steps", type=int, default=None, help="learn.steps (default: the config's)")
+    p.add_argument("--out", default=None, help="output folder (default runs/bench-trl-<time>)")
+    p.add_argument("--skip-dora", action="store_true", help="only the TRL run")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_intermixed_args(argv)
+    overrides = list(args.overrides) + ([f"learn.steps={args.steps}"] if args.steps else [])
+    config = load_config(args.config, overrides)
+    out = Path(args.out or f"runs/bench-trl-{time.strftime('%Y%m%d-%H%M%S')}")
+    out.mkdir(parents=True, exist_ok=True)
+    results: dict[str, object] = {}
+    if not args.skip_dora:
+        run_dir = out / "dora"
+        cmd = [sys.executable, "-m", "dora.cli", "run", args.config, *overrides]
+        cmd += [f"log.run_dir={run_dir}", "log.progress=false"]
+        with open(out / "dora.log", "wb") as log:
+            code = subprocess.call(cmd, stdout=log, stderr=subprocess.STDOUT)
+        if code:
+            print(f"dora bench trl: dora run failed ({code}); see {out / 'dora.log'}")
+            return 1
+        results["dora"] = dora_curve(run_dir, config.learn.steps)
+    results["trl"] = run_trl(config, out)
+    (out / "bench-trl.json").write_text(json.dumps(results, indent=2))
+    for name, r in results.items():
+        assert isinstance(r, dict)
+        rate = r["steps"] / r["seconds"] if r["seconds"] else 0.0
+        points = ", ".join(
+            f"v{p['version']} {p['accuracy']:.3f} @ {p['seconds']:.0f} s" for p in r["curve"]
+        )
+        print(f"{name}: {rate:.3f} steps/s; held-out accuracy {points}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

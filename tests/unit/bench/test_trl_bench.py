@@ -1,0 +1,43 @@
+"""`dora bench trl`: TRL gets the config's settings, and dora's curve is read from its records."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from dora.bench.trl import dora_curve, grpo_args
+from dora.config import load_config
+
+ROOT = Path(__file__).resolve().parents[3]
+
+
+def test_trl_gets_the_same_workload_settings(tmp_path: Path) -> None:
+    config = load_config(ROOT / "examples/math/config.toml", ["learn.steps=7"])
+    args = grpo_args(config, tmp_path)
+    assert args["per_device_train_batch_size"] == 8 * 8 and args["num_generations"] == 8
+    assert args["gradient_accumulation_steps"] == 1  # one optimizer step per 8 prompts
+    assert args["max_completion_length"] == 128 and args["temperature"] == 0.6
+    assert args["learning_rate"] == 3e-5 and args["max_steps"] == 7
+    assert (args["epsilon"], args["epsilon_high"], args["beta"]) == (0.2, 0.28, 0.0)
+    assert args["loss_type"] == "dapo" and args["scale_rewards"] == "group"  # token-level GRPO
+    assert args["top_k"] == 0 and args["top_p"] == 1.0
+    sequence = grpo_args(load_config(None, ["learn.aggregation=sequence"]), tmp_path)
+    assert sequence["loss_type"] == "grpo"
+
+
+def test_dora_curve_puts_each_version_at_the_time_its_last_step_trained(tmp_path: Path) -> None:
+    records = [
+        {"kind": "eval", "time_s": 1.0, "version": 0, "accuracy": 0.25},
+        {"kind": "trained", "time_s": 4.0, "step": 0},
+        {"kind": "trained", "time_s": 6.0, "step": 1},
+        {"kind": "eval", "time_s": 7.5, "version": 2, "accuracy": 0.5},
+    ]
+    (tmp_path / "rollout.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert dora_curve(tmp_path, 2) == {
+        "steps": 2,
+        "seconds": 6.0,
+        "curve": [
+            {"version": 0, "seconds": 0.0, "accuracy": 0.25},
+            {"version": 2, "seconds": 6.0, "accuracy": 0.5},
+        ],
+    }
