@@ -84,7 +84,12 @@ def main(args: argparse.Namespace) -> int:
 
     hf_logging.disable_progress_bar()  # one bar per save/load would drown the run's own output
 
-    trainer = Trainer(config, run_dir=run_dir, address=address, resume=args.resume)
+    trainer_cls = Trainer
+    if config.emulate.trainer:  # modelled compute instead of the model's (dora/emulated)
+        from dora.emulated.trainer import EmulatedTrainer
+
+        trainer_cls = EmulatedTrainer
+    trainer = trainer_cls(config, run_dir=run_dir, address=address, resume=args.resume)
     return trainer.run()
 
 

@@ -143,8 +143,8 @@ class Rollout:
         )
         self.orchestrator = Orchestrator(mode=self.mode)
         self.router = Router(
-            # Only the embedded engine can move a request with its KV cache (DESIGN §5).
-            kv_migration=config.serve.kv_migration and config.serve.backend == "embedded",
+            # vLLM cannot move a request with its KV cache (DESIGN §5); the others can.
+            kv_migration=config.serve.kv_migration and config.serve.backend != "vllm",
             control_timeout_s=config.serve.weight_load_timeout_s,
         )
         self.store = WeightStore()
