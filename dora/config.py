@@ -307,6 +307,10 @@ class EmulateConfig(_Section):
     stream_training: Annotated[
         bool, M(description="The emulated trainer works on groups as they arrive (off: at close)")
     ] = True
+    colocated: Annotated[
+        bool,
+        M(description="The emulated trainer pauses the instances while it trains (shared GPUs)"),
+    ] = False
 
 
 class DoraConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):

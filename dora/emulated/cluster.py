@@ -9,7 +9,8 @@ event-loop lag (a late timer is a late token) and writes a summary to `--stats` 
 `emulated_instances(config, count)` is the serve side: it starts that process, reads the URLs
 within `serve.weight_load_timeout_s`, hands out `InstanceHandle`s with ordinary `EngineClient`s,
 and stops the process (SIGTERM, a bounded wait, SIGKILL) on exit. Every instance starts holding
-version 0.
+version 0. The URLs also go to `emulated-urls.txt` in the run directory: a colocated emulated
+trainer pauses the instances there while it trains (`emulate.colocated`).
 """
 
 from __future__ import annotations
@@ -30,10 +31,15 @@ from dora.config import DoraConfig
 from dora.errors import ServerTimeout, ServerUnavailable
 from dora.sim.costs import Setup, apply_overrides, preset
 
-__all__ = ["emulated_instances", "emulated_setup", "main"]
+__all__ = ["emulated_instances", "emulated_setup", "main", "urls_path"]
 
 log = logging.getLogger("dora.emulated")
 _LAG_EVERY_S = 0.05
+
+
+def urls_path(run_dir: Path) -> Path:
+    """The file listing the instances' URLs, one a line, in the run directory."""
+    return run_dir / "emulated-urls.txt"
 
 
 def emulated_setup(config: DoraConfig) -> Setup:
@@ -180,6 +186,8 @@ async def emulated_instances(
             )
             handles.append(InstanceHandle(id=f"i{i}", url=line, client=client, stop=stop_one))
         log.info("emulated cluster (pid %d): %d instances", proc.pid, count)
+        if stats_path is not None:  # where a colocated emulated trainer finds the instances
+            urls_path(stats_path.parent).write_text("".join(h.url + "\n" for h in handles))
         yield list(handles)
     finally:
         for h in handles:

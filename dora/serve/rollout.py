@@ -92,6 +92,7 @@ from dora.protocol import (
     WeightChunk,
     WeightsReady,
 )
+from dora.serve.coretime import CoreClock
 from dora.serve.evaluate import Evaluator
 from dora.serve.instances import InstanceHandle
 from dora.serve.journal import JournaledQueue, Restored
@@ -142,6 +143,12 @@ class Rollout:
             legacy_filling=r.legacy_filling,
         )
         self.orchestrator = Orchestrator(mode=self.mode)
+        # the orchestration overhead: time spent inside the queue and the orchestrator
+        self.core = CoreClock()
+        self.queue, self.orchestrator = (
+            self.core.wrap(self.queue),
+            self.core.wrap(self.orchestrator),
+        )
         self.router = Router(
             # vLLM cannot move a request with its KV cache (DESIGN §5); the others can.
             kv_migration=config.serve.kv_migration and config.serve.backend != "vllm",
