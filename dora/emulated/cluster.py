@@ -79,7 +79,12 @@ async def _serve(args: argparse.Namespace) -> dict[str, object]:
         for i in range(args.instances):
             inst = EmulatedInstance(name=f"i{i}", setup=setup, clock=clock, model=model, version=0)
             instances.append(inst)
-            runner = web.AppRunner(EmulatedServer(inst).app, access_log=None, handle_signals=False)
+            runner = web.AppRunner(
+                EmulatedServer(inst).app,
+                access_log=None,
+                handle_signals=False,
+                keepalive_timeout=300.0,  # the client (120 s) closes idle connections first
+            )
             await runner.setup()
             runners.append(runner)
             site = web.TCPSite(runner, "127.0.0.1", 0)

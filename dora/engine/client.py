@@ -198,7 +198,12 @@ class EngineClient:
         what: str,
     ) -> bytes:
         if self._session is None:
-            self._session = aiohttp.ClientSession()
+            # No pool limit (aiohttp's default is 100 connections): an instance runs hundreds of
+            # calls at once (vLLM's max_num_seqs is 256), and a capped pool would queue them here,
+            # unseen by the instance, while the router counts them as running. Idle connections
+            # are kept through a training phase, so the next step's calls do not reconnect.
+            connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=120.0)
+            self._session = aiohttp.ClientSession(connector=connector)
         headers = dict(self._headers)
         if content_type:
             headers["Content-Type"] = content_type

@@ -38,6 +38,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeVar, cast
@@ -131,6 +132,10 @@ class EpisodeLimits:
     """Deadline for the environment's `close()`."""
 
 
+_ENCODE_CACHE_SIZE = 1024
+_ENCODE_CACHE_CHARS = 1 << 16
+
+
 class ChatRenderer:
     """Renders messages to token ids with a Hugging Face tokenizer's chat template (see module
     doc)."""
@@ -139,6 +144,11 @@ class ChatRenderer:
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
         self.tokenizer = tokenizer
+        self._encoded: OrderedDict[str, list[int]] = OrderedDict()
+        # Rust decoding gives transformers' text only when transformers would not clean it up.
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        cleans = bool(getattr(tokenizer, "clean_up_tokenization_spaces", True))
+        self._fast = backend if backend is not None and not cleans else None
         probe: list[Message] = [
             {"role": "user", "content": "u"},
             {"role": "assistant", "content": self._PROBE_TEXT},
@@ -168,9 +178,19 @@ class ChatRenderer:
         return text
 
     def encode(self, text: str) -> list[int]:
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
+        # The G episodes of a group encode the same prompt: remember recent texts.
+        ids = self._encoded.get(text)
+        if ids is None:
+            ids = list(self.tokenizer.encode(text, add_special_tokens=False))
+            if len(text) <= _ENCODE_CACHE_CHARS:
+                self._encoded[text] = ids
+                while len(self._encoded) > _ENCODE_CACHE_SIZE:
+                    self._encoded.popitem(last=False)
+        return list(ids)
 
     def decode(self, token_ids: Sequence[int]) -> str:
+        if self._fast is not None:  # the same text, without transformers' per-call overhead
+            return str(self._fast.decode(list(token_ids), skip_special_tokens=False))
         return str(self.tokenizer.decode(list(token_ids), skip_special_tokens=False))
 
     def prompt_ids(self, messages: Sequence[Message], tools: Sequence[JSON]) -> list[int]:
