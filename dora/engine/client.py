@@ -202,8 +202,11 @@ class EngineClient:
             # calls at once (vLLM's max_num_seqs is 256), and a capped pool would queue them here,
             # unseen by the instance, while the router counts them as running. Idle connections
             # are kept through a training phase, so the next step's calls do not reconnect.
+            # Every call has its own deadline (asyncio.timeout below): no second timer per call.
             connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=120.0)
-            self._session = aiohttp.ClientSession(connector=connector)
+            self._session = aiohttp.ClientSession(
+                connector=connector, timeout=aiohttp.ClientTimeout(total=None)
+            )
         headers = dict(self._headers)
         if content_type:
             headers["Content-Type"] = content_type

@@ -36,6 +36,8 @@ Invariants (DESIGN §5, "Dispatcher and env runner"):
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
 import logging
 import uuid
 from collections import OrderedDict
@@ -136,6 +138,24 @@ _ENCODE_CACHE_SIZE = 1024
 _ENCODE_CACHE_CHARS = 1 << 16
 
 
+def _fused_pieces(backend: Any) -> list[str] | None:
+    """The token strings of a word-level tokenizer whose decoder only concatenates them (the
+    tiny character models): decoding is then a join, four times cheaper than the tokenizer's own
+    call. None for any other tokenizer."""
+    try:
+        spec = json.loads(backend.to_str())
+    except (AttributeError, TypeError, ValueError):
+        return None
+    decoder = spec.get("decoder") or {}
+    if spec.get("model", {}).get("type") != "WordLevel" or decoder.get("type") != "Fuse":
+        return None
+    vocab = dict(backend.get_vocab(with_added_tokens=True))
+    pieces = [""] * (max(vocab.values(), default=-1) + 1)
+    for piece, i in vocab.items():
+        pieces[i] = piece
+    return pieces
+
+
 class ChatRenderer:
     """Renders messages to token ids with a Hugging Face tokenizer's chat template (see module
     doc)."""
@@ -149,6 +169,7 @@ class ChatRenderer:
         backend = getattr(tokenizer, "backend_tokenizer", None)
         cleans = bool(getattr(tokenizer, "clean_up_tokenization_spaces", True))
         self._fast = backend if backend is not None and not cleans else None
+        self._pieces = _fused_pieces(self._fast) if self._fast is not None else None
         probe: list[Message] = [
             {"role": "user", "content": "u"},
             {"role": "assistant", "content": self._PROBE_TEXT},
@@ -189,6 +210,10 @@ class ChatRenderer:
         return list(ids)
 
     def decode(self, token_ids: Sequence[int]) -> str:
+        if self._pieces is not None:  # a fused word-level vocabulary: the text is the pieces
+            pieces = self._pieces
+            with contextlib.suppress(IndexError):  # an id past the vocabulary: the slow path
+                return "".join([pieces[t] for t in token_ids])
         if self._fast is not None:  # the same text, without transformers' per-call overhead
             return str(self._fast.decode(list(token_ids), skip_special_tokens=False))
         return str(self.tokenizer.decode(list(token_ids), skip_special_tokens=False))
