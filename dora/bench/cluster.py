@@ -74,6 +74,18 @@ def mode_overrides(
 ) -> list[str]:
     """The config overrides that give one mode the simulator's shape."""
     n_tasks = max(1024, setup.groups_per_step * 4)
+    agentic: list[str] = []
+    if setup.turns > 1:
+        agentic = [
+            "env.cls=envs.emulated:AgenticWorkloadEnv",
+            f"env.kwargs={{ turns = {setup.turns}, tool_latency_s = {setup.tool_latency_s}, "
+            f"tool_tokens = {setup.tool_tokens}, context_max = {setup.context_max}, "
+            f"time_scale = {scale!r} }}",
+            "rollout.max_turns=1000",
+            f"rollout.max_tokens_per_turn={setup.response_max}",
+            f"rollout.max_tokens={setup.context_max}",
+            f"model.max_model_len={setup.context_max + 64}",
+        ]
     return [
         "serve.backend=emulated",
         f"serve.instances={plan.instances}",
@@ -93,6 +105,7 @@ def mode_overrides(
         f"emulate.colocated={str(plan.colocated).lower()}",
         f"data.kwargs={{ n = {n_tasks}, prompt_median = {setup.prompt_median}, "
         f"prompt_sigma = {setup.prompt_sigma}, prompt_max = {setup.prompt_max} }}",
+        *agentic,
     ]
 
 

@@ -43,6 +43,7 @@ class _Episode:
     turn: int
     turn_start: int
     length: int
+    prefix: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,6 +56,9 @@ class Plan:
     turn: int
     offset: int
     length: int
+    prefix: int = 0
+    """Context tokens whose KV cache the episode kept from its previous turn (held in host
+    memory while the tool ran, as the simulator assumes): only the rest is prefilled."""
 
 
 class EmulatedModel:
@@ -97,6 +101,7 @@ class EmulatedModel:
             if done < 0:  # a shorter context: the episode started again (a restarted group)
                 ep = None
             elif done >= ep.length:  # the environment answered: the next turn
+                ep.prefix = ep.turn_start + ep.length
                 ep.turn += 1
                 ep.turn_start = n
                 ep.length = self.length(ep.key, ep.index, ep.turn)
@@ -110,7 +115,7 @@ class EmulatedModel:
             while len(self._episodes) > _MEMORY:
                 self._episodes.popitem(last=False)
             done = 0
-        return Plan(ep.key, ep.index, ep.turn, done, ep.length)
+        return Plan(ep.key, ep.index, ep.turn, done, ep.length, ep.prefix if done == 0 else 0)
 
     def tokens(self, plan: Plan, start: int, count: int) -> tuple[list[int], list[float]]:
         """Token ids and behaviour logprobs of positions `start .. start + count` of the turn."""

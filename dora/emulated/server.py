@@ -136,7 +136,7 @@ class EmulatedServer:
             target=min(left, max_tokens),
             finish="stop" if left <= max_tokens else "length",
             version=inst.version,
-            prefill_from=-1,
+            prefill_from=plan.prefix if plan.prefix else -1,
         )
         inst.submit(seq)
         out = await self._wait(seq)
