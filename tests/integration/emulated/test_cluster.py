@@ -31,8 +31,8 @@ COST = [
     "max_seqs=32",
     "prompt_median=40",
     "prompt_max=120",
-    "response_median=150",
-    "response_max=1500",
+    "response_median=80",
+    "response_max=800",
     "train_step_overhead_s=5",
 ]
 
@@ -41,7 +41,7 @@ def _run(name: str, out: Path) -> tuple[str, int]:
     setup = apply_overrides(preset("paper-64"), COST)
     plan = mode_plan(name, setup)
     settings = mode_overrides(
-        setup, plan, preset_name="paper-64", cost=COST, steps=STEPS, scale=0.01
+        setup, plan, preset_name="paper-64", cost=COST, steps=STEPS, scale=0.005
     )
     cores = sorted(os.sched_getaffinity(0))
     placement = Placement(
