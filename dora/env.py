@@ -149,9 +149,9 @@ class Env:
         """Answer a model turn that called no tool; the default ends the episode.
 
         Reply messages returned with `done=True` are recorded in `Episode.messages` (for the reward)
-        but not tokenized: the model never answers them.
+        but not tokenized: the model never answers them. A plain-text episode gets an empty text.
         """
-        return [], True
+        return ("" if isinstance(messages, str) else []), True
 
     def reward(self, episode: Episode) -> Reward | Awaitable[Reward]:
         """Score the finished episode."""

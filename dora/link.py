@@ -157,6 +157,8 @@ class ServeLink:
         self.address = f"tcp://{shown}:{self.port}"
         self._token = token
         self._peer: bytes | None = None
+        self.sent_messages = self.sent_bytes = 0
+        self.received_messages = self.received_bytes = 0
         self.hello: Hello | None = None
         self.dropped = 0
         """Frames that did not decode (logged and dropped)."""
@@ -181,6 +183,8 @@ class ServeLink:
                 self._drop(f"{len(frames) - 1} frames in one message, expected 1")
                 continue
             peer, frame = frames
+            self.received_messages += 1
+            self.received_bytes += len(frame)
             try:
                 message = decode_from_learn(frame)
             except ProtocolError as exc:
@@ -207,7 +211,10 @@ class ServeLink:
             async with asyncio.timeout(timeout_s):
                 await self.connected.wait()
                 assert self._peer is not None
-                await self._sock.send_multipart([self._peer, encode(message)])
+                frame = encode(message)
+                await self._sock.send_multipart([self._peer, frame])
+                self.sent_messages += 1
+                self.sent_bytes += len(frame)
         except TimeoutError:
             raise ServerTimeout(
                 f"no trainer connected to {self.address} within {timeout_s:.0f} s"

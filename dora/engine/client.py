@@ -227,9 +227,16 @@ class EngineClient:
         what: str,
     ) -> bytes:
         if self._session is None:
-            # No connection limit (aiohttp's default is 100): serve's admission already bounds
-            # the calls to an instance, and a health probe must never queue behind long calls.
-            self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+            # No pool limit (aiohttp's default is 100 connections): serve's admission already
+            # bounds the calls to an instance (vLLM's max_num_seqs is 256), a capped pool would
+            # queue them here, unseen by the instance, while the router counts them as running,
+            # and a health probe must never queue behind long calls. Idle connections are kept
+            # through a training phase, so the next step's calls do not reconnect. Every call has
+            # its own deadline (asyncio.timeout below): no second timer per call.
+            connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=120.0)
+            self._session = aiohttp.ClientSession(
+                connector=connector, timeout=aiohttp.ClientTimeout(total=None)
+            )
         headers = dict(self._headers)
         if content_type:
             headers["Content-Type"] = content_type

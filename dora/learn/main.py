@@ -106,7 +106,12 @@ def main(args: argparse.Namespace) -> int:
 
     from dora.launch import mark_ready
 
-    trainer = Trainer(config, run_dir=run_dir, address=address, resume=args.resume)
+    trainer_cls = Trainer
+    if config.emulate.trainer:  # modelled compute instead of the model's (dora/emulated)
+        from dora.emulated.trainer import EmulatedTrainer
+
+        trainer_cls = EmulatedTrainer
+    trainer = trainer_cls(config, run_dir=run_dir, address=address, resume=args.resume)
     mark_ready()  # its model and optimizer are loaded: a failure from now on is worth a restart
     return trainer.run()
 

@@ -106,6 +106,9 @@ class Dispatcher:
             task = self._tasks.next()
             self._place(gid, version)
             r.group_tasks[gid] = r.spawn(self._run_group(gid, task, version), name=f"group-{gid}")
+            # Let the group's episodes start before the next admission: a step's burst of
+            # hundreds of groups then never holds the loop for seconds (timers, the link).
+            await asyncio.sleep(0)
 
     def _restart_lost(self, version: int) -> bool:
         """Restart one group lost with a previous `dora serve`, at `version` (the newest), if an

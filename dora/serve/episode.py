@@ -39,10 +39,13 @@ Invariants (DESIGN §5, "Dispatcher and env runner"):
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
+import json
 import logging
 import math
 import uuid
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeVar, cast
@@ -136,6 +139,28 @@ class EpisodeLimits:
     """Deadline for the environment's `close()`."""
 
 
+_ENCODE_CACHE_SIZE = 1024
+_ENCODE_CACHE_CHARS = 1 << 16
+
+
+def _fused_pieces(backend: Any) -> list[str] | None:
+    """The token strings of a word-level tokenizer whose decoder only concatenates them (the
+    tiny character models): decoding is then a join, four times cheaper than the tokenizer's own
+    call. None for any other tokenizer."""
+    try:
+        spec = json.loads(backend.to_str())
+    except (AttributeError, TypeError, ValueError):
+        return None
+    decoder = spec.get("decoder") or {}
+    if spec.get("model", {}).get("type") != "WordLevel" or decoder.get("type") != "Fuse":
+        return None
+    vocab = dict(backend.get_vocab(with_added_tokens=True))
+    pieces = [""] * (max(vocab.values(), default=-1) + 1)
+    for piece, i in vocab.items():
+        pieces[i] = piece
+    return pieces
+
+
 class ChatRenderer:
     """Renders prompts to token ids with a Hugging Face tokenizer (see the module doc).
 
@@ -152,6 +177,12 @@ class ChatRenderer:
     def __init__(self, tokenizer: PreTrainedTokenizerBase, *, add_special_tokens: bool = True):
         self.tokenizer = tokenizer
         self.add_special_tokens = add_special_tokens
+        self._encoded: OrderedDict[str, list[int]] = OrderedDict()
+        # Rust decoding gives transformers' text only when transformers would not clean it up.
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        cleans = bool(getattr(tokenizer, "clean_up_tokenization_spaces", True))
+        self._fast = backend if backend is not None and not cleans else None
+        self._pieces = _fused_pieces(self._fast) if self._fast is not None else None
         self._probe: list[Message] = [
             {"role": "user", "content": "u"},
             {"role": "assistant", "content": self._PROBE_TEXT},
@@ -194,10 +225,24 @@ class ChatRenderer:
         return text
 
     def encode(self, text: str) -> list[int]:
-        """Text that continues a sequence: no special tokens."""
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
+        """Text that continues a sequence: no special tokens. The G episodes of a group encode
+        the same prompt: recent texts are remembered."""
+        ids = self._encoded.get(text)
+        if ids is None:
+            ids = list(self.tokenizer.encode(text, add_special_tokens=False))
+            if len(text) <= _ENCODE_CACHE_CHARS:
+                self._encoded[text] = ids
+                while len(self._encoded) > _ENCODE_CACHE_SIZE:
+                    self._encoded.popitem(last=False)
+        return list(ids)
 
     def decode(self, token_ids: Sequence[int]) -> str:
+        if self._pieces is not None:  # a fused word-level vocabulary: the text is the pieces
+            pieces = self._pieces
+            with contextlib.suppress(IndexError):  # an id past the vocabulary: the slow path
+                return "".join([pieces[t] for t in token_ids])
+        if self._fast is not None:  # the same text, without transformers' per-call overhead
+            return str(self._fast.decode(list(token_ids), skip_special_tokens=False))
         return str(self.tokenizer.decode(list(token_ids), skip_special_tokens=False))
 
     def prompt_ids(self, prompt: Sequence[Message] | str, tools: Sequence[JSON]) -> list[int]:

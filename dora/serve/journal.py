@@ -136,12 +136,14 @@ class JournalFile:
         path.parent.mkdir(parents=True, exist_ok=True)
         self.path = path
         self.frames, good = read_frames(path)
+        self.writes = self.bytes_written = 0
         self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         if os.fstat(self._fd).st_size != good:
             os.ftruncate(self._fd, good)
 
     def append(self, payload: bytes) -> None:
-        os.write(self._fd, _frame(payload))
+        self.writes += 1
+        self.bytes_written += os.write(self._fd, _frame(payload))
 
     def sync(self) -> None:
         os.fsync(self._fd)
@@ -317,6 +319,11 @@ class JournaledQueue(TransferQueue):
         for f in (self._ops, self._payloads):
             if f is not None:
                 f.close()
+
+    def journal_writes(self) -> tuple[int, int]:
+        """(frames appended, bytes appended) to the journal's files so far."""
+        files = [f for f in (self._ops, self._payloads) if f is not None]
+        return sum(f.writes for f in files), sum(f.bytes_written for f in files)
 
     # --- the queue's operations, journaled ----------------------------------------------------
 

@@ -72,6 +72,14 @@ async def _instances(
         async with vllm_instances(config, str(model_dir), log_dir=str(run_dir / "vllm")) as vh:
             yield list(vh), None
         return
+    if config.serve.backend == "emulated":
+        from dora.emulated.cluster import emulated_instances
+
+        stats = run_dir / "emulated-cluster.json"
+        count = config.serve.instances
+        async with emulated_instances(config, str(model_dir), count=count, stats_path=stats) as eh:
+            yield eh, None  # type: ignore[misc]
+        return
     spec = InstanceSpec(
         model_dir=str(model_dir),
         token=config.serve.token,

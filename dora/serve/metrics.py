@@ -278,6 +278,16 @@ class Snapshots:
             "admission_wait_s": {k: round(v, 4) for k, v in r.admission_wait_s.items() if v},
             "trainer_wait_s": round(r.trainer_wait_s, 4),
             "loop_lag_ms": round(lag_ms, 3),
+            "core_s": round(r.core.seconds, 6),
+            "core_calls": r.core.calls,
+            "journal_writes": r.queue.journal_writes()[0],
+            "journal_bytes": r.queue.journal_writes()[1],
+            "link": {
+                "sent_messages": getattr(r.link, "sent_messages", 0),
+                "sent_bytes": getattr(r.link, "sent_bytes", 0),
+                "received_messages": getattr(r.link, "received_messages", 0),
+                "received_bytes": getattr(r.link, "received_bytes", 0),
+            },
             **({"eval": {"version": evals[-1][0], "accuracy": evals[-1][1]}} if evals else {}),
         }
 

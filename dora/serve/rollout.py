@@ -98,6 +98,7 @@ from dora.protocol import (
     WeightChunk,
     WeightsReady,
 )
+from dora.serve.coretime import CoreClock
 from dora.serve.evaluate import Evaluator
 from dora.serve.health import HealthWatch
 from dora.serve.history import History, check_not_all_masked, masked_reasons, read_history
@@ -158,9 +159,15 @@ class Rollout:
             legacy_filling=r.legacy_filling,
         )
         self.orchestrator = Orchestrator(mode=self.mode)
+        # the orchestration overhead: time spent inside the queue and the orchestrator
+        self.core = CoreClock()
+        self.queue, self.orchestrator = (
+            self.core.wrap(self.queue),
+            self.core.wrap(self.orchestrator),
+        )
         self.router = Router(
-            # Only the embedded engine can move a request with its KV cache (DESIGN §5).
-            kv_migration=config.serve.kv_migration and config.serve.backend == "embedded",
+            # vLLM cannot move a request with its KV cache (DESIGN §5); the others can.
+            kv_migration=config.serve.kv_migration and config.serve.backend != "vllm",
             control_timeout_s=config.serve.weight_load_timeout_s,
         )
         self.store = WeightStore()

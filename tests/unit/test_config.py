@@ -33,7 +33,7 @@ def test_unknown_key_suggests_nearest() -> None:
 
 
 def test_unknown_section_lists_valid_sections() -> None:
-    with pytest.raises(ConfigError, match="valid keys here: data, env, learn"):
+    with pytest.raises(ConfigError, match="valid keys here: data, emulate, env, learn"):
         load_config(None, ["trainer.lr=1"])
 
 

@@ -1,0 +1,350 @@
+"""`dora bench cluster --preset paper-64`: the four modes on emulated accelerators, back to back.
+
+Each mode is a real `dora serve` + `dora learn` run (launched as `dora bench modes` launches one,
+`dora.bench.modes.run_mode`) on `serve.backend = "emulated"` and `emulate.trainer`: the instances
+and the trainer spend the simulator's modelled time (`dora.sim.costs`, the preset named) instead
+of compute, on a clock `--time-scale` times real time; everything else is the real code. The
+mode's shape is the simulator's (`dora.sim.modes.plan`): instances (colocated modes get the whole
+pool, the disaggregated ones the rollout pool), the trainer's GPUs, K, and whether the trainer
+shares the instances' GPUs (colocated: it pauses them while it trains) or streams.
+
+Printed: the table of `dora bench modes` (real seconds), then emulated against simulated in
+modelled units (tokens/s and step time; prompt and response tokens, as the simulator counts), and
+the real overheads of the real code: serve's own CPU (the `dora serve` process, without the
+emulated instances' process), its event-loop lag (median and p99 of the ticks), the emulated
+cluster's own lag, link messages and bytes per second, journal writes per second, and the time
+spent inside the transfer queue and the orchestrator per step. Every run is checked
+(`dora.emulated.checks`: C1-C3 and the accounting on every consumed group). The ratio lines come
+last, `dora/sync throughput ratio: X.XX` the very last.
+
+The default time scale fits the whole preset in about `--budget-min` minutes: the simulator's
+predicted modelled duration of the four runs, divided into the budget. At a smaller scale the
+real code's per-request costs weigh more against each modelled second: the result holds while
+serve's CPU stays well below one core and its lag is small against a decode step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import statistics
+import sys
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+
+from dora.bench.modes import ModeResult, Placement, ratio_lines, run_mode, summarise, table
+from dora.emulated.checks import check_run
+from dora.report import load_run
+from dora.sim.costs import Setup, apply_overrides, preset
+from dora.sim.engine import Run, simulate
+from dora.sim.modes import MODES, ModePlan
+from dora.sim.modes import plan as mode_plan
+
+__all__ = ["default_time_scale", "main", "mode_overrides", "predicted"]
+
+ROOT = Path(__file__).resolve().parents[2]
+CONFIG = ROOT / "examples" / "emulated" / "cluster.toml"
+_STARTUP_S = 20.0
+"""Real seconds a run takes to start and stop (processes, the first fill's setup)."""
+
+
+def predicted(setup: Setup, plan: ModePlan, *, steps: int) -> Run:
+    """The simulator's run of `plan` for `steps` steps, measured as the emulated run is."""
+    return simulate(dataclasses.replace(setup, steps=steps, warmup_steps=0), plan, seed=0)
+
+
+def _window(run: Run) -> tuple[float, float]:
+    """(tokens per modelled second, modelled seconds per step) from trained step 0 to the last."""
+    span = run.step_end_s[-1] - run.step_end_s[0]
+    tokens = sum(run.step_tokens[1:])
+    return (tokens / span if span > 0 else 0.0), span / max(1, len(run.step_end_s) - 1)
+
+
+def default_time_scale(setup: Setup, *, steps: int, budget_s: float) -> float:
+    """The scale that fits the four runs' predicted modelled time into `budget_s` real seconds."""
+    total = sum(predicted(setup, mode_plan(m, setup), steps=steps).step_end_s[-1] for m in MODES)
+    return max(1e-4, (budget_s - len(MODES) * _STARTUP_S) / total)
+
+
+def mode_overrides(
+    setup: Setup, plan: ModePlan, *, preset_name: str, cost: list[str], steps: int, scale: float
+) -> list[str]:
+    """The config overrides that give one mode the simulator's shape."""
+    n_tasks = max(1024, setup.groups_per_step * 4)
+    agentic: list[str] = []
+    if setup.turns > 1:
+        agentic = [
+            "env.cls=envs.emulated:AgenticWorkloadEnv",
+            f"env.kwargs={{ turns = {setup.turns}, tool_latency_s = {setup.tool_latency_s}, "
+            f"tool_tokens = {setup.tool_tokens}, context_max = {setup.context_max}, "
+            f"time_scale = {scale!r} }}",
+            "rollout.max_turns=1000",
+            f"rollout.max_tokens_per_turn={setup.response_max}",
+            f"rollout.max_tokens={setup.context_max}",
+            f"model.max_model_len={setup.context_max + 64}",
+        ]
+    return [
+        "serve.backend=emulated",
+        f"serve.instances={plan.instances}",
+        f"serve.max_running={setup.max_seqs}",
+        f"rollout.staleness={plan.staleness}",
+        f"rollout.group_size={setup.group_size}",
+        f"rollout.batch_size={setup.groups_per_step}",
+        f"rollout.max_tokens={setup.response_max}",
+        f"model.max_model_len={setup.prompt_max + setup.response_max + 64}",
+        f"learn.steps={steps}",
+        "emulate.trainer=true",
+        f"emulate.preset={preset_name}",
+        f"emulate.overrides={json.dumps(cost)}",
+        f"emulate.time_scale={scale!r}",
+        f"emulate.train_gpus={plan.train_gpus}",
+        f"emulate.stream_training={str(setup.stream_training and not plan.colocated).lower()}",
+        f"emulate.colocated={str(plan.colocated).lower()}",
+        f"data.kwargs={{ n = {n_tasks}, prompt_median = {setup.prompt_median}, "
+        f"prompt_sigma = {setup.prompt_sigma}, prompt_max = {setup.prompt_max} }}",
+        *agentic,
+    ]
+
+
+@dataclasses.dataclass(kw_only=True)
+class Overheads:
+    """The real code's own costs in one run (real seconds unless named otherwise)."""
+
+    tokens_per_s_modelled: float
+    step_s_modelled: float
+    serve_self_cores: float | None
+    cluster_cores: float | None
+    lag_ms_median: float
+    lag_ms_p99: float
+    cluster_lag_ms_p99: float
+    link_msgs_per_s: float
+    link_mb_per_s: float
+    journal_writes_per_s: float
+    core_s_per_step: float
+    core_share: float
+    checked_groups: int
+    problems: list[str]
+
+
+def overheads(result: ModeResult, *, scale: float, checked: tuple[int, list[str]]) -> Overheads:
+    run_dir = Path(result.run_dir)
+    run = load_run(run_dir)
+    trained = sorted(run.trained, key=lambda r: r["step"])
+    t0, t1 = float(trained[0]["time_s"]), float(trained[-1]["time_s"])
+    window = max(t1 - t0, 1e-9)
+    seq_tokens = sum(float(r["metrics"].get("sequence_tokens", 0.0)) for r in trained[1:])
+    ticks = [t for t in run.ticks if t0 < float(t["time_s"]) <= t1]
+    lags = sorted(float(t["loop_lag_ms"]) for t in ticks) or [0.0]
+    first, last = (ticks[0], ticks[-1]) if len(ticks) >= 2 else ({}, {})
+    span = float(last.get("time_s", 0.0)) - float(first.get("time_s", 0.0)) or 1e-9
+
+    def rate(key: str, sub: str | None = None) -> float:
+        a = first.get(key, 0) if sub is None else first.get(key, {}).get(sub, 0)
+        b = last.get(key, 0) if sub is None else last.get(key, {}).get(sub, 0)
+        return (float(b) - float(a)) / span
+
+    msgs = rate("link", "sent_messages") + rate("link", "received_messages")
+    mb = (rate("link", "sent_bytes") + rate("link", "received_bytes")) / 1e6
+    core = rate("core_s") * result.step_s
+    cpu = json.loads((run_dir / "bench-cpu.json").read_text())
+    cluster_path = run_dir / "emulated-cluster.json"
+    cluster = json.loads(cluster_path.read_text()) if cluster_path.is_file() else {}
+    serve_self = cpu.get("serve_self_cpu_s")
+    serve_tree = cpu.get("serve_cpu_s")
+    return Overheads(
+        tokens_per_s_modelled=seq_tokens / (window / scale),
+        step_s_modelled=result.step_s / scale,
+        serve_self_cores=serve_self / window if serve_self is not None else None,
+        cluster_cores=(serve_tree - serve_self) / window
+        if serve_tree is not None and serve_self is not None
+        else None,
+        lag_ms_median=statistics.median(lags),
+        lag_ms_p99=lags[min(len(lags) - 1, int(0.99 * len(lags)))],
+        cluster_lag_ms_p99=float(cluster.get("loop_lag_ms_p99", 0.0)),
+        link_msgs_per_s=msgs,
+        link_mb_per_s=mb,
+        journal_writes_per_s=rate("journal_writes"),
+        core_s_per_step=core,
+        core_share=core / result.step_s if result.step_s else 0.0,
+        checked_groups=checked[0],
+        problems=checked[1],
+    )
+
+
+def comparison_table(
+    names: list[str], over: dict[str, Overheads], sims: dict[str, tuple[float, float]]
+) -> str:
+    from dora.bench.modes import _render
+
+    head = (
+        "mode",
+        "tok/s emulated",
+        "tok/s simulator",
+        "diff",
+        "step s emul.",
+        "step s sim.",
+        "serve CPU",
+        "cluster CPU",
+        "lag ms med/p99",
+        "cluster lag p99",
+        "link msg/s",
+        "link MB/s",
+        "journal w/s",
+        "orchestration/step",
+    )
+    rows = [head]
+    for name in names:
+        o, (sim_tps, sim_step) = over[name], sims[name]
+        diff = (o.tokens_per_s_modelled / sim_tps - 1.0) if sim_tps else 0.0
+        rows.append(
+            (
+                name,
+                f"{o.tokens_per_s_modelled:.0f}",
+                f"{sim_tps:.0f}",
+                f"{100 * diff:+.1f}%",
+                f"{o.step_s_modelled:.0f}",
+                f"{sim_step:.0f}",
+                "-" if o.serve_self_cores is None else f"{o.serve_self_cores:.2f}",
+                "-" if o.cluster_cores is None else f"{o.cluster_cores:.2f}",
+                f"{o.lag_ms_median:.1f}/{o.lag_ms_p99:.1f}",
+                f"{o.cluster_lag_ms_p99:.1f}",
+                f"{o.link_msgs_per_s:.1f}",
+                f"{o.link_mb_per_s:.1f}",
+                f"{o.journal_writes_per_s:.1f}",
+                f"{1000 * o.core_s_per_step:.0f} ms ({100 * o.core_share:.2f}%)",
+            )
+        )
+    return _render(rows)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="dora bench cluster", description=__doc__.split("\n")[0])
+    p.add_argument("--preset", default="paper-64", help="paper-64, paper-128 or agentic")
+    p.add_argument("--time-scale", type=float, default=None, help="real s per modelled s")
+    p.add_argument("--budget-min", type=float, default=13.0, help="target minutes (default scale)")
+    p.add_argument("--steps", type=int, default=5, help="train steps per mode")
+    p.add_argument("--modes", default=",".join(MODES))
+    p.add_argument(
+        "--cost",
+        action="append",
+        default=[],
+        metavar="key=value",
+        help="cost-model override, as `dora simulate` takes them",
+    )
+    p.add_argument("--config", default=str(CONFIG), help="the shared config")
+    p.add_argument("--out", default=None, help="output folder (default runs/bench-cluster-<time>)")
+    p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_intermixed_args(argv)
+    setup = apply_overrides(preset(args.preset), list(args.cost))
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    steps = args.steps
+    scale = args.time_scale or default_time_scale(setup, steps=steps, budget_s=60 * args.budget_min)
+    stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
+    out = Path(args.out or f"runs/bench-cluster-{args.preset}-{stamp}")
+    out.mkdir(parents=True, exist_ok=True)
+    started = datetime.now(UTC).isoformat(timespec="seconds")
+    cores = sorted(os.sched_getaffinity(0))
+    print(
+        f"{args.preset}: B={setup.groups_per_step} G={setup.group_size} K={setup.staleness}, "
+        f"{steps} steps per mode, time scale {scale:.4g} (1 modelled s = {1000 * scale:.1f} "
+        f"real ms); {len(cores)} cores",
+        flush=True,
+    )
+    results: list[ModeResult] = []
+    over: dict[str, Overheads] = {}
+    sims: dict[str, tuple[float, float]] = {}
+    loads = []
+    for name in modes:
+        plan = mode_plan(name, setup)
+        sims[name] = _window(predicted(setup, plan, steps=steps))
+        run_dir = out / name
+        settings = [
+            *mode_overrides(
+                setup, plan, preset_name=args.preset, cost=args.cost, steps=steps, scale=scale
+            ),
+            *args.overrides,
+        ]
+        placement = Placement(
+            name=name,
+            mode=name,
+            colocated=True,  # no pinning: emulated compute takes no CPU (DESIGN §8 is about cores)
+            serve_cores=cores,
+            trainer_cores=cores,
+            instance_threads=1,
+            trainer_threads=1,
+        )
+        t0 = time.monotonic()
+        code = run_mode(args.config, settings, run_dir, placement, steps=steps)
+        print(f"{name}: exit {code} in {time.monotonic() - t0:.0f} s ({run_dir})", flush=True)
+        if code:
+            print(f"dora bench cluster: {name} failed; see {run_dir}", file=sys.stderr)
+            return 1
+        where = f"{plan.instances} inst" + (" colocated" if plan.colocated else "")
+        result = summarise(run_dir, name=name, placement=where)
+        check = check_run(
+            run_dir,
+            steps=steps,
+            batch_size=setup.groups_per_step,
+            staleness=plan.staleness,
+            spans_versions=name == "partial",
+        )
+        results.append(result)
+        over[name] = overheads(result, scale=scale, checked=(check.groups_checked, check.problems))
+        if result.load_avg is not None:
+            loads.append(result.load_avg)
+    print()
+    print(
+        "load average during the runs "
+        + (f"{min(loads):.1f}-{max(loads):.1f}" if loads else "unknown")
+        + "; real seconds:"
+    )
+    print(table(results))
+    print("\nemulated vs simulated (modelled units: prompt + response tokens, seconds), and the")
+    print("real code's overheads (serve CPU: the dora serve process in cores; lag: its event loop)")
+    print(comparison_table(modes, over, sims))
+    failed = False
+    for name in modes:
+        o = over[name]
+        status = "ok" if not o.problems else "FAILED: " + "; ".join(o.problems[:5])
+        failed |= bool(o.problems)
+        print(f"checks {name}: C1-C3 and accounting on {o.checked_groups} groups: {status}")
+    by = {r.name: r for r in results}
+    if "dora" in sims:
+        sim_lines = [
+            f"simulator dora/{m}: {sims['dora'][0] / sims[m][0]:.2f}"
+            for m in ("one_step_off", "partial", "sync")
+            if m in sims and sims[m][0] > 0
+        ]
+        print("\n" + ", ".join(sim_lines))
+    ratios = ratio_lines(results)
+    (out / "bench-cluster.json").write_text(
+        json.dumps(
+            {
+                "command": " ".join(["dora bench cluster", *(argv or sys.argv[1:])]),
+                "date": started,
+                "preset": args.preset,
+                "time_scale": scale,
+                "steps": steps,
+                "results": [dataclasses.asdict(r) for r in by.values()],
+                "overheads": {k: dataclasses.asdict(v) for k, v in over.items()},
+                "simulator": {k: {"tokens_per_s": v[0], "step_s": v[1]} for k, v in sims.items()},
+                "ratios": ratios,
+            },
+            indent=2,
+        )
+    )
+    print()
+    for line in ratios:
+        print(line)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

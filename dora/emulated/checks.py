@@ -1,0 +1,118 @@
+"""C1-C3 and the accounting of a finished run, read from its run directory.
+
+What must hold (DESIGN §3), and where it is read:
+- accounting (`summary.json`): admitted = consumed + filtered + rolled back, nothing unassigned,
+  and consumed = steps x B;
+- every step (the last `step` record of each step in `rollout.jsonl`: a step sent again after a
+  roll-back counts once) holds exactly B groups, no group is in two steps, and every group's
+  staleness is in [0, K] (C2, C3);
+- the trainer trained every step on B groups and dropped no duplicate (`learn-metrics.jsonl`);
+- C1, on every consumed group (`consumed.jsonl`, written by the emulated trainer): every sampled
+  token was sampled by the group's version; in partial mode, where a trajectory may span
+  versions, by the group's version or a newer one, never older (a sample interrupted before its
+  first token resumes on the newer version, so a group's oldest token may be newer than the
+  group: its staleness, counted from the group's version, is then an upper bound).
+
+`check_run` returns the problems found (empty when the run is sound); it never raises on a
+sound run directory.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+__all__ = ["RunCheck", "check_run"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunCheck:
+    """What was checked and what failed."""
+
+    groups_checked: int
+    problems: list[str]
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+
+def _records(path: Path) -> list[dict[str, object]]:
+    if not path.is_file():
+        return []
+    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+
+
+def check_run(
+    run_dir: Path, *, steps: int, batch_size: int, staleness: int, spans_versions: bool = False
+) -> RunCheck:
+    """Check the run in `run_dir` (see the module docstring); `spans_versions` for partial."""
+    problems: list[str] = []
+    summary_path = run_dir / "summary.json"
+    if not summary_path.is_file():
+        return RunCheck(groups_checked=0, problems=[f"{summary_path}: missing (run unfinished?)"])
+    extra = json.loads(summary_path.read_text())["extra"]
+    if extra["unassigned"] != 0:
+        problems.append(f"{extra['unassigned']} admitted groups left unassigned")
+    if extra["admitted"] != extra["consumed"] + extra["filtered"] + extra["rolled_back"]:
+        problems.append(
+            f"admitted {extra['admitted']} != consumed {extra['consumed']} + filtered "
+            f"{extra['filtered']} + rolled back {extra['rolled_back']}"
+        )
+    if extra["consumed"] != steps * batch_size:
+        problems.append(f"consumed {extra['consumed']} groups, expected {steps} x {batch_size}")
+
+    step_groups: dict[int, list[str]] = {}
+    step_versions: dict[int, list[int]] = {}
+    for r in _records(run_dir / "rollout.jsonl"):
+        if r["kind"] == "step":
+            step = int(r["step"])  # type: ignore[call-overload]
+            step_groups[step] = [str(g) for g in r["groups"]]  # type: ignore[attr-defined]
+            step_versions[step] = [int(v) for v in r["versions"]]  # type: ignore[attr-defined]
+    if sorted(step_groups) != list(range(steps)):
+        problems.append(f"steps sent {sorted(step_groups)}, expected 0..{steps - 1}")
+    version_of: dict[str, int] = {}
+    for step, groups in step_groups.items():
+        if len(groups) != batch_size:
+            problems.append(f"step {step} holds {len(groups)} groups, expected {batch_size}")
+        for gid, v in zip(groups, step_versions[step], strict=True):
+            if gid in version_of:
+                problems.append(f"group {gid} is in two steps")
+            version_of[gid] = v
+            if not 0 <= step - v <= staleness:
+                problems.append(
+                    f"group {gid} of version {v} in step {step}: staleness > {staleness}"
+                )
+
+    trained = {int(r["step"]): r for r in _records(run_dir / "learn-metrics.jsonl")}  # type: ignore[call-overload]
+    for step in range(steps):
+        rec = trained.get(step)
+        if rec is None:
+            problems.append(f"the trainer has no record of step {step}")
+        elif rec["groups"] != batch_size or rec["duplicate_groups"] != 0:
+            problems.append(
+                f"the trainer trained step {step} on {rec['groups']} groups "
+                f"({rec['duplicate_groups']} duplicates)"
+            )
+
+    # C1: the last consumption of each group (a resumed trainer consumes a step again)
+    consumed: dict[str, dict[str, object]] = {}
+    for r in _records(run_dir / "consumed.jsonl"):
+        consumed[str(r["group"])] = r
+    for gid, v in version_of.items():
+        got = consumed.get(gid)
+        if got is None:
+            problems.append(f"group {gid} was never consumed by the trainer")
+            continue
+        if got["version"] != v:
+            problems.append(
+                f"group {gid}: the trainer got version {got['version']}, serve sent {v}"
+            )
+        tokens = [int(t) for t in got["token_versions"]]  # type: ignore[attr-defined]
+        if spans_versions:
+            if tokens and min(tokens) < v:
+                problems.append(f"group {gid} of version {v} holds tokens of {min(tokens)}")
+        elif tokens and tokens != [v]:
+            problems.append(f"C1: group {gid} of version {v} holds tokens of versions {tokens}")
+    return RunCheck(groups_checked=len(version_of), problems=problems[:50])

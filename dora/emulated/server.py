@@ -1,0 +1,306 @@
+"""The HTTP face of an emulated instance: the embedded engine's API and control routes.
+
+`dora serve` talks to an emulated instance with its ordinary `EngineClient`, over HTTP, exactly as
+to an embedded engine: `POST /v1/completions` (token ids in; token ids, behaviour logprobs and
+per-token versions out; `version` pins the request, another version answers 409), `GET /health`,
+`GET /metrics`, `GET /v1/models`, and `/control/load_weights`, `pause`, `resume`, `abort`,
+`export`, `import`. Request bodies are decoded by the engine's own strict schemas
+(`dora.engine.api`), so a field the engine would refuse is refused here too. What differs: the
+prompt must be token ids (there is no tokenizer), `n` must be 1 (dora's router sends one sample
+per call), a weight load accepts the tensors or the path and ignores their values (there is no
+model; the load takes the modelled time), and an exported request carries no KV bytes: its
+`kv_shape` is `[context tokens]` and the importer spends the modelled transfer time.
+
+Responses are encoded with msgspec (the engine's JSON responses are the same shape).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+from collections import OrderedDict
+
+import msgspec
+from aiohttp import web
+
+from dora.emulated.engine import EmulatedInstance, Sequence
+from dora.engine import api
+from dora.protocol import Completion, SamplingParams
+
+__all__ = ["EmulatedServer"]
+
+_MAX_BODY = 4 << 30
+_KV_DTYPE = "emulated"
+
+
+class EmulatedServer:
+    """The aiohttp app of one `EmulatedInstance`."""
+
+    def __init__(self, instance: EmulatedInstance, *, model_name: str = "emulated") -> None:
+        self.instance = instance
+        self.model_name = model_name
+        self.recent: OrderedDict[str, Completion] = OrderedDict()
+        self.app = web.Application(client_max_size=_MAX_BODY)
+        self.app.add_routes(
+            [
+                web.post("/v1/completions", self._completions),
+                web.get("/v1/models", self._models),
+                web.get("/health", self._health),
+                web.get("/metrics", self._metrics),
+                web.post("/control/load_weights", self._load_weights),
+                web.post("/control/pause", self._pause),
+                web.post("/control/resume", self._resume),
+                web.post("/control/abort", self._abort),
+                web.post("/control/export", self._export),
+                web.post("/control/import", self._import),
+            ]
+        )
+
+    # --- plumbing ----------------------------------------------------------------------------
+
+    def _json(self, body: object, status: int = 200) -> web.Response:
+        return web.Response(
+            body=msgspec.json.encode(body),
+            status=status,
+            content_type="application/json",
+            headers={"X-Dora-Version": str(self.instance.version)},
+        )
+
+    def _error(self, status: int, message: str) -> web.Response:
+        kind = {400: "invalid_request_error", 404: "not_found", 409: "version_mismatch"}
+        body = {"message": message, "type": kind.get(status, "error"), "code": status}
+        return self._json({"error": body, "version": self.instance.version}, status)
+
+    @staticmethod
+    def _loopback(request: web.Request) -> bool:
+        try:
+            return ipaddress.ip_address(request.remote or "").is_loopback
+        except ValueError:
+            return False
+
+    async def _control(self, request: web.Request, cls: type[api.S]) -> api.S | web.Response:
+        if not self._loopback(request):
+            return self._error(403, "control endpoints answer loopback callers only")
+        body = await request.read()
+        try:
+            if request.content_type == "application/msgpack":
+                return msgspec.msgpack.decode(body, type=cls)
+            return api.decode_strict(body or b"{}", cls)
+        except (ValueError, msgspec.DecodeError) as exc:
+            return self._error(400, str(exc))
+
+    def _remember(self, out: Completion) -> None:
+        self.recent[out.request_id] = out
+        while len(self.recent) > 256:  # an abort racing the end needs only the latest
+            self.recent.popitem(last=False)
+
+    async def _wait(self, seq: Sequence) -> Completion:
+        assert seq.future is not None
+        try:
+            out = await asyncio.shield(seq.future)
+        except asyncio.CancelledError:  # the caller went away: the request stops, as in vLLM
+            if not seq.future.done():
+                self.instance.take(seq)
+            raise
+        self._remember(out)
+        return out
+
+    # --- the OpenAI route --------------------------------------------------------------------
+
+    async def _completions(self, request: web.Request) -> web.Response:
+        inst = self.instance
+        try:
+            req = api.decode_strict(await request.read(), api.CompletionRequest)
+            if isinstance(req.prompt, str):
+                raise ValueError("an emulated instance has no tokenizer: send the prompt as ids")
+            if req.n != 1:
+                raise ValueError(f"an emulated instance samples n = 1 per request, not {req.n}")
+            if not req.prompt:
+                raise ValueError("prompt is empty: give at least one token")
+        except ValueError as exc:
+            return self._error(400, str(exc))
+        if req.version is not None and req.version != inst.version:
+            return self._error(
+                409, f"request pinned to version {req.version}, holds {inst.version}"
+            )
+        request_id = req.request_id or f"cmpl-{id(req):x}"
+        if inst.find(request_id) is not None:
+            return self._error(400, f"request_id {request_id!r} is already in flight")
+        plan = inst.model.plan(request_id, req.prompt)
+        left = plan.length - plan.offset
+        max_tokens = req.max_tokens or 16
+        seq = Sequence(
+            id=request_id,
+            prompt_ids=list(req.prompt),
+            plan=plan,
+            target=min(left, max_tokens),
+            finish="stop" if left <= max_tokens else "length",
+            version=inst.version,
+            prefill_from=plan.prefix if plan.prefix else -1,
+        )
+        inst.submit(seq)
+        out = await self._wait(seq)
+        choice = {
+            "index": 0,
+            "text": "",
+            "finish_reason": out.finish_reason,
+            "logprobs": {"token_logprobs": out.logprobs},
+            "token_ids": out.token_ids,
+            "versions": out.versions,
+        }
+        return self._json(
+            {
+                "id": request_id,
+                "object": "text_completion",
+                "model": self.model_name,
+                "choices": [choice],
+                "usage": {
+                    "prompt_tokens": len(seq.prompt_ids),
+                    "completion_tokens": len(out.token_ids),
+                },
+                "version": out.version,
+            }
+        )
+
+    async def _models(self, request: web.Request) -> web.Response:
+        card = {"id": self.model_name, "object": "model", "owned_by": "dora-emulated"}
+        return self._json({"object": "list", "data": [card], "version": self.instance.version})
+
+    async def _health(self, request: web.Request) -> web.Response:
+        inst = self.instance
+        return self._json({"status": "ok", "version": inst.version, "paused": inst.paused})
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        inst = self.instance
+        return self._json({"version": inst.version, "paused": inst.paused, **inst.stats()})
+
+    # --- control -----------------------------------------------------------------------------
+
+    async def _load_weights(self, request: web.Request) -> web.Response:
+        req = await self._control(request, api.LoadWeightsRequest)
+        if isinstance(req, web.Response):
+            return req
+        if not req.path and not req.names:
+            return self._error(400, "give either path or names, dtypes, shapes and data")
+        inst = self.instance
+        previous = inst.version
+        aborted: list[str] = []
+        if req.mode == "keep":
+            return self._error(400, "emulated instances load with mode 'drain' or 'abort'")
+        if req.mode == "abort":
+            aborted = [c.request_id for c in inst.abort_all()]
+        else:
+            await inst.idle.wait()
+        load_s = await inst.load(req.version)
+        return self._json(
+            {
+                "version": req.version,
+                "previous_version": previous,
+                "aborted": aborted,
+                "load_s": load_s,
+            }
+        )
+
+    async def _pause(self, request: web.Request) -> web.Response:
+        return await self._set_paused(request, True)
+
+    async def _resume(self, request: web.Request) -> web.Response:
+        return await self._set_paused(request, False)
+
+    async def _set_paused(self, request: web.Request, paused: bool) -> web.Response:
+        if not self._loopback(request):
+            return self._error(403, "control endpoints answer loopback callers only")
+        self.instance.set_paused(paused)
+        return self._json({"paused": paused, "version": self.instance.version})
+
+    async def _abort(self, request: web.Request) -> web.Response:
+        req = await self._control(request, api.RequestIdBody)
+        if isinstance(req, web.Response):
+            return req
+        seq = self.instance.find(req.request_id)
+        if seq is not None:
+            out = self.instance.take(seq)
+        elif req.request_id in self.recent:
+            out = self.recent[req.request_id]
+        else:
+            return self._error(404, f"unknown request_id {req.request_id!r}")
+        return self._json({"request_id": req.request_id, "completions": [_as_dict(out)]})
+
+    async def _export(self, request: web.Request) -> web.Response:
+        req = await self._control(request, api.RequestIdBody)
+        if isinstance(req, web.Response):
+            return req
+        seq = self.instance.find(req.request_id)
+        if seq is None:
+            if req.request_id in self.recent:
+                return self._error(409, f"request {req.request_id!r} already finished")
+            return self._error(404, f"request_id {req.request_id!r} is not in flight")
+        out = self.instance.take(seq)
+        exported = api.ExportedRequest(
+            request_id=seq.id,
+            version=self.instance.version,
+            prompt_ids=seq.prompt_ids,
+            token_ids=out.token_ids,
+            logprobs=out.logprobs,
+            versions=out.versions,
+            params=_params(seq),
+            key=0,
+            kv=_KV_DTYPE.encode(),
+            kv_dtype=_KV_DTYPE,
+            kv_shape=[len(seq.prompt_ids) + len(out.token_ids)],
+        )
+        return web.Response(
+            body=msgspec.msgpack.encode(exported), content_type="application/msgpack"
+        )
+
+    async def _import(self, request: web.Request) -> web.Response:
+        req = await self._control(request, api.ExportedRequest)
+        if isinstance(req, web.Response):
+            return req
+        inst = self.instance
+        if req.version != inst.version:
+            return self._error(409, f"request holds version {req.version}, instance {inst.version}")
+        if inst.find(req.request_id) is not None:
+            return self._error(400, f"request_id {req.request_id!r} is already in flight")
+        if req.token_ids and req.kv_dtype != _KV_DTYPE:
+            return self._error(400, f"cannot import a KV cache of dtype {req.kv_dtype!r}")
+        plan = inst.model.plan(req.request_id, req.prompt_ids)
+        left = plan.length - plan.offset
+        max_tokens = req.params.max_tokens
+        seq = Sequence(
+            id=req.request_id,
+            prompt_ids=list(req.prompt_ids),
+            plan=plan,
+            target=min(left, max_tokens),
+            finish="stop" if left <= max_tokens else "length",
+            version=inst.version,
+            done=float(len(req.token_ids)),
+            token_ids=list(req.token_ids),
+            logprobs=list(req.logprobs),
+            versions=list(req.versions),
+            prefill_from=len(req.prompt_ids) + len(req.token_ids) if req.token_ids else -1,
+        )
+        stall = 0.0
+        if req.token_ids:  # the KV cache crosses the network
+            moved = len(seq.prompt_ids) + len(req.token_ids)
+            stall = moved * inst.s.kv_bytes_per_token / (inst.s.kv_transfer_gbps * 1e9)
+        inst.submit(seq, stall_s=stall)
+        out = await self._wait(seq)
+        return self._json(_as_dict(out))
+
+
+def _as_dict(c: Completion) -> dict[str, object]:
+    return {
+        "request_id": c.request_id,
+        "token_ids": c.token_ids,
+        "logprobs": c.logprobs,
+        "versions": c.versions,
+        "finish_reason": c.finish_reason,
+        "prompt_tokens": c.prompt_tokens,
+        "version": c.version,
+    }
+
+
+def _params(seq: Sequence) -> SamplingParams:
+    # the call's whole budget: what it sampled so far plus what it may still sample
+    return SamplingParams(max_tokens=max(1, seq.target))
