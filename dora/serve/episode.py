@@ -46,6 +46,7 @@ import msgspec
 
 from dora.env import Env, Episode, Message, Reward, Task, call_maybe_async
 from dora.errors import EnvError
+from dora.instance.interface import InstanceClient
 from dora.protocol import Completion, FinishReason, Sample, SamplingParams
 from dora.tools import JSON, ParsedTurn, ToolBox, ToolCall, parse_tool_calls
 
@@ -78,20 +79,6 @@ class Sampler(Protocol):
     """
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams) -> Completion: ...
-
-
-class InstanceClient(Protocol):
-    """The generate call of the instance interface (DESIGN §5), as `EngineClient` offers it."""
-
-    async def generate(
-        self,
-        prompt_ids: list[int],
-        params: SamplingParams,
-        *,
-        request_id: str,
-        version: int | None = None,
-        timeout_s: float | None = None,
-    ) -> Completion: ...
 
 
 class PinnedSampler:

@@ -47,8 +47,8 @@ import aiohttp
 
 from dora.config import is_loopback
 from dora.errors import ConfigError, ServerTimeout, ServerUnavailable
+from dora.instance import InstanceHandle
 from dora.launch import free_port
-from dora.serve.instances import InstanceHandle
 from dora.vllm.client import VllmClient
 
 if TYPE_CHECKING:
