@@ -15,7 +15,6 @@ The resolved config (what `dora config show` prints) is what runs.
 from __future__ import annotations
 
 import difflib
-import ipaddress
 import tomllib
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -24,6 +23,7 @@ from typing import Annotated, Literal, get_args, get_origin, get_type_hints
 import msgspec
 
 from dora.errors import ConfigError
+from dora.net import is_loopback
 
 Mode = Literal["sync", "one_step_off", "partial", "dora"]
 M = msgspec.Meta
@@ -448,17 +448,6 @@ def _resolve(config: DoraConfig) -> DoraConfig:
             "serve.link_server_key and serve.link_client_key)"
         )
     return config
-
-
-def is_loopback(host: str) -> bool:
-    """Whether binding `host` keeps a server on this machine ('0.0.0.0' and '' are every
-    interface; a name other than 'localhost' may resolve anywhere)."""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
 
 
 def to_toml_dict(config: DoraConfig) -> dict[str, object]:

@@ -32,8 +32,9 @@ import zmq.asyncio
 import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
 
-from dora.config import ServeConfig, is_loopback
+from dora.config import ServeConfig
 from dora.errors import ConfigError, ProtocolError, ServerTimeout, ServerUnavailable
+from dora.net import is_loopback
 from dora.protocol import (
     Hello,
     LearnMessage,

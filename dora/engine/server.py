@@ -34,12 +34,12 @@ import msgspec
 import torch
 from aiohttp import web
 
-from dora.config import is_loopback
 from dora.engine import api, render
 from dora.engine.batcher import Batcher, BatcherConfig, Sequence
 from dora.engine.control import ControlRoutes
 from dora.engine.worker import EngineWorker
 from dora.errors import ConfigError
+from dora.net import is_loopback
 from dora.protocol import Completion, SamplingParams
 
 MAX_REQUEST_BYTES = 16 << 20

@@ -38,9 +38,9 @@ from typing import TYPE_CHECKING
 from dora.config import DoraConfig
 from dora.core.transfer_queue import Admitted, RefusalReason
 from dora.env import Env, PromptStream, Task
+from dora.episode import ChatRenderer, EpisodeLimits, run_episode
 from dora.errors import SchedulingError, ServerTimeout
 from dora.protocol import Group, Sample, SamplingParams
-from dora.serve.episode import ChatRenderer, EpisodeLimits, run_episode
 
 if TYPE_CHECKING:
     from dora.serve.rollout import Rollout

@@ -45,10 +45,10 @@ from typing import TYPE_CHECKING
 
 import aiohttp
 
-from dora.config import is_loopback
 from dora.errors import ConfigError, ServerTimeout, ServerUnavailable
 from dora.instance import InstanceHandle
 from dora.launch import free_port
+from dora.net import is_loopback
 from dora.vllm.client import VllmClient
 
 if TYPE_CHECKING:

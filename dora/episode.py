@@ -1,0 +1,567 @@
+"""The episode runner: one environment episode, token in and token out, as one training `Sample`.
+
+Invariants (DESIGN §5, "Dispatcher and env runner"):
+
+- The conversation is kept as token ids. The model's sampled tokens are appended exactly as sampled
+  and never re-tokenized; re-rendering chat history and tokenizing it again silently changes tokens
+  (merged BPE pieces, normalised JSON or whitespace in tool calls) and makes the behaviour log-probs
+  belong to a different sequence.
+- Only new environment messages (tool results, user replies) are rendered, like this: render a fixed
+  probe conversation `[user, assistant]`, render the probe followed by the new messages with the
+  generation prompt, and append the tokens of the difference. We render the new messages behind a
+  probe rather than behind the real history because the real history contains assistant turns whose
+  re-rendering need not equal what was sampled; the probe's last turn being an assistant makes
+  templates that depend on the previous role (tool results grouped after an assistant) render right.
+  The template's text between the end of an assistant message and the next message (ChatML: the
+  `\\n` after `<|im_end|>`) is appended too, minus whatever of it the model already sampled. With
+  this, the tokens equal the chat-template rendering of the whole conversation whenever the model
+  writes its turns in the template's own format (tests/unit/env/test_episode.py checks it).
+- `loss_mask` is 1 exactly on sampled tokens, which carry their behaviour log-prob and version;
+  every other token has mask 0, log-prob 0 and version -1.
+- Environment errors (`reset`, `tools`, `step`, `reward` raising) never propagate: the sample is
+  masked, the error is logged and put in `metadata["error"]`. Sampler errors (a dead server) do
+  propagate: the serve side owns that policy. Cancellation always propagates.
+- Limits: `max_turns` model turns, `max_total_tokens` sampled tokens over all turns, `context_limit`
+  tokens in the whole sequence; environment tokens that would cross the context limit are not
+  appended and the episode stops with finish reason "context". A turn cut off by a token limit
+  ends the episode ("length"): continuing after half a turn would train on a broken conversation.
+- `env.close()` is awaited once at the end of every episode the runner runs, however it ended (a
+  normal end, an environment error, a sampler error, cancellation), bounded by `close_timeout_s`;
+  a failing `close` is logged and does not change the sample (its data is complete by then).
+- Tool calls are parsed only when the env offers tools (a single-turn env stays single-turn whatever
+  the model writes). Tool calls of one turn run one after another, in the order written (tools may
+  share state on the env object); malformed calls are answered after them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeVar, cast
+
+import msgspec
+
+from dora.env import Env, Episode, Message, Reward, Task, call_maybe_async
+from dora.errors import EnvError
+from dora.instance.interface import InstanceClient
+from dora.protocol import Completion, FinishReason, Sample, SamplingParams
+from dora.tools import JSON, ParsedTurn, ToolBox, ToolCall, parse_tool_calls
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+__all__ = [
+    "ChatRenderer",
+    "EpisodeLimits",
+    "GroupFailed",
+    "InstanceClient",
+    "PinnedSampler",
+    "Sampler",
+    "masked_sample",
+    "run_episode",
+    "run_group",
+]
+
+log = logging.getLogger("dora.env")
+
+ErrorPolicy = Literal["mask", "retry"]
+
+
+class Sampler(Protocol):
+    """An LLM pinned to one weight version: token ids in, sampled tokens with log-probs out.
+
+    `generate` samples one completion continuing `prompt_ids` (the whole conversation so far). The
+    returned `Completion.token_ids` are the new tokens only; `finish_reason` "abort" means the
+    request could not finish (the episode is then masked). Errors such as `ServerError` propagate.
+    """
+
+    async def generate(self, prompt_ids: list[int], params: SamplingParams) -> Completion: ...
+
+
+class PinnedSampler:
+    """A `Sampler` over an instance client, pinned to `version` (C1): every call carries the
+    version, and an instance that does not hold it refuses with `VersionMismatch` rather than
+    sample."""
+
+    def __init__(
+        self, client: InstanceClient, *, version: int, request_prefix: str = "episode"
+    ) -> None:
+        self.client = client
+        self.version = version
+        self.request_prefix = request_prefix
+
+    async def generate(self, prompt_ids: list[int], params: SamplingParams) -> Completion:
+        request_id = f"{self.request_prefix}-{uuid.uuid4().hex[:16]}"
+        return await self.client.generate(
+            prompt_ids, params, request_id=request_id, version=self.version
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class EpisodeLimits:
+    """Bounds on one episode."""
+
+    max_turns: int = 8
+    """Model turns (assistant messages) per episode."""
+    max_total_tokens: int = 4096
+    """Sampled tokens over all turns."""
+    context_limit: int = 8192
+    """Tokens in the whole sequence: prompt, sampled and environment tokens."""
+    tool_timeout_s: float = 30.0
+    """Per tool call."""
+    max_tool_calls_per_turn: int = 8
+    """Calls beyond this in one turn get an error message instead of running."""
+    close_timeout_s: float = 30.0
+    """Deadline for the environment's `close()`."""
+
+
+class ChatRenderer:
+    """Renders messages to token ids with a Hugging Face tokenizer's chat template (see module
+    doc)."""
+
+    _PROBE_TEXT = "\x1fdora-probe\x1f"
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
+        self.tokenizer = tokenizer
+        probe: list[Message] = [
+            {"role": "user", "content": "u"},
+            {"role": "assistant", "content": self._PROBE_TEXT},
+        ]
+        self._probe = probe
+        self._probe_text = self.render(probe, add_generation_prompt=False)
+        end = self._probe_text.rindex(self._PROBE_TEXT) + len(self._PROBE_TEXT)
+        self.turn_end = self._probe_text[end:]
+        """Template text after an assistant message's content (ChatML: `<|im_end|>\\n`)."""
+
+    def render(
+        self,
+        messages: Sequence[Message],
+        *,
+        tools: Sequence[JSON] | None = None,
+        add_generation_prompt: bool = True,
+    ) -> str:
+        schemas: list[dict[Any, Any] | Callable[..., Any]] = list(tools or ())
+        text = self.tokenizer.apply_chat_template(
+            cast("list[dict[str, str]]", list(messages)),
+            tools=schemas or None,
+            tokenize=False,
+            add_generation_prompt=add_generation_prompt,
+        )
+        if not isinstance(text, str):
+            raise TypeError(f"apply_chat_template returned {type(text).__name__}, expected str")
+        return text
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        return str(self.tokenizer.decode(list(token_ids), skip_special_tokens=False))
+
+    def prompt_ids(self, messages: Sequence[Message], tools: Sequence[JSON]) -> list[int]:
+        """The opening messages with the generation prompt."""
+        return self.encode(self.render(messages, tools=tools))
+
+    def split_turn_end(self, sampled_text: str) -> tuple[str, str]:
+        """(the turn's text without its sampled end-of-turn, the end-of-turn text still to
+        append)."""
+        for k in range(len(self.turn_end), 0, -1):
+            if sampled_text.endswith(self.turn_end[:k]):
+                return sampled_text[:-k], self.turn_end[k:]
+        return sampled_text, self.turn_end
+
+    def new_message_ids(self, messages: Sequence[Message]) -> list[int]:
+        """New environment messages rendered after an assistant turn, with the generation prompt."""
+        full = self.render([*self._probe, *messages])
+        if not full.startswith(self._probe_text):
+            raise EnvError(
+                "the chat template renders the conversation differently once messages are added "
+                "after it, so turns cannot be appended as tokens; use a prefix-stable template"
+            )
+        return self.encode(full[len(self._probe_text) :])
+
+
+class GroupFailed(EnvError):
+    """An episode of a group failed and the group policy is `retry`: regenerate the whole group at
+    the same version (if still admissible). `samples` are the G samples (the failed ones masked:
+    once the retries are spent, deliver them as the group), `errors` the failures' messages."""
+
+    def __init__(self, prompt_id: str, samples: list[Sample], errors: list[str]) -> None:
+        super().__init__(f"{len(errors)} episode(s) of prompt {prompt_id!r} failed: {errors[0]}")
+        self.prompt_id = prompt_id
+        self.samples = samples
+        self.errors = errors
+
+
+class _EnvFailure(Exception):
+    """Internal: an environment hook raised; carries the finish reason for the masked sample."""
+
+    def __init__(self, message: str, finish_reason: FinishReason = "error") -> None:
+        super().__init__(message)
+        self.finish_reason = finish_reason
+
+
+async def _env_call(what: str, fn: Callable[..., object], *args: object) -> object:
+    try:
+        return await call_maybe_async(fn, *args)
+    except asyncio.CancelledError:
+        raise
+    except Exception as exc:
+        log.warning("environment %s raised", what, exc_info=True)
+        raise _EnvFailure(f"{what} raised {type(exc).__name__}: {exc}") from exc
+
+
+R = TypeVar("R", list[Message], str)
+
+
+def _check_reply(raw: object, kind: type[R]) -> tuple[R, bool]:
+    """`step`'s return value, checked: a (reply, done) pair whose reply has the episode's kind."""
+    if (
+        not isinstance(raw, tuple)
+        or len(raw) != 2
+        or not isinstance(raw[0], kind)
+        or not isinstance(raw[1], bool)
+    ):
+        what = "a list of messages" if kind is list else "text"
+        raise _EnvFailure(f"step() must return ({what}, done: bool), got {raw!r:.200}")
+    if kind is list and not all(isinstance(m, dict) and "role" in m for m in raw[0]):
+        raise _EnvFailure(
+            f"step() returned a reply that is not a list of messages: {raw[0]!r:.200}"
+        )
+    return raw[0], raw[1]
+
+
+def _total(reward: Reward) -> tuple[float, dict[str, float]]:
+    if isinstance(reward, dict):
+        components = {str(k): float(v) for k, v in reward.items()}
+        return sum(components.values()), components
+    if isinstance(reward, (int, float)) and not isinstance(reward, bool):
+        return float(reward), {}
+    raise TypeError(f"reward must be a float or a dict of floats, got {type(reward).__name__}")
+
+
+class _Trajectory:
+    """The growing token sequence of one episode and its per-token arrays."""
+
+    def __init__(self) -> None:
+        self.ids: list[int] = []
+        self.mask: list[int] = []
+        self.logprobs: list[float] = []
+        self.versions: list[int] = []
+
+    def add_context(self, ids: Sequence[int]) -> None:
+        self.ids += ids
+        self.mask += [0] * len(ids)
+        self.logprobs += [0.0] * len(ids)
+        self.versions += [-1] * len(ids)
+
+    def add_sampled(self, completion: Completion) -> None:
+        n = len(completion.token_ids)
+        if len(completion.logprobs) != n or len(completion.versions) != n:
+            raise EnvError(
+                f"sampler returned {n} tokens but {len(completion.logprobs)} logprobs and "
+                f"{len(completion.versions)} versions"
+            )
+        self.ids += completion.token_ids
+        self.mask += [1] * n
+        self.logprobs += completion.logprobs
+        self.versions += completion.versions
+
+    def to_sample(self, *, prompt_len: int, reward: float, **fields: object) -> Sample:
+        return Sample.build(
+            token_ids=self.ids,
+            loss_mask=self.mask,
+            logprobs=self.logprobs,
+            versions=self.versions,
+            prompt_len=prompt_len,
+            reward=reward,
+            **fields,
+        )
+
+
+def masked_sample(task: Task, error: str) -> Sample:
+    """The empty, masked sample of an episode that could not start (e.g. the env factory raised)."""
+    return _Trajectory().to_sample(
+        prompt_len=0,
+        reward=0.0,
+        finish_reason="error",
+        masked=True,
+        num_turns=0,
+        metadata={"prompt_id": task.prompt_id, "error": error},
+    )
+
+
+async def run_episode(
+    *,
+    sampler: Sampler,
+    tokenizer: PreTrainedTokenizerBase | ChatRenderer,
+    env: Env,
+    task: Task,
+    params: SamplingParams,
+    limits: EpisodeLimits | None = None,
+) -> Sample:
+    """Run one episode of `env` on `task` with `sampler`; return its Sample (masked if the env
+    failed).
+
+    `params.max_tokens` bounds each turn; `limits` bound the episode. Pass a `ChatRenderer` instead
+    of the tokenizer to skip re-probing the template for every episode.
+    """
+    limits = limits or EpisodeLimits()
+    try:
+        return await _run_episode(sampler, tokenizer, env, task, params, limits)
+    finally:
+        await _close_env(env, task, limits.close_timeout_s)
+
+
+async def _close_env(env: Env, task: Task, timeout_s: float) -> None:
+    """`env.close()` with a deadline; runs during cancellation too, and never raises but for it."""
+    try:
+        async with asyncio.timeout(timeout_s):
+            await env.close()
+    except asyncio.CancelledError:
+        raise
+    except Exception:
+        log.warning("environment close() of prompt %r raised", task.prompt_id, exc_info=True)
+
+
+async def _run_episode(
+    sampler: Sampler,
+    tokenizer: PreTrainedTokenizerBase | ChatRenderer,
+    env: Env,
+    task: Task,
+    params: SamplingParams,
+    limits: EpisodeLimits,
+) -> Sample:
+    renderer = tokenizer if isinstance(tokenizer, ChatRenderer) else ChatRenderer(tokenizer)
+    traj = _Trajectory()
+    prompt_len = 0
+    state = {"turns": 0, "tool_calls": 0, "tool_errors": 0}
+    try:
+        prompt = await _env_call("reset", env.reset, task)
+        tools = cast("Sequence[Callable[..., object]]", await _env_call("tools", env.tools))
+        try:
+            toolbox = ToolBox(tools, timeout_s=limits.tool_timeout_s)
+        except TypeError as exc:
+            raise _EnvFailure(f"bad tool: {exc}") from exc
+        if isinstance(prompt, str):
+            if len(toolbox):
+                raise _EnvFailure("tools need a chat prompt: reset() returned plain text")
+            traj.add_context(renderer.encode(prompt))
+        elif isinstance(prompt, list):
+            ids = await _env_call(
+                "rendering reset()'s messages", renderer.prompt_ids, prompt, toolbox.schemas
+            )
+            traj.add_context(cast("list[int]", ids))
+        else:
+            raise _EnvFailure(
+                f"reset() must return messages or a string, not {type(prompt).__name__}"
+            )
+        prompt_len = len(traj.ids)
+        if prompt_len >= limits.context_limit:
+            raise _EnvFailure(
+                f"prompt of {prompt_len} tokens leaves no room under "
+                f"context_limit {limits.context_limit}",
+                "context",
+            )
+        try:
+            episode = await _loop(
+                sampler, renderer, env, task, params, limits, prompt, toolbox, traj, state
+            )
+        finally:
+            toolbox.close()
+        raw = await _env_call("reward", env.reward, episode)
+        try:
+            reward, components = _total(cast(Reward, raw))
+        except (TypeError, ValueError) as exc:
+            raise _EnvFailure(f"reward: {exc}") from exc
+    except _EnvFailure as failure:
+        log.warning("episode of prompt %r masked: %s", task.prompt_id, failure)
+        return traj.to_sample(
+            prompt_len=prompt_len,
+            reward=0.0,
+            finish_reason=failure.finish_reason,
+            masked=True,
+            num_turns=state["turns"],
+            num_tool_calls=state["tool_calls"],
+            metadata={"prompt_id": task.prompt_id, "error": str(failure)},
+        )
+    return traj.to_sample(
+        prompt_len=prompt_len,
+        reward=reward,
+        reward_components=components,
+        finish_reason=episode.finish_reason,
+        num_turns=episode.num_turns,
+        num_tool_calls=episode.num_tool_calls,
+        metadata={"prompt_id": task.prompt_id, "tool_errors": str(episode.num_tool_errors)},
+    )
+
+
+async def _loop(
+    sampler: Sampler,
+    renderer: ChatRenderer,
+    env: Env,
+    task: Task,
+    params: SamplingParams,
+    limits: EpisodeLimits,
+    prompt: list[Message] | str,
+    toolbox: ToolBox,
+    traj: _Trajectory,
+    state: dict[str, int],
+) -> Episode:
+    """The turns of one episode; fills `traj` and `state`, returns the Episode for `reward`."""
+    chat = not isinstance(prompt, str)
+    messages: list[Message] | str = prompt if isinstance(prompt, str) else list(prompt)
+    sampled = 0
+    completion_text = ""
+    finish: FinishReason = "stop"
+    while True:
+        token_budget = limits.max_total_tokens - sampled
+        context_budget = limits.context_limit - len(traj.ids)
+        budget = min(params.max_tokens, token_budget, context_budget)
+        if budget <= 0:
+            finish = "context" if context_budget <= token_budget else "length"
+            break
+        completion = await sampler.generate(
+            list(traj.ids), msgspec.structs.replace(params, max_tokens=budget)
+        )
+        if completion.finish_reason in ("abort", "error"):
+            raise _EnvFailure(
+                f"the sampler ended the request with {completion.finish_reason!r}", "abort"
+            )
+        traj.add_sampled(completion)
+        sampled += len(completion.token_ids)
+        state["turns"] += 1
+        text = renderer.decode(completion.token_ids)
+        if completion.finish_reason == "length":
+            completion_text = renderer.split_turn_end(text)[0] if chat else text
+            _record_turn(messages, _parse(completion_text, toolbox) if chat else None)
+            finish = (
+                "context" if context_budget < min(params.max_tokens, token_budget) else "length"
+            )
+            break
+        new_ids: list[int] = []
+        if chat:
+            assert isinstance(messages, list)
+            completion_text, turn_end = renderer.split_turn_end(text)
+            parsed = _parse(completion_text, toolbox)
+            _record_turn(messages, parsed)
+            if parsed.calls or parsed.errors:
+                replies = await _run_tools(toolbox, parsed.calls, parsed.errors, limits, state)
+                done = False
+            else:
+                raw = await _env_call("step", env.step, list(messages))
+                replies, done = _check_reply(raw, list)
+            messages.extend(replies)
+            if not done and state["turns"] < limits.max_turns:
+                rendered = await _env_call("rendering", renderer.new_message_ids, replies)
+                new_ids = renderer.encode(turn_end) + cast("list[int]", rendered)
+        else:
+            completion_text = text
+            messages = cast(str, messages) + text
+            raw = await _env_call("step", env.step, messages)
+            reply_text, done = _check_reply(raw, str)
+            messages += reply_text
+            new_ids = renderer.encode(reply_text)
+        if done:
+            finish = "stop"
+            break
+        if state["turns"] >= limits.max_turns:
+            finish = "tool_limit"
+            break
+        if len(traj.ids) + len(new_ids) >= limits.context_limit:
+            finish = "context"
+            break
+        traj.add_context(new_ids)
+    return Episode(
+        task=task,
+        messages=messages,
+        completion=completion_text,
+        finish_reason=finish,
+        num_turns=state["turns"],
+        num_tool_calls=state["tool_calls"],
+        num_tool_errors=state["tool_errors"],
+    )
+
+
+def _parse(text: str, toolbox: ToolBox) -> ParsedTurn:
+    """Tool calls only exist in episodes that offer tools; otherwise the text is just text."""
+    return parse_tool_calls(text) if len(toolbox) else ParsedTurn(content=text)
+
+
+def _record_turn(messages: list[Message] | str, parsed: ParsedTurn | None) -> None:
+    if isinstance(messages, str) or parsed is None:
+        return
+    message: Message = {"role": "assistant", "content": parsed.content}
+    if parsed.calls:
+        message["tool_calls"] = parsed.calls
+    messages.append(message)
+
+
+async def _run_tools(
+    toolbox: ToolBox,
+    calls: Sequence[ToolCall],
+    errors: Sequence[str],
+    limits: EpisodeLimits,
+    state: dict[str, int],
+) -> list[Message]:
+    """Tool messages answering one turn's calls, in order; malformed calls get error messages."""
+    replies: list[Message] = []
+    for i, call in enumerate(calls):
+        state["tool_calls"] += 1
+        name = call["function"]["name"]
+        if i >= limits.max_tool_calls_per_turn:
+            content, ok = (
+                f"Error: more than {limits.max_tool_calls_per_turn} tool calls in one turn",
+                False,
+            )
+        else:
+            content, ok = await toolbox.call(call)
+        state["tool_errors"] += not ok
+        replies.append(
+            {"role": "tool", "content": content, "tool_call_id": call["id"], "name": name}
+        )
+    for error in errors:
+        state["tool_calls"] += 1
+        state["tool_errors"] += 1
+        replies.append({"role": "tool", "content": f"Error: malformed tool call: {error}"})
+    return replies
+
+
+async def run_group(
+    *,
+    sampler: Sampler,
+    tokenizer: PreTrainedTokenizerBase | ChatRenderer,
+    env_factory: Callable[[], Env],
+    task: Task,
+    group_size: int,
+    params: SamplingParams,
+    limits: EpisodeLimits | None = None,
+    on_error: ErrorPolicy = "mask",
+) -> list[Sample]:
+    """Run the `group_size` episodes of one group concurrently (one env object each).
+
+    With `on_error="mask"` failed episodes come back as masked samples (the group stays whole, C2).
+    With `on_error="retry"` a failure raises `GroupFailed` once every episode has finished; the
+    caller regenerates the group at the same version, at most R times, then masks.
+    """
+    renderer = tokenizer if isinstance(tokenizer, ChatRenderer) else ChatRenderer(tokenizer)
+
+    async def one() -> Sample:
+        try:
+            env = env_factory()
+        except Exception as exc:
+            log.warning("env factory raised", exc_info=True)
+            return masked_sample(task, f"env factory raised {exc!r}")
+        return await run_episode(
+            sampler=sampler, tokenizer=renderer, env=env, task=task, params=params, limits=limits
+        )
+
+    async with asyncio.TaskGroup() as tg:
+        running = [tg.create_task(one()) for _ in range(group_size)]
+    samples = [t.result() for t in running]
+    errors = [s.metadata.get("error", "") for s in samples if s.masked]
+    if errors and on_error == "retry":
+        raise GroupFailed(task.prompt_id, samples, errors)
+    return samples
