@@ -1,6 +1,6 @@
 """The episode runner: one environment episode, token in and token out, as one training `Sample`.
 
-Invariants (DESIGN §5, "Dispatcher and env runner"):
+Invariants (docs/environments.md, "How an episode becomes a training sample"):
 
 - The conversation is kept as token ids. The model's sampled tokens are appended exactly as sampled
   and never re-tokenized; re-rendering chat history and tokenizing it again silently changes tokens

@@ -1,6 +1,6 @@
 """The dispatcher: dataset -> groups -> G episodes each, admitted through the transfer queue.
 
-Admission binds late (DESIGN §3, docs/scheduling.md "Admission"): a group is admitted only at the
+Admission binds late (docs/scheduling.md, "Admission"): a group is admitted only at the
 newest version published to the orchestrator, once an instance holds it (while it loads, admission
 waits), when the transfer queue allows one more group *and* an instance holding that version has
 room for all `G` samples. While admissible groups wait for such an instance, the dispatcher reports
@@ -13,7 +13,7 @@ load and trainer ack), and the time spent waiting is added up per reason (`weigh
 `invariant`, `no_capacity`, ...).
 
 Why episodes run here and not through `episode.run_group`: each episode's lease must end when
-*that* episode ends (DESIGN §5: a lease from first token to end), so the slot it held goes back to
+*that* episode ends (a lease lasts from its first token to its end), so the slot it held goes to
 the orchestrator while its group's long tail is still running. `run_group` returns only when all
 `G` are done, which would hold `G - 1` idle slots per long-tailed group. The group policy is the
 same: `mask` keeps masked samples in the group (C2); `retry` regenerates the whole group at its
