@@ -8,7 +8,7 @@ regenerates the doc and fails if it drifted).
 Errors are for people: an unknown key names its path and suggests the nearest valid key; a wrong
 type names the key, the value and the expected type; cross-field rules say what would be valid.
 
-Modes are presets (DESIGN §3): `sync` forces `rollout.staleness = 0` and `one_step_off` forces 1.
+Modes are presets: `sync` forces `rollout.staleness = 0` and `one_step_off` forces 1.
 The resolved config (what `dora config show` prints) is what runs.
 """
 

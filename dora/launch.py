@@ -4,7 +4,7 @@ Both sides get the same resolved config, the same run directory and a free port 
 link, chosen here so neither has to tell the other. Serve owns the terminal (its live display is
 the run's one progress display); the trainer writes to `learn.log` in the run directory.
 
-Supervision (DESIGN §4, §7): a side that exits with an error is restarted, at most
+Supervision (docs/reliability.md): a side that exits with an error is restarted, at most
 `run.max_restarts` times each. A dead `dora learn` is restarted with `--resume`: it continues from
 its last checkpoint under a new incarnation and serve rolls back. A dead `dora serve` is restarted
 on the same run directory and port: it restores its journal (`dora/serve/journal.py`). The trainer

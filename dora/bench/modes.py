@@ -5,7 +5,7 @@ differs), launched the way `dora run` launches one: the initial model prepared o
 `python -m dora.cli serve` and `python -m dora.cli learn` with the same overrides, a free port and a
 run directory of their own (`OUT/<mode>`). The benchmark then reads the run directories.
 
-Where the cores go (DESIGN §8), stated in the table:
+Where the cores go, stated in the table:
 - `sync` is colocated, as the paper's synchronous baseline: no pinning, every process may use every
   core; the instances get `cores // instances` threads each (at least 1) and the trainer `cores`
   threads, since its phases and the rollout's do not overlap.

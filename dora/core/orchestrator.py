@@ -11,7 +11,7 @@ admissible groups waiting for room). Outputs: `Load(instance, w)`, `Drain(instan
 `Resume(request, instance, version)`. An instance accepts new groups when it is ready and not
 draining; `Drain`, `Undrain` and `Load` (which also ends a drain) tell the driver every change.
 
-Rules (DESIGN.md §5), in mode `dora` (and `sync`, which is `dora` with K = 0):
+Rules (docs/scheduling.md), in mode `dora` (and `sync`, which is `dora` with K = 0):
 - an old version keeps the fewest instances that hold its live requests, never zero while it has
   live requests; every other instance serves the newest version;
 - instances move only from old versions to the newest, and only when that frees a whole instance:

@@ -12,7 +12,7 @@ counts of unassigned groups per deadline in a list indexed by `d - t`; checking 
 then O(K). Completed groups wait in a heap ordered by deadline (earliest deadline first), so every
 operation costs O(K + log n).
 
-Rules (DESIGN.md §3):
+Rules (docs/scheduling.md):
 - admission at version `w` needs (a) `w + K >= t` and (b) room for one more group of deadline
   `w + K` in the invariant; `w` is the newest loaded version unless `legacy_filling` is on;
 - an admitted group that has not sampled a token may be re-bound to a newer loaded version (that
