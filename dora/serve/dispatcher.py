@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING
 from dora.config import DoraConfig
 from dora.core.transfer_queue import Admitted, RefusalReason
 from dora.env import Env, PromptStream, Task
-from dora.episode import ChatRenderer, EpisodeLimits, run_episode
+from dora.episode import ChatRenderer, EpisodeLimits, masked_sample, run_episode
 from dora.errors import SchedulingError, ServerTimeout
 from dora.protocol import Group, Sample, SamplingParams
 
@@ -267,18 +267,7 @@ async def episode_on_lease(
         env = env_factory()
     except Exception as exc:
         log.warning("env factory raised", exc_info=True)
-        return Sample.build(
-            token_ids=[],
-            loss_mask=[],
-            logprobs=[],
-            versions=[],
-            prompt_len=0,
-            reward=0.0,
-            finish_reason="error",
-            masked=True,
-            num_turns=0,
-            metadata={"prompt_id": task.prompt_id, "error": f"env factory: {exc!r}"},
-        )
+        return masked_sample(task, f"env factory: {exc!r}")
     return await run_episode(
         sampler=rollout.router.sampler(lease_id),
         tokenizer=renderer,
