@@ -27,7 +27,6 @@ import importlib.util
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -36,15 +35,9 @@ from pathlib import Path
 
 from dora.config import DoraConfig, load_config, render_toml
 from dora.errors import NotYetAvailable
+from dora.net import free_port
 
 GRACE_S = 20.0
-
-
-def free_port(host: str) -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 def make_run_dir(config: DoraConfig) -> Path:

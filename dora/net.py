@@ -1,11 +1,20 @@
-"""Network facts that several layers need (the engine, the vLLM launcher, the config checks and
-the trainer link), kept apart from all of them so that none has to import another for them."""
+"""Network helpers that several layers need (the engine, the vLLM launcher, the config checks, the
+trainer link and `dora run`), kept apart from all of them so that none imports another for them."""
 
 from __future__ import annotations
 
 import ipaddress
+import socket
 
-__all__ = ["is_loopback"]
+__all__ = ["free_port", "is_loopback"]
+
+
+def free_port(host: str) -> int:
+    """A TCP port that is free on `host` now (another process may take it before it is bound)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        port: int = s.getsockname()[1]
+        return port
 
 
 def is_loopback(host: str) -> bool:

@@ -47,8 +47,7 @@ import aiohttp
 
 from dora.errors import ConfigError, ServerTimeout, ServerUnavailable
 from dora.instance import InstanceHandle
-from dora.launch import free_port
-from dora.net import is_loopback
+from dora.net import free_port, is_loopback
 from dora.vllm.client import VllmClient
 
 if TYPE_CHECKING:
