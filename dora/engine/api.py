@@ -23,6 +23,8 @@ from typing import Annotated, Literal, TypeVar
 
 import msgspec
 
+# ExportedRequest is the instance interface's (dora.instance); re-exported for the old path.
+from dora.instance.interface import ExportedRequest as ExportedRequest
 from dora.protocol import SamplingParams
 
 PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
