@@ -8,14 +8,13 @@ regenerates the doc and fails if it drifted).
 Errors are for people: an unknown key names its path and suggests the nearest valid key; a wrong
 type names the key, the value and the expected type; cross-field rules say what would be valid.
 
-Modes are presets (DESIGN §3): `sync` forces `rollout.staleness = 0` and `one_step_off` forces 1.
+Modes are presets: `sync` forces `rollout.staleness = 0` and `one_step_off` forces 1.
 The resolved config (what `dora config show` prints) is what runs.
 """
 
 from __future__ import annotations
 
 import difflib
-import ipaddress
 import math
 import tomllib
 from collections.abc import Mapping, Sequence
@@ -25,6 +24,7 @@ from typing import Annotated, Literal, get_args, get_origin, get_type_hints
 import msgspec
 
 from dora.errors import ConfigError
+from dora.net import is_loopback
 from dora.protocol import MIN_TEMPERATURE
 
 Mode = Literal["sync", "one_step_off", "partial", "dora"]
@@ -566,17 +566,6 @@ def _resolve(config: DoraConfig) -> DoraConfig:
             "serve.link_server_key and serve.link_client_key)"
         )
     return config
-
-
-def is_loopback(host: str) -> bool:
-    """Whether binding `host` keeps a server on this machine ('0.0.0.0' and '' are every
-    interface; a name other than 'localhost' may resolve anywhere)."""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
 
 
 def to_toml_dict(config: DoraConfig) -> dict[str, object]:

@@ -123,7 +123,7 @@ def _read_jsonl(path: Path) -> list[Task]:
 
 
 class PromptRenderer(Protocol):
-    """How prompts become tokens (dora.serve.episode.ChatRenderer)."""
+    """How prompts become tokens (dora.episode.ChatRenderer)."""
 
     def prompt_ids(self, prompt: Sequence[Message] | str, tools: Sequence[JSON]) -> list[int]: ...
 

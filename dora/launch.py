@@ -4,7 +4,7 @@ Both sides get the same resolved config, the same run directory and a free port 
 link, chosen here so neither has to tell the other. Serve owns the terminal (its live display is
 the run's one progress display); the trainer writes to `learn.log` in the run directory.
 
-Supervision (DESIGN §4, §7): a side that exits with an error is restarted, at most
+Supervision (docs/reliability.md): a side that exits with an error is restarted, at most
 `run.max_restarts` times each. A dead `dora learn` is restarted with `--resume`: it continues from
 its last checkpoint under a new incarnation and serve rolls back. A dead `dora serve` is restarted
 on the same run directory and port: it restores its journal (`dora/serve/journal.py`). The trainer
@@ -35,7 +35,6 @@ import importlib.util
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -44,6 +43,7 @@ from pathlib import Path
 
 from dora.config import DoraConfig, load_config, render_toml
 from dora.errors import NotYetAvailable
+from dora.net import free_port
 
 GRACE_S = 20.0
 READY_ENV = "DORA_READY_FILE"
@@ -56,13 +56,6 @@ def mark_ready() -> None:
     path = os.environ.get(READY_ENV)
     if path:
         Path(path).touch()
-
-
-def free_port(host: str) -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 def make_run_dir(config: DoraConfig) -> Path:

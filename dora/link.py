@@ -9,7 +9,7 @@ Serve's side is asyncio (`ServeLink`); the trainer's side is a plain blocking so
 (`LearnLink`), because the trainer's step loop is synchronous torch and only its receiver touches
 sockets. Every receive has a deadline and says what it was waiting for when it expires.
 
-Security (DESIGN §7). The link binds 127.0.0.1 by default. Off loopback it refuses to bind without
+Security. The link binds 127.0.0.1 by default. Off loopback it refuses to bind without
 CURVE keys (`serve.link_server_key`, `serve.link_client_key`): with them, ZeroMQ encrypts every
 frame, the trainer only talks to a serve holding the server's secret key, and serve's ZAP handler
 admits only the trainer's public key (anyone else's handshake is refused, so their frames never
@@ -32,8 +32,9 @@ import zmq.asyncio
 import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
 
-from dora.config import ServeConfig, is_loopback
+from dora.config import ServeConfig
 from dora.errors import ConfigError, ProtocolError, ServerTimeout, ServerUnavailable
+from dora.net import is_loopback
 from dora.protocol import (
     Hello,
     LearnMessage,

@@ -38,7 +38,8 @@ ordinary logits and the behaviour logprobs become NaN; the config and the engine
 
 
 class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    """How to sample one completion. Training rollouts keep top_p = 1 and top_k = -1 (DESIGN §5)."""
+    """How to sample one completion. Training rollouts keep top_p = 1 and top_k = -1, so that the
+    behaviour logprobs are those the trainer recomputes (docs/engine.md)."""
 
     max_tokens: int = 256
     min_tokens: int = 0
@@ -52,7 +53,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
 
 class Completion(msgspec.Struct, kw_only=True):
-    """What an instance returns for one request (the instance interface of DESIGN §5).
+    """What an instance returns for one request (the instance interface, `dora.instance`).
 
     `token_ids` are the sampled tokens only (not the prompt); `logprobs[i]` is the behaviour
     log-probability of `token_ids[i]`: `log_softmax(logits / T)` over the whole vocabulary;

@@ -13,14 +13,8 @@ parameter annotated `CallId`: it is left out of the schema and receives the id o
 run (the id the tool message answers), so a tool can record its calls under the conversation's own
 ids.
 
-Tool calls are parsed from the text the model sampled, never from a re-rendering of it, in two
-formats:
-
-- hermes: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` (any number per turn; a final
-  call whose closing tag is missing because sampling stopped right after it is accepted when its
-  JSON parses);
-- OpenAI JSON: the whole turn is a JSON object `{"name": ..., "arguments": ...}`, a list of them, or
-  `{"tool_calls": [{"type": "function", "function": {...}}]}`.
+Tool calls are parsed from the sampled text by `dora.tool_calls.parse_tool_calls` (re-exported
+here), the parser the engine's chat endpoint uses too.
 
 Everything that goes wrong on the model's side becomes a tool message the model reads, never an
 exception: malformed JSON, an unknown tool, bad arguments, a tool that raises, a tool that hangs (it
@@ -39,13 +33,27 @@ import json
 import re
 import types
 import typing
-import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
-from typing import Literal, NewType, TypedDict
+from dataclasses import dataclass
+from typing import Literal, NewType
 
 import msgspec
+
+from dora.tool_calls import FunctionCall, ParsedTurn, ToolCall, parse_tool_calls
+
+__all__ = [
+    "JSON",
+    "CallId",
+    "FunctionCall",
+    "ParsedTurn",
+    "Tool",
+    "ToolBox",
+    "ToolCall",
+    "ToolFunction",
+    "parse_tool_calls",
+    "tool_schema",
+]
 
 JSON = dict[str, object]
 
@@ -69,35 +77,6 @@ class Tool:
 
 ToolFunction = Callable[..., object] | Tool
 """What `Env.tools()` lists: typed functions, or `Tool`s with a ready-made schema."""
-
-
-class FunctionCall(TypedDict):
-    """The function part of an OpenAI tool call; `arguments` is a JSON object encoded as a
-    string."""
-
-    name: str
-    arguments: str
-
-
-class ToolCall(TypedDict):
-    """One OpenAI-style tool call."""
-
-    id: str
-    type: Literal["function"]
-    function: FunctionCall
-
-
-@dataclass(frozen=True)
-class ParsedTurn:
-    """An assistant turn split into its text and its tool calls.
-
-    `content` is the text outside tool calls; `errors[i]` is a description of a malformed call the
-    model should be told about (it gets a tool message, like a call).
-    """
-
-    content: str
-    calls: list[ToolCall] = field(default_factory=list)
-    errors: list[str] = field(default_factory=list)
 
 
 # --- schemas --------------------------------------------------------------------------------------
@@ -226,79 +205,6 @@ def _checked_schema(schema: JSON) -> JSON:
     if not isinstance(parameters, dict) or not isinstance(parameters.get("properties", {}), dict):
         raise TypeError(f"tool {inner['name']!r}: 'parameters' must be an object schema")
     return {"type": "function", "function": {**inner, "parameters": parameters}}
-
-
-# --- parsing --------------------------------------------------------------------------------------
-
-_HERMES = re.compile(r"<tool_call>(.*?)(?:</tool_call>|\Z)", re.DOTALL)
-
-
-def _make_call(obj: object) -> ToolCall | str:
-    """A ToolCall from a decoded JSON object, or the reason it is not one."""
-    if not isinstance(obj, dict):
-        return f"expected a JSON object, got {type(obj).__name__}"
-    if isinstance(obj.get("function"), dict):
-        obj = obj["function"]
-        assert isinstance(obj, dict)
-    name = obj.get("name")
-    if not isinstance(name, str) or not name:
-        return 'missing "name"'
-    args = obj.get("arguments", obj.get("parameters", {}))
-    if isinstance(args, str):
-        try:
-            args = json.loads(args) if args.strip() else {}
-        except json.JSONDecodeError as exc:
-            return f'"arguments" of {name!r} is not valid JSON: {exc}'
-    if not isinstance(args, dict):
-        return f'"arguments" of {name!r} must be a JSON object'
-    return {
-        "id": f"call_{uuid.uuid4().hex[:12]}",
-        "type": "function",
-        "function": {"name": name, "arguments": json.dumps(args)},
-    }
-
-
-def _openai_json(text: str) -> list[object] | None:
-    """The call objects if the whole text is OpenAI-style tool-call JSON, else None."""
-    stripped = text.strip()
-    if not stripped or stripped[0] not in "[{":
-        return None
-    try:
-        obj = json.loads(stripped)
-    except json.JSONDecodeError:
-        return None
-    items = obj.get("tool_calls") if isinstance(obj, dict) and "tool_calls" in obj else obj
-    items = items if isinstance(items, list) else [items]
-
-    def looks_like_call(x: object) -> bool:
-        return isinstance(x, dict) and ("function" in x or ("name" in x and "arguments" in x))
-
-    return items if items and all(looks_like_call(x) for x in items) else None
-
-
-def parse_tool_calls(text: str) -> ParsedTurn:
-    """Split sampled assistant text into content and tool calls (hermes tags, else OpenAI JSON)."""
-    if "<tool_call>" in text:
-        calls: list[ToolCall] = []
-        errors: list[str] = []
-        for match in _HERMES.finditer(text):
-            body = match.group(1).strip()
-            try:
-                result = _make_call(json.loads(body))
-            except json.JSONDecodeError as exc:
-                result = f"tool call is not valid JSON ({exc}): {body[:200]!r}"
-            (calls.append if isinstance(result, dict) else errors.append)(result)  # type: ignore[arg-type]
-        content = text[: text.index("<tool_call>")].rstrip()
-        return ParsedTurn(content=content, calls=calls, errors=errors)
-    items = _openai_json(text)
-    if items is None:
-        return ParsedTurn(content=text)
-    parsed = [_make_call(item) for item in items]
-    return ParsedTurn(
-        content="",
-        calls=[c for c in parsed if isinstance(c, dict)],
-        errors=[e for e in parsed if isinstance(e, str)],
-    )
 
 
 # --- execution ------------------------------------------------------------------------------------

@@ -16,7 +16,7 @@ included: the book of groups, `groups.py`, releases a step's groups lazily).
 Strict inputs: `on_step_done` takes the steps in order, `on_durable` only a filled step, and
 `rollback` only a step the trainer reported trained; anything else is a driver bug and raises.
 
-Rules:
+Rules (docs/scheduling.md):
 - admission at version `w` needs (a) `w + K >= t` and (b) room for one more group of deadline
   `w + K` in the invariant; `w` is the newest loaded version unless `legacy_filling` is on;
 - an admitted group that has not sampled a token may be re-bound to a newer loaded version (that

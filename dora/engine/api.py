@@ -23,6 +23,8 @@ from typing import Annotated, Literal, TypeVar
 
 import msgspec
 
+# ExportedRequest is the instance interface's (dora.instance); re-exported for the old path.
+from dora.instance.interface import ExportedRequest as ExportedRequest
 from dora.protocol import MIN_TEMPERATURE, SamplingParams
 
 PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
@@ -148,27 +150,6 @@ class RequestIdBody(msgspec.Struct, forbid_unknown_fields=True):
     """POST /control/abort and /control/export."""
 
     request_id: str
-
-
-class ExportedRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    """A running request moved between instances of the same version (msgpack).
-
-    `key` and `len(token_ids)` are the whole sampling RNG state (see sampling.py). `kv` holds the
-    keys and values of `prompt_ids + token_ids[:-1]` as a `[layers, 2, kv_heads, tokens, head_dim]`
-    tensor of `kv_dtype`; empty when the request was still waiting (the importer prefills it).
-    """
-
-    request_id: str
-    version: int
-    prompt_ids: list[int]
-    token_ids: list[int]
-    logprobs: list[float]
-    versions: list[int]
-    params: SamplingParams
-    key: int
-    kv: bytes = b""
-    kv_dtype: str = ""
-    kv_shape: list[int] = msgspec.field(default_factory=list)
 
 
 S = TypeVar("S", bound=msgspec.Struct)

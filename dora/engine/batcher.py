@@ -491,9 +491,6 @@ class Batcher:
 
     # -- introspection -----------------------------------------------------------------------------
 
-    def kv_state(self, seq: Sequence) -> dict[str, int]:
-        return {"cached_tokens": int(self._ints[seq.row, _LEN]) if seq.row >= 0 else 0}
-
     def stats(self) -> dict[str, float]:
         n = len(self.running)
         used = int(self._ints[:n, _LEN].sum()) if n else 0

@@ -20,6 +20,7 @@ from aiohttp import web
 from dora.engine import api, render
 from dora.engine.batcher import Batcher, Sequence
 from dora.engine.worker import read_safetensors
+from dora.instance.interface import ExportedRequest
 
 if TYPE_CHECKING:
     from dora.engine.server import EngineServer
@@ -146,7 +147,7 @@ class ControlRoutes:
             return self.server.error(400, "only requests with n = 1 can be exported")
         seq = seqs[0]
 
-        def detach(b: Batcher) -> api.ExportedRequest | None:
+        def detach(b: Batcher) -> ExportedRequest | None:
             if seq.finish_reason is not None:
                 return None
             version = b.version
@@ -161,7 +162,7 @@ class ControlRoutes:
         )
 
     async def _import(self, request: web.Request) -> web.Response:
-        req = await self._control_body(request, api.ExportedRequest)
+        req = await self._control_body(request, ExportedRequest)
         if isinstance(req, web.Response):
             return req
         if req.version != self.server.version:
@@ -199,12 +200,12 @@ class ControlRoutes:
         return web.json_response(render.completion_dict(seq.completion()))
 
 
-def _exported(seq: Sequence, version: int, kv: torch.Tensor | None) -> api.ExportedRequest:
+def _exported(seq: Sequence, version: int, kv: torch.Tensor | None) -> ExportedRequest:
     raw, dtype, shape = b"", "", []
     if kv is not None:
         raw = kv.contiguous().view(torch.uint8).numpy().tobytes()
         dtype, shape = str(kv.dtype).removeprefix("torch."), list(kv.shape)
-    return api.ExportedRequest(
+    return ExportedRequest(
         request_id=seq.id,
         version=version,
         prompt_ids=seq.prompt_ids,

@@ -17,8 +17,8 @@ import torch
 
 from dora.engine import api
 from dora.engine.batcher import Sequence
-from dora.engine.tool_parser import parse_tool_calls
 from dora.protocol import Completion
+from dora.tool_calls import parse_tool_calls
 
 TensorSource = Callable[[], dict[str, torch.Tensor]]
 Json = dict[str, object]
@@ -119,8 +119,11 @@ class Renderer:
         content: str | None = text
         calls: list[Json] = []
         if tools:
-            content, parsed = parse_tool_calls(text)
-            calls = [c.to_openai() for c in parsed]
+            # One parser with the episode runner (dora/tool_calls.py). A turn with a malformed call
+            # is returned whole as content: an OpenAI message has no place for the error.
+            turn = parse_tool_calls(text)
+            calls = [dict(c) for c in turn.calls]
+            content = text if turn.errors else (turn.content or None)
         message: Json = {"role": "assistant", "content": content}
         if calls:
             message["tool_calls"] = calls

@@ -12,7 +12,7 @@ probability `softmax(logits / T)[v]`; top-k and top-p mask logits to -inf before
 is greedy.
 
 Behaviour logprobs are `log_softmax(logits / T)` over the whole vocabulary (T = 1 when greedy),
-taken *before* top-k/top-p truncation and before `min_tokens` bans, in float32 (DESIGN §5): this is
+taken *before* top-k/top-p truncation and before `min_tokens` bans, in float32: this is
 what the trainer recomputes.
 
 The hash is `lowbias32` (Chris Wellons) on int64 tensors holding 32-bit values: products may wrap

@@ -13,7 +13,7 @@ limit (`max_request_bytes` for the OpenAI routes, `max_control_bytes` for contro
 weights) is refused as it streams in, with 413; a body that is not UTF-8 JSON, a field that is
 unknown or of the wrong type (api.py), and a prompt that does not fit the context are 400s.
 The server binds 127.0.0.1 by default; it refuses to bind any other address without a control
-token (DESIGN §7).
+token (docs/reliability.md, "Security").
 
 A request whose HTTP caller goes away is aborted; finished results are remembered for a while, so an
 abort that races with the end of a request still returns the whole completion.
@@ -34,12 +34,12 @@ import msgspec
 import torch
 from aiohttp import web
 
-from dora.config import is_loopback
 from dora.engine import api, render
 from dora.engine.batcher import Batcher, BatcherConfig, Sequence
 from dora.engine.control import ControlRoutes
 from dora.engine.worker import EngineWorker
 from dora.errors import ConfigError
+from dora.net import is_loopback
 from dora.protocol import Completion, SamplingParams
 
 MAX_REQUEST_BYTES = 16 << 20

@@ -20,7 +20,7 @@ sent after it moved. The newest `KEEP_CHECKPOINTS` are kept.
 
 Incarnation: 0 for a fresh run; every `--resume` takes the last started incarnation + 1, even when
 the previous trainer died before its first checkpoint, so a ghost version of a lost trainer can
-never be mistaken for a real one (DESIGN §4).
+never be mistaken for a real one (docs/reliability.md).
 """
 
 from __future__ import annotations

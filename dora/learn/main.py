@@ -23,11 +23,11 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 from dora.config import DoraConfig, load_config
 from dora.errors import ConfigError
+from dora.rundir import resolve_run_dir
 
 ADDRESS_ENV = "DORA_SERVE_ADDRESS"
 
@@ -43,15 +43,6 @@ def serve_address(config: DoraConfig) -> str:
             f"binds, or {ADDRESS_ENV}=tcp://host:port (dora run sets it)"
         )
     return f"tcp://{config.serve.host}:{config.serve.port}"
-
-
-def resolve_run_dir(config: DoraConfig, *, resume: bool) -> Path:
-    if config.log.run_dir:
-        return Path(config.log.run_dir).resolve()
-    if resume:
-        raise ConfigError("--resume needs log.run_dir: the run directory to continue")
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    return Path("runs", f"{config.log.name}-{stamp}").resolve()
 
 
 def _in_distributed_env() -> bool:

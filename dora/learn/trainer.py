@@ -299,7 +299,7 @@ class Trainer:
     def _logprobs(
         self, model: torch.nn.Module, mb: MicroBatch
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Logprobs of the targets and the logits, at the sampling temperature (DESIGN §5)."""
+        """Logprobs of the targets and the logits, at the sampling temperature (docs/engine.md)."""
         logits = model(input_ids=mb.input_ids, use_cache=False).logits[:, :-1]
         logits = logits / self.config.rollout.temperature
         return token_logprobs(logits, mb.targets), logits

@@ -46,7 +46,7 @@ from dora.tools import ToolBox
 if TYPE_CHECKING:
     import torch
 
-    from dora.serve.episode import ChatRenderer
+    from dora.episode import ChatRenderer
 
 Segment = tuple[list[int], bool]
 """Token ids, and whether the loss covers them."""
@@ -77,7 +77,7 @@ def render_examples(
     """The warm-up sequence of each task as segments, or None where a task has no reference (see
     the module doc). Runs each task's env hooks (they may be async) on a fresh env object, and
     closes it."""
-    from dora.serve.episode import ChatRenderer
+    from dora.episode import ChatRenderer
 
     renderers: list[ChatRenderer] = []
 

@@ -1,6 +1,6 @@
 """The dispatcher: dataset -> groups -> G episodes each, admitted through the transfer queue.
 
-Admission binds late (DESIGN §3, docs/scheduling.md "Admission"): a group is admitted only at the
+Admission binds late (docs/scheduling.md, "Admission"): a group is admitted only at the
 newest version published to the orchestrator, once an instance holds it (while it loads, admission
 waits), when the transfer queue allows one more group *and* an instance holding that version has
 room for all `G` samples. While admissible groups wait for such an instance, the dispatcher reports
@@ -13,7 +13,7 @@ load and trainer ack), and the time spent waiting is added up per reason (`weigh
 `invariant`, `no_capacity`, ...).
 
 Why episodes run here and not through `episode.run_group`: each episode's lease must end when
-*that* episode ends (DESIGN §5: a lease from first token to end), so the slot it held goes back to
+*that* episode ends (a lease lasts from its first token to its end), so the slot it held goes to
 the orchestrator while its group's long tail is still running. `run_group` returns only when all
 `G` are done, which would hold `G - 1` idle slots per long-tailed group. The group policy is the
 same: `mask` keeps masked samples in the group (C2); `retry` regenerates the whole group at its
@@ -38,9 +38,9 @@ from typing import TYPE_CHECKING
 from dora.config import DoraConfig
 from dora.core.transfer_queue import Admitted, RefusalReason
 from dora.env import Env, PromptStream, Task
+from dora.episode import ChatRenderer, EpisodeLimits, masked_sample, run_episode
 from dora.errors import SchedulingError, ServerTimeout
 from dora.protocol import Group, Sample, SamplingParams
-from dora.serve.episode import ChatRenderer, EpisodeLimits, run_episode
 
 if TYPE_CHECKING:
     from dora.serve.rollout import Rollout
@@ -270,18 +270,7 @@ async def episode_on_lease(
         env = env_factory()
     except Exception as exc:
         log.warning("env factory raised", exc_info=True)
-        return Sample.build(
-            token_ids=[],
-            loss_mask=[],
-            logprobs=[],
-            versions=[],
-            prompt_len=0,
-            reward=0.0,
-            finish_reason="error",
-            masked=True,
-            num_turns=0,
-            metadata={"prompt_id": task.prompt_id, "error": f"env factory: {exc!r}"},
-        )
+        return masked_sample(task, f"env factory: {exc!r}")
     return await run_episode(
         sampler=rollout.router.sampler(lease_id),
         tokenizer=renderer,

@@ -28,14 +28,12 @@ import contextlib
 import logging
 import os
 import sys
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
 
-from dora.engine.api import ExportedRequest
 from dora.errors import ServerTimeout, ServerUnavailable
-from dora.protocol import Completion, SamplingParams
+from dora.instance import EngineClient, InstanceClient, InstanceHandle
 
 __all__ = [
     "InstanceClient",
@@ -48,36 +46,6 @@ __all__ = [
 ]
 
 log = logging.getLogger("dora.serve")
-
-
-class InstanceClient(Protocol):
-    """The instance interface of DESIGN §5 (what `dora.engine.EngineClient` implements).
-
-    export/import is the optional KV-migration capability; `kv_migration = false` never calls it.
-    """
-
-    async def generate(
-        self, prompt_ids: list[int], params: SamplingParams, *, request_id: str, version: int | None
-    ) -> Completion: ...
-
-    async def load_weights(
-        self,
-        version: int,
-        *,
-        path: str | None = None,
-        tensors: dict[str, tuple[str, list[int], bytes]] | None = None,
-        timeout_s: float | None = None,
-    ) -> dict[str, object]: ...
-
-    async def abort(self, request_id: str) -> Completion: ...
-
-    async def export_request(self, request_id: str) -> ExportedRequest: ...
-
-    async def import_request(self, exported: ExportedRequest) -> Completion: ...
-
-    async def health(self, *, timeout_s: float = 5.0) -> dict[str, object]: ...
-
-    async def close(self) -> None: ...
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -95,19 +63,7 @@ class InstanceSpec:
     start_timeout_s: float = 120.0
 
 
-@dataclass(eq=False, kw_only=True)
-class InstanceHandle:
-    """One started instance: its id, URL, client, and how to stop it."""
-
-    id: str
-    url: str
-    client: InstanceClient
-    stop: Callable[[], Awaitable[None]]
-
-
 def _client(url: str, spec: InstanceSpec) -> InstanceClient:
-    from dora.engine.client import EngineClient
-
     return EngineClient(
         url,
         timeout_s=spec.request_timeout_s,

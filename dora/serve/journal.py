@@ -1,4 +1,4 @@
-"""`dora serve`'s journal: what a restarted `dora serve` needs to lose nothing (DESIGN §4).
+"""`dora serve`'s journal: what a restarted `dora serve` needs to lose nothing (see reliability.md).
 
 Two append-only files under `{run_dir}/journal/`, msgpack frames (a 4-byte little-endian length,
 then a msgspec-encoded record; never pickle):

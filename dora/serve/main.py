@@ -33,6 +33,7 @@ import msgspec
 from dora.config import DoraConfig, load_config
 from dora.errors import ConfigError
 from dora.launch import mark_ready
+from dora.rundir import resolve_run_dir
 from dora.serve.instances import (
     InstanceHandle,
     InstanceSpec,
@@ -45,12 +46,6 @@ from dora.serve.instances import (
 __all__ = ["main", "run_serve"]
 
 log = logging.getLogger("dora.serve")
-
-
-def resolve_run_dir(config: DoraConfig) -> Path:
-    from dora.learn.main import resolve_run_dir as learn_run_dir
-
-    return learn_run_dir(config, resume=False)
 
 
 Replace = Callable[[str], Awaitable[InstanceHandle]]
@@ -117,10 +112,10 @@ async def run_serve(
 
     from dora.data import fit_context, load_tasks
     from dora.env import PromptStream, load_env
+    from dora.episode import ChatRenderer
     from dora.link import ServeLink
     from dora.models.prepare import prepare_model
     from dora.serve.dispatcher import Dispatcher
-    from dora.serve.episode import ChatRenderer
     from dora.serve.evaluate import Evaluator
     from dora.serve.metrics import SampleLog
     from dora.serve.rollout import Rollout
@@ -206,7 +201,7 @@ def main(args: argparse.Namespace) -> int:
     """`dora serve`: 0 when the run finished."""
     config = load_config(args.config, args.overrides)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    run_dir = resolve_run_dir(config)
+    run_dir = resolve_run_dir(config, resume=False)
     print(f"dora serve: run directory {run_dir}", flush=True)
 
     async def serve() -> object:

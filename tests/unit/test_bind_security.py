@@ -9,8 +9,9 @@ import os
 import pytest
 from aiohttp import web
 
-from dora.config import DoraConfig, ServeConfig, is_loopback
+from dora.config import DoraConfig, ServeConfig
 from dora.errors import ConfigError
+from dora.net import is_loopback
 from dora.vllm.launcher import VllmSpec, attach, server_command, server_env, spec_from_config
 
 pytestmark = pytest.mark.timeout(30)

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import ast
+import importlib
 import subprocess
 import sys
+from pathlib import Path
 
 import dora
 
@@ -26,3 +29,21 @@ def test_import_dora_is_light() -> None:
     code = "import sys, dora; print('torch' in sys.modules, 'transformers' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["False", "False"]
+
+
+def test_envs_import_only_names_of_the_public_api() -> None:
+    """Every `from dora... import name` in envs/ names something in `dora.__all__`, the same object
+    (the import-linter contract keeps envs off the internal modules; this keeps `__all__` complete
+    for what they use)."""
+    root = Path(__file__).resolve().parents[2] / "envs"
+    missing: list[str] = []
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if not isinstance(node, ast.ImportFrom) or not (node.module or "").startswith("dora"):
+                continue
+            module = importlib.import_module(node.module or "dora")
+            for alias in node.names:
+                public = alias.name in dora.__all__
+                if not public or getattr(dora, alias.name) is not getattr(module, alias.name):
+                    missing.append(f"{path.relative_to(root.parent)}: {node.module}.{alias.name}")
+    assert not missing, f"envs import names that dora.__all__ lacks: {missing}"

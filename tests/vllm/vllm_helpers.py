@@ -48,7 +48,7 @@ def reference_logprobs(
     temperature: float,
     weights: Path | None = None,
 ) -> list[float]:
-    """`log_softmax(logits / T)` of each of `tokens` after `prompt`: DESIGN §5's behaviour
+    """`log_softmax(logits / T)` of each of `tokens` after `prompt`: the behaviour
     logprobs, by one forward pass of the Hugging Face model (with `weights` loaded if given)."""
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM

@@ -1,7 +1,7 @@
 """`dora serve` as a user runs it: a process that starts engine processes, serves a trainer over
 ZMQ until the last step, writes its metrics, stops its instances and exits 0; and keeps going when
-one of its instances dies in the middle of the run (DESIGN §7): the dead instance's requests move,
-and a replacement process starts and loads the version it is given."""
+one of its instances dies in the middle of the run (docs/reliability.md): the dead instance's
+requests move, and a replacement process starts and loads the version it is given."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """`dora serve` stopped in the middle of a run and started again on the same run directory
-(DESIGN §4): it restores its journal and the resumed trainer gets everything it needs.
+(docs/reliability.md): it restores its journal and the resumed trainer gets everything it needs.
 
 The first serve runs with a trainer that trains steps 0..4, makes steps 1 and 3 durable and dies
 without a word; then the first serve is stopped too (its task cancelled mid-run: the journal is

@@ -1,6 +1,7 @@
 """Things outside `dora serve` that restart or were started elsewhere.
 
-A trainer that crashes and restarts from its checkpoint (DESIGN §4): `dora serve` rolls back.
+A trainer that crashes and restarts from its checkpoint (docs/reliability.md): `dora serve` rolls
+back.
 
 The first trainer trains steps 0..4, makes steps 1 and 3 durable, and dies without a word before
 step 4's checkpoint. A second trainer (incarnation 1) resumes at step 4 from the checkpoint of

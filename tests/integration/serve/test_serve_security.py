@@ -1,5 +1,5 @@
-"""`dora serve` with the security settings of DESIGN §7 taken from its config, and a dataset with a
-prompt that cannot fit.
+"""`dora serve` with the security settings of docs/reliability.md taken from its config, and a
+dataset with a prompt that cannot fit.
 
 - With `serve.host` off loopback, the trainer link is built from `serve.*`: the trainer reaches it
   only with the CURVE keys and the token of its own config, and the run goes to the end.

@@ -1,5 +1,5 @@
-"""A weight transfer that stalls (DESIGN §7): the load times out, the error names the instance, the
-version and what was sent, and the load is retried; the run loses nothing.
+"""A weight transfer that stalls (docs/reliability.md): the load times out, the error names the
+instance, the version and what was sent, and the load is retried; the run loses nothing.
 
 The stall is real network behaviour: a loopback HTTP proxy in front of one engine forwards every
 request, but holds the first load of a trained version longer than `serve.weight_load_timeout_s`

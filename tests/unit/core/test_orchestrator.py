@@ -1,4 +1,4 @@
-"""Unit tests of the orchestrator: each rule of DESIGN.md §5 on a small, explicit pool."""
+"""Unit tests of the orchestrator: each rule of docs/scheduling.md on a small, explicit pool."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Unit tests of the transfer queue: the worked examples of DESIGN.md §3 and each rule alone."""
+"""Unit tests of the transfer queue: the worked examples of scheduling.md and each rule alone."""
 
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ def publish(q: TransferQueue, step: int) -> None:
 
 
 def test_design_example_out_of_order_completion() -> None:
-    """DESIGN §3, first example: the invariant refuses g4 at step 1, so g2 and g3 keep C3."""
+    """scheduling.md, worked example: the invariant refuses g4 at step 1, so g2 and g3 keep C3."""
     q = TransferQueue(groups_per_step=1, max_staleness=2)
     q.on_version_loaded(0)
     for gid in ("g1", "g2", "g3"):
@@ -47,7 +47,7 @@ def test_design_example_out_of_order_completion() -> None:
 
 
 def test_design_example_rule_a_slow_trainer() -> None:
-    """DESIGN §3, second example: queue at t = 3 with only version 0 loaded admits nothing."""
+    """scheduling.md, rule (a): queue at t = 3 with only version 0 loaded admits nothing."""
     q = TransferQueue(groups_per_step=1, max_staleness=2)
     q.on_version_loaded(0)
     for gid in ("g1", "g2", "g3"):

@@ -7,8 +7,8 @@ import asyncio
 
 import pytest
 
-from dora.engine.api import ExportedRequest
 from dora.errors import RequestError, ServerUnavailable
+from dora.instance import ExportedRequest
 from dora.protocol import Completion, SamplingParams
 from dora.serve.router import Router
 

@@ -1,4 +1,4 @@
-"""`EngineClient`: the instance interface of DESIGN §5 over one engine's HTTP API.
+"""`EngineClient`: the instance interface (`dora.instance.interface`) over one engine's HTTP API.
 
 generate (token ids in; token ids, behaviour logprobs and per-token versions out), load_weights,
 abort (returns the tokens so far), health, metrics, and the optional capability export/import
@@ -20,7 +20,6 @@ from typing import Literal, TypeVar
 import aiohttp
 import msgspec
 
-from dora.engine.api import ExportedRequest
 from dora.errors import (
     ProtocolError,
     RequestError,
@@ -29,6 +28,7 @@ from dora.errors import (
     ServerUnavailable,
     VersionMismatch,
 )
+from dora.instance.interface import ExportedRequest
 from dora.protocol import Completion, SamplingParams
 
 Json = dict[str, object]

@@ -1,6 +1,6 @@
 """The episode runner: one environment episode, token in and token out, as one training `Sample`.
 
-Invariants (DESIGN §5, "Dispatcher and env runner"):
+Invariants (docs/environments.md, "How an episode becomes a training sample"):
 
 - The conversation is kept as token ids. The model's sampled tokens are appended exactly as sampled
   and never re-tokenized; re-rendering chat history and tokenizing it again silently changes tokens
@@ -54,6 +54,7 @@ import msgspec
 
 from dora.env import Env, Episode, Message, Reward, Task, call_maybe_async
 from dora.errors import ChatTemplateMissing, EnvError
+from dora.instance.interface import InstanceClient
 from dora.protocol import Completion, FinishReason, Sample, SamplingParams
 from dora.tools import JSON, ParsedTurn, ToolBox, ToolCall, parse_tool_calls
 
@@ -86,20 +87,6 @@ class Sampler(Protocol):
     """
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams) -> Completion: ...
-
-
-class InstanceClient(Protocol):
-    """The generate call of the instance interface (DESIGN §5), as `EngineClient` offers it."""
-
-    async def generate(
-        self,
-        prompt_ids: list[int],
-        params: SamplingParams,
-        *,
-        request_id: str,
-        version: int | None = None,
-        timeout_s: float | None = None,
-    ) -> Completion: ...
 
 
 class PinnedSampler:

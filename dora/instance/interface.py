@@ -1,0 +1,111 @@
+"""The instance interface: what `dora serve` needs from one inference instance, whatever runs it.
+
+An instance is one inference server holding one weight version at a time (the embedded engine, a
+vLLM server, or any future backend). Serve drives every backend through `InstanceClient`: generate
+(token ids in; token ids, behaviour log-probs and per-token versions out, pinned to a version so
+that an instance holding another one refuses with `VersionMismatch` rather than sample), load a
+version, abort (returns the tokens so far), health, and the optional KV-migration capability
+(export a running request with its KV cache, import it on another instance of the same version).
+A backend without that capability raises `RequestError` from `export_request`/`import_request`,
+and serve falls back to abort plus resubmission of the prompt and the tokens so far; serve's tests
+pass with `kv_migration = false` too.
+
+This module and its package import neither torch nor any backend: the vLLM client and serve use it
+without loading the embedded engine.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
+from typing import Protocol
+
+import msgspec
+
+from dora.protocol import Completion, SamplingParams
+
+__all__ = ["ExportedRequest", "InstanceClient", "InstanceHandle"]
+
+
+class ExportedRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """A running request moved between instances of the same version (msgpack).
+
+    `key` and `len(token_ids)` are the whole sampling RNG state (see dora/engine/sampling.py). `kv`
+    holds the keys and values of `prompt_ids + token_ids[:-1]` as a `[layers, 2, kv_heads, tokens,
+    head_dim]` tensor of `kv_dtype`; empty when the request was still waiting (the importer
+    prefills it).
+    """
+
+    request_id: str
+    version: int
+    prompt_ids: list[int]
+    token_ids: list[int]
+    logprobs: list[float]
+    versions: list[int]
+    params: SamplingParams
+    key: int
+    kv: bytes = b""
+    kv_dtype: str = ""
+    kv_shape: list[int] = msgspec.field(default_factory=list)
+
+
+class InstanceClient(Protocol):
+    """One instance, as serve and the episode runner call it (`EngineClient`, `VllmClient`).
+
+    `timeout_s=None` means the client's own default deadline; every call has one.
+    """
+
+    async def generate(
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        *,
+        request_id: str,
+        version: int | None = None,
+        timeout_s: float | None = None,
+    ) -> Completion:
+        """Sample one completion of `prompt_ids` (new tokens only); `version` pins it."""
+        ...
+
+    async def load_weights(
+        self,
+        version: int,
+        *,
+        path: str | None = None,
+        tensors: Mapping[str, tuple[str, list[int], bytes]] | None = None,
+        timeout_s: float | None = None,
+    ) -> dict[str, object]:
+        """Load `version` from a safetensors folder `path` or from raw `tensors` (name -> dtype,
+        shape, bytes)."""
+        ...
+
+    async def abort(self, request_id: str, *, timeout_s: float | None = None) -> Completion:
+        """Stop a request; return what it sampled so far."""
+        ...
+
+    async def export_request(
+        self, request_id: str, *, timeout_s: float | None = None
+    ) -> ExportedRequest:
+        """Take a running request off this instance, with its KV cache (optional capability)."""
+        ...
+
+    async def import_request(
+        self, exported: ExportedRequest, *, timeout_s: float | None = None
+    ) -> Completion:
+        """Continue an exported request here; its whole completion once it finishes."""
+        ...
+
+    async def health(self, *, timeout_s: float = 5.0) -> dict[str, object]: ...
+
+    async def close(self) -> None: ...
+
+
+@dataclass(eq=False, kw_only=True)
+class InstanceHandle:
+    """One started instance: its id, URL, client, and how to stop it (the process or server
+    context that started it; never a search by name)."""
+
+    id: str
+    url: str
+    client: InstanceClient
+    stop: Callable[[], Awaitable[None]]
