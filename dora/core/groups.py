@@ -82,8 +82,8 @@ class GroupBook:
 
     def _get(self, group_id: str) -> _Group:
         g = self._groups.get(group_id)
-        if g is None or self._released(g):
-            raise SchedulingError(f"unknown group {group_id!r}")
+        if g is None or (g.state is GroupState.ASSIGNED and g.step <= self._durable):
+            raise SchedulingError(f"unknown group {group_id!r}")  # gone, or released
         return g
 
     def _released(self, g: _Group) -> bool:
@@ -107,14 +107,19 @@ class GroupBook:
                 n -= 1
 
     def _count(self, g: _Group, delta: int) -> None:
-        self._add_count(g.version, g.si, delta)
+        c = self._per_version.get(g.version)
+        if c is None:
+            c = self._per_version[g.version] = [0, 0, 0, 0]
+        c[g.si] += delta
+        if delta < 0 and not c[g.si] and not any(c):
+            del self._per_version[g.version]
 
     def _add_count(self, version: int, si: int, delta: int) -> None:
         c = self._per_version.get(version)
         if c is None:
             c = self._per_version[version] = [0, 0, 0, 0]
         c[si] += delta
-        if delta < 0 and not any(c):
+        if delta < 0 and not c[si] and not any(c):
             del self._per_version[version]
 
     def _move(self, g: _Group, state: GroupState) -> None:

@@ -246,7 +246,8 @@ class TransferQueue(GroupBook):
     def try_admit(self, group_id: str, *, version: int | None = None) -> Admitted | Refused:
         """Admit `group_id` at `version` (default: the newest loaded) if both rules allow it.
         Call it when an instance of that version has room for the whole group (bind late)."""
-        self._purge(2)  # each admission forgets two released groups: the backlog never grows
+        if self._unpurged:
+            self._purge(2)  # each admission forgets two released groups: the backlog never grows
         old = self._groups.get(group_id)
         if old is not None and not self._released(old):
             raise SchedulingError(f"group {group_id!r} is already in the queue")
