@@ -14,8 +14,9 @@ Both runs are evaluated the same way, greedily on the config's held-out tasks, s
 environment: dora by its own evaluation (`eval` records), TRL by a callback at the same versions
 (the initial model, every `data.eval_every` steps, the last step) that decodes with dora's engine
 in process (its time is left out of TRL's clock). Wall-clock seconds are counted from the start
-of training: for TRL from `train()`, for dora from serve's start (its records' clock), so dora's
-include its instances' start-up. Printed: steps/s and accuracy against seconds for each; written to
+of training: for TRL from `train()`, for dora from the start of serve's rollout (its records'
+clock, which starts once its instances are up); the version w point is where step w-1 trained
+(dora: its `trained` record). Printed: steps/s and accuracy against seconds for each; written to
 `OUT/bench-trl.json`.
 """
 
