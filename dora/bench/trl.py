@@ -188,7 +188,7 @@ def run_trl(config: DoraConfig, out: Path) -> dict[str, object]:
     trainer = GRPOTrainer(
         model=model,
         reward_funcs=[reward],
-        args=GRPOConfig(**grpo_args(config, out / "trl")),  # type: ignore[arg-type]
+        args=GRPOConfig(**grpo_args(config, out / "trl")),  # type: ignore[arg-type, unused-ignore]
         train_dataset=Dataset.from_list(train_rows),
         processing_class=tok,
         callbacks=[Eval()],

@@ -1,6 +1,6 @@
 """C1-C3 and the accounting of a finished run, read from its run directory.
 
-What must hold (DESIGN §3), and where it is read:
+What must hold (docs/architecture.md, the three guarantees), and where it is read:
 - accounting (`summary.json`): admitted = consumed + filtered + rolled back, nothing unassigned,
   and consumed = steps x B;
 - every step (the last `step` record of each step in `rollout.jsonl`: a step sent again after a

@@ -1,4 +1,4 @@
-"""Many emulated instances in one process, and how `dora serve` starts them.
+"""Many emulated instances in one process.
 
 `python -m dora.emulated --instances N --preset P ...` serves N `EmulatedInstance`s, each on its
 own 127.0.0.1 port, from one event loop (128 of them fit on a 2-core machine: an instance costs
@@ -6,45 +6,28 @@ a timer and a few dicts, not a model). It prints one URL per line, then runs unt
 SIGINT. Every instance shares one `EmulatedModel` and one `ScaledClock`. It measures its own
 event-loop lag (a late timer is a late token) and writes a summary to `--stats` at exit.
 
-`emulated_instances(config, count)` is the serve side: it starts that process, reads the URLs
-within `serve.weight_load_timeout_s`, hands out `InstanceHandle`s with ordinary `EngineClient`s,
-and stops the process (SIGTERM, a bounded wait, SIGKILL) on exit. Every instance starts holding
-version 0. The URLs also go to `emulated-urls.txt` in the run directory: a colocated emulated
-trainer pauses the instances there while it trains (`emulate.colocated`).
+Serve starts this process and talks to its instances over HTTP as to any engine
+(`dora.serve.emulated`); nothing here imports serve or the trainer.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import logging
 import signal
 import statistics
 import sys
 import time
-from collections.abc import AsyncIterator
 from pathlib import Path
 
-from dora.config import DoraConfig
-from dora.errors import ServerTimeout, ServerUnavailable
-from dora.sim.costs import Setup, apply_overrides, preset
+from dora.sim.costs import apply_overrides, preset
 
-__all__ = ["emulated_instances", "emulated_setup", "main", "urls_path"]
+__all__ = ["main"]
 
 log = logging.getLogger("dora.emulated")
 _LAG_EVERY_S = 0.05
-
-
-def urls_path(run_dir: Path) -> Path:
-    """The file listing the instances' URLs, one a line, in the run directory."""
-    return run_dir / "emulated-urls.txt"
-
-
-def emulated_setup(config: DoraConfig) -> Setup:
-    """The cost model of `emulate.preset` with `emulate.overrides` (one source of truth)."""
-    return apply_overrides(preset(config.emulate.preset), list(config.emulate.overrides))
 
 
 async def _lag_probe(samples: list[float]) -> None:
@@ -131,79 +114,3 @@ def main(argv: list[str] | None = None) -> int:
     if args.stats:
         Path(args.stats).write_text(json.dumps(stats))
     return 0
-
-
-# --- the serve side ------------------------------------------------------------------------------
-
-
-@contextlib.asynccontextmanager
-async def emulated_instances(
-    config: DoraConfig, model_dir: str, *, count: int, stats_path: Path | None = None
-) -> AsyncIterator[list[object]]:
-    """Start one emulated-cluster process of `count` instances; yield their `InstanceHandle`s."""
-    from transformers import AutoTokenizer
-
-    from dora.engine.client import EngineClient
-    from dora.serve.instances import InstanceHandle
-
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    specials = [int(t) for t in tokenizer.all_special_ids]
-    first = max(specials) + 1 if specials else 0
-    e = config.emulate
-    args = [
-        *("-m", "dora.emulated", "--instances", str(count), "--preset", e.preset),
-        *("--time-scale", repr(e.time_scale), "--seed", str(e.seed)),
-        *("--vocab-size", str(len(tokenizer)), "--first-token", str(first)),
-    ]
-    for item in e.overrides:
-        args += ["--override", item]
-    if stats_path is not None:
-        args += ["--stats", str(stats_path)]
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, *args, stdout=asyncio.subprocess.PIPE, stdin=asyncio.subprocess.DEVNULL
-    )
-    assert proc.stdout is not None
-    handles: list[InstanceHandle] = []
-    timeout_s = config.serve.weight_load_timeout_s
-
-    async def stop_one() -> None:
-        """Instances share the process: one is stopped with all of them, at exit."""
-
-    try:
-        for i in range(count):
-            try:
-                async with asyncio.timeout(timeout_s):
-                    line = (await proc.stdout.readline()).decode().strip()
-            except TimeoutError:
-                raise ServerTimeout(
-                    f"the emulated cluster (pid {proc.pid}) did not print instance {i}'s URL "
-                    f"within {timeout_s:g} s"
-                ) from None
-            if not line.startswith("http"):
-                raise ServerUnavailable(
-                    f"the emulated cluster (pid {proc.pid}) exited ({proc.returncode}) after "
-                    f"{i} of {count} instances"
-                )
-            client = EngineClient(
-                line,
-                timeout_s=config.serve.request_timeout_s,
-                control_timeout_s=config.serve.weight_load_timeout_s,
-            )
-            handles.append(InstanceHandle(id=f"i{i}", url=line, client=client, stop=stop_one))
-        log.info("emulated cluster (pid %d): %d instances", proc.pid, count)
-        if stats_path is not None:  # where a colocated emulated trainer finds the instances
-            urls_path(stats_path.parent).write_text("".join(h.url + "\n" for h in handles))
-        yield list(handles)
-    finally:
-        for h in handles:
-            await h.client.close()
-        if proc.returncode is None:
-            with contextlib.suppress(ProcessLookupError):
-                proc.terminate()
-            try:
-                async with asyncio.timeout(10.0):
-                    await proc.wait()
-            except TimeoutError:
-                with contextlib.suppress(ProcessLookupError):
-                    proc.kill()
-                await proc.wait()

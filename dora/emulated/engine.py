@@ -169,7 +169,7 @@ class EmulatedInstance:
             self._sync()
             self.loading = False
             self.version = version
-            self.prefix.clear()  # the prefix cache is salted by version (DESIGN §5)
+            self.prefix.clear()  # the prefix cache is salted by version (docs/engine.md)
             self._kick()
         return time.perf_counter() - started
 

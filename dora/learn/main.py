@@ -99,7 +99,7 @@ def main(args: argparse.Namespace) -> int:
 
     trainer_cls = Trainer
     if config.emulate.trainer:  # modelled compute instead of the model's (dora/emulated)
-        from dora.emulated.trainer import EmulatedTrainer
+        from dora.learn.emulated import EmulatedTrainer
 
         trainer_cls = EmulatedTrainer
     trainer = trainer_cls(config, run_dir=run_dir, address=address, resume=args.resume)

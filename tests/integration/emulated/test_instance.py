@@ -12,8 +12,8 @@ from aiohttp import web
 from dora.emulated.engine import EmulatedInstance, ScaledClock
 from dora.emulated.model import EmulatedModel
 from dora.emulated.server import EmulatedServer
-from dora.engine.client import EngineClient
 from dora.errors import RequestError, VersionMismatch
+from dora.instance import EngineClient
 from dora.protocol import SamplingParams
 from dora.sim.costs import apply_overrides, preset
 

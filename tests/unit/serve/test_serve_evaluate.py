@@ -117,7 +117,7 @@ class FakeRollout:
         for action in actions:
             if isinstance(action, Load):
                 self.queue.newest_version = action.version
-                self.apply(self.orchestrator.on_loaded(action.instance, action.version))
+                self.apply(self.orchestrator.on_loaded(action))
         if self.evaluator is not None:
             self.evaluator.wake()
 

@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 
 from dora.config import DoraConfig
-from dora.emulated.cluster import emulated_setup, urls_path
+from dora.emulated.setup import emulated_setup, urls_path
 from dora.learn.batching import plan_micro_batches, prepare_group
 from dora.learn.trainer import Trainer, _Step, _Update
 from dora.protocol import Group
