@@ -51,6 +51,20 @@ _STARTUP_S = 20.0
 """Real seconds a run takes to start and stop (processes, the first fill's setup)."""
 
 
+def emulated_placement(mode: str, cores: list[int]) -> Placement:
+    """Every mode shares every core, unpinned, one thread a process: the emulated compute spends
+    modelled time, not cores, so only serve's and the trainer's own code runs on them."""
+    return Placement(
+        name=mode,
+        mode=mode,
+        kind="shared",
+        serve_cores=cores,
+        trainer_cores=cores,
+        instance_threads=1,
+        trainer_threads=1,
+    )
+
+
 def predicted(setup: Setup, plan: ModePlan, *, steps: int) -> Run:
     """The simulator's run of `plan` for `steps` steps, measured as the emulated run is."""
     return simulate(dataclasses.replace(setup, steps=steps, warmup_steps=0), plan, seed=0)
@@ -271,15 +285,7 @@ def main(argv: list[str] | None = None) -> int:
             ),
             *args.overrides,
         ]
-        placement = Placement(
-            name=name,
-            mode=name,
-            kind="shared",  # no pinning: emulated compute spends modelled time, not cores
-            serve_cores=cores,
-            trainer_cores=cores,
-            instance_threads=1,
-            trainer_threads=1,
-        )
+        placement = emulated_placement(name, cores)
         t0 = time.monotonic()
         code = run_mode(args.config, settings, run_dir, placement, steps=steps)
         print(f"{name}: exit {code} in {time.monotonic() - t0:.0f} s ({run_dir})", flush=True)

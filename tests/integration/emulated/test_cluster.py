@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from dora.bench.cluster import CONFIG, mode_overrides
-from dora.bench.modes import Placement, run_mode
+from dora.bench.cluster import CONFIG, emulated_placement, mode_overrides
+from dora.bench.modes import run_mode
 from dora.emulated.checks import check_run
 from dora.sim.costs import apply_overrides, preset
 from dora.sim.modes import MODES
@@ -44,15 +44,7 @@ def _run(name: str, out: Path) -> tuple[str, int]:
         setup, plan, preset_name="paper-64", cost=COST, steps=STEPS, scale=0.005
     )
     cores = sorted(os.sched_getaffinity(0))
-    placement = Placement(
-        name=name,
-        mode=name,
-        colocated=True,
-        serve_cores=cores,
-        trainer_cores=cores,
-        instance_threads=1,
-        trainer_threads=1,
-    )
+    placement = emulated_placement(name, cores)
     return name, run_mode(str(CONFIG), settings, out / name, placement, steps=STEPS)
 
 
