@@ -13,6 +13,7 @@ import importlib.util
 import os
 import sys
 from collections.abc import Callable, Sequence
+from typing import Any
 
 # subcommand -> (module, function, what it does). The function takes the parsed Namespace.
 COMMANDS: dict[str, tuple[str, str, str]] = {
@@ -121,19 +122,42 @@ def main(argv: Sequence[str] | None = None) -> int:
     if fn is None:
         print(f"dora {args.command}: not available in this version yet.", file=sys.stderr)
         return 2
-    from dora.errors import DoraError, NotYetAvailable
+    return run_command(args.command, fn, args)
+
+
+def run_command(name: str, fn: Callable[[Any], int], args: object) -> int:
+    """Run `dora NAME`: our errors are reported as their messages, with their exit status (1;
+    `RunAborted.exit_code` when a restart would meet the same cause, which `dora run` reads), also
+    when a task group gathered them; anything else keeps its traceback."""
+    from dora.errors import DoraError, NotYetAvailable, RunAborted
 
     try:
         return fn(args)
     except NotYetAvailable as exc:
-        print(f"dora {args.command}: not available in this version yet: {exc}", file=sys.stderr)
+        print(f"dora {name}: not available in this version yet: {exc}", file=sys.stderr)
         return 2
     except DoraError as exc:
-        print(f"dora {args.command}: {exc}", file=sys.stderr)
-        return 1
+        print(f"dora {name}: {exc}", file=sys.stderr)
+        return RunAborted.exit_code if isinstance(exc, RunAborted) else 1
+    except BaseExceptionGroup as group:  # a task group's: reported when every leaf is ours
+        ours, rest = group.split(DoraError)
+        if ours is None or rest is not None:
+            raise
+        errors = _leaves(ours)
+        for error in errors:
+            print(f"dora {name}: {error}", file=sys.stderr)
+        aborted = all(isinstance(error, RunAborted) for error in errors)
+        return RunAborted.exit_code if aborted else 1
     except KeyboardInterrupt:
-        print(f"dora {args.command}: interrupted", file=sys.stderr)
+        print(f"dora {name}: interrupted", file=sys.stderr)
         return 130
+
+
+def _leaves(group: BaseExceptionGroup[BaseException]) -> list[BaseException]:
+    out: list[BaseException] = []
+    for exc in group.exceptions:
+        out.extend(_leaves(exc) if isinstance(exc, BaseExceptionGroup) else [exc])
+    return out
 
 
 def config_main(args: argparse.Namespace) -> int:

@@ -45,16 +45,27 @@ class VersionMismatch(ServerError):
     """A request was pinned to a version the instance does not hold (C1 would break)."""
 
 
+class RunAborted(DoraError):
+    """The run cannot go on, and a restart would meet the same cause (the same data, the same
+    weights): `dora run` does not restart a side that exits with `exit_code` for it."""
+
+    exit_code = 4
+
+
 class EnvError(DoraError):
     """An environment failed: a bad task, a reward that raised, or an episode that could not
     finish."""
+
+
+class AllMasked(EnvError, RunAborted):
+    """Every sample of a step was masked: training on it would learn nothing."""
 
 
 class DataError(DoraError):
     """A dataset row is malformed; the message names the file and the row."""
 
 
-class TrainingError(DoraError):
+class TrainingError(RunAborted):
     """The trainer met a value it must not train on (a non-finite loss or gradient norm); the
     message says what, at which step, and where it came from."""
 

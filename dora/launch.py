@@ -18,7 +18,9 @@ Restarts are for faults during a run. A side that fails before it is ready (a ba
 folder that cannot serve the environment, a dataset that does not load) would fail again the same
 way, so it is not restarted: the other side is stopped at once and `dora run` exits 1 with the
 side's error (serve's is on the terminal already; learn's last lines are printed from
-`learn.log`). A side is ready when it calls `mark_ready()`, which creates the file `dora run`
+`learn.log`). Likewise a side that exits with `RunAborted.exit_code` (every sample of a step
+masked, a non-finite loss: a restart would meet the same data and weights) stops the run at once.
+A side is ready when it calls `mark_ready()`, which creates the file `dora run`
 names in `DORA_READY_FILE`: serve once its instances are up and every prompt was measured, learn
 once its model and optimizer are loaded.
 
@@ -42,7 +44,7 @@ from datetime import datetime
 from pathlib import Path
 
 from dora.config import DoraConfig, load_config, render_toml
-from dora.errors import NotYetAvailable
+from dora.errors import NotYetAvailable, RunAborted
 from dora.net import free_port
 
 GRACE_S = 20.0
@@ -173,6 +175,16 @@ class Supervisor:
             self._record("exit", failed, returncode=code, ready=ready)
             if not ready:
                 self._failed_at_start(failed, code)
+                return 1
+            if code == RunAborted.exit_code:
+                print(
+                    f"dora run: {failed} stopped the run (status {code}, its error above); it is "
+                    "not restarted: a restart would meet the same cause; stopping the other side "
+                    f"(logs in {self.run_dir})",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                stop_all(self.children)
                 return 1
             serve_done = failed == "learn" and self.children["serve"].returncode == 0
             if serve_done or self.restarts[failed] >= self.max_restarts:

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import msgspec
 
-from dora.errors import EnvError
+from dora.errors import AllMasked
 from dora.protocol import Sample
 
 __all__ = ["History", "check_not_all_masked", "masked_reason", "masked_reasons", "read_history"]
@@ -101,7 +101,7 @@ def check_not_all_masked(step: int, samples: list[Sample], *, env: str) -> None:
     reasons = masked_reasons(samples)
     cause = max(reasons, key=lambda r: reasons[r])
     example = next((s.metadata["error"] for s in samples if "error" in s.metadata), "no error")
-    raise EnvError(
+    raise AllMasked(
         f"every one of the {len(samples)} samples of step {step} was masked ({reasons}); "
         f"the most common cause: {cause!r}, e.g. {example[:300]!r}. Fix the environment "
         f"(env.cls = {env}) or the instances before training on"

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from dora.errors import RunAborted
 from dora.launch import Supervisor
 
 pytestmark = pytest.mark.timeout(60)
@@ -110,3 +111,21 @@ def test_ctrl_c_or_sigterm_stops_both_sides(tmp_path: Path, sig: signal.Signals)
     for pid in pids:  # reaped by the supervisor: gone, not even a zombie
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
+
+
+@pytest.mark.parametrize("side", ["serve", "learn"])
+def test_a_side_that_aborts_the_run_is_not_restarted(
+    tmp_path: Path, side: str, capfd: pytest.CaptureFixture[str]
+) -> None:
+    # a ready side that exits with RunAborted's status (every sample of a step masked, a
+    # non-finite loss) would meet the same cause after a restart: the run stops at once
+    aborting = READY + f"import sys; sys.exit({RunAborted.exit_code})"
+    serve, learn = (aborting, SLEEP) if side == "serve" else (SLEEP, aborting)
+    started = time.monotonic()
+    code, sup, records = _run(tmp_path, serve, learn, max_restarts=3)
+    assert code == 1
+    assert time.monotonic() - started < 20, "stopped at once, not after the other side's sleep"
+    assert [r["component"] for r in records if r["kind"] == "exit"] == [side]
+    assert [r["component"] for r in records if r["kind"] == "start"] == ["serve", "learn"]
+    assert all(p.poll() is not None for p in sup.children.values()), "both sides stopped"
+    assert "not restarted: a restart would meet the same cause" in capfd.readouterr().err

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from dora.cli import COMMANDS, main
+from dora.cli import COMMANDS, main, run_command
+from dora.errors import AllMasked, ConfigError, RunAborted
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = str(ROOT / "examples" / "math" / "config.toml")
@@ -66,3 +67,27 @@ def test_init_model_builds_a_loadable_model(tmp_path: Path) -> None:
     tok = AutoTokenizer.from_pretrained(tmp_path / "m")
     assert model.config.num_hidden_layers == 1
     assert tok.decode(tok("2+2=4\n").input_ids) == "2+2=4\n"
+
+
+def test_errors_of_a_task_group_are_reported_without_a_traceback(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # serve's parts run in one TaskGroup: a DoraError reaches the command as an ExceptionGroup
+    def aborts(args: object) -> int:
+        raise ExceptionGroup(
+            "serve", [AllMasked("every one of the 64 samples of step 0 was masked")]
+        )
+
+    def fails(args: object) -> int:
+        raise ExceptionGroup("serve", [ConfigError("serve.instances: expected >= 1, got 0")])
+
+    assert run_command("serve", aborts, None) == RunAborted.exit_code
+    assert "dora serve: every one of the 64 samples of step 0 was masked" in capsys.readouterr().err
+    assert run_command("serve", fails, None) == 1
+    assert "dora serve: serve.instances: expected >= 1, got 0" in capsys.readouterr().err
+
+    def crashes(args: object) -> int:
+        raise ExceptionGroup("serve", [ConfigError("x"), KeyError("a bug")])
+
+    with pytest.raises(ExceptionGroup):  # not ours alone: a bug keeps its traceback
+        run_command("serve", crashes, None)
