@@ -34,8 +34,7 @@ Rules, in mode `dora` (and `sync`, which is `dora` with K = 0):
   it takes an empty instance, or else the newest version's least-loaded instance is drained (no new
   groups) and loads it once empty, unless the instances loading it will hold its parked requests
   by then. Parked requests resume as soon as their version has room, and before any idle
-  instance is re-targeted: an instance is told to load at most once per change of the inputs (a
-  load completion alone is none);
+  instance is re-targeted, so an instance is never loaded and released in turn;
 - capacity is never exceeded (`place`, `Migrate` and `Resume` only target free slots).
 The driver starts every group through `place`, so it keeps no state of its own about draining.
 
