@@ -32,8 +32,9 @@ Rules, in mode `dora` (and `sync`, which is `dora` with K = 0):
 - an instance that dies: its requests migrate to another instance of their version, or are parked;
 - a version with parked requests and no room is served in deadline order (oldest version first):
   it takes an empty instance, or else the newest version's least-loaded instance is drained (no new
-  groups) and loads it once empty. Parked requests resume as soon as their version has room, and
-  before any idle instance is re-targeted (so an instance is never loaded and released in turn);
+  groups) and loads it once empty, unless the instances loading it will hold its parked requests
+  by then. Parked requests resume as soon as their version has room, and before any idle
+  instance is re-targeted, so an instance is never loaded and released in turn;
 - capacity is never exceeded (`place`, `Migrate` and `Resume` only target free slots).
 The driver starts every group through `place`, so it keeps no state of its own about draining.
 
@@ -480,7 +481,13 @@ class Orchestrator(Pool):
         )
 
     def _oldest_waiting(self, *, default: int) -> int:
-        waiting = [w for w, rs in self._parked.items() if rs and self._room(w) is None]
+        """The oldest version whose parked requests still need an instance: no room, and not
+        held by the instances loading it (a load for it would be re-targeted once they are in)."""
+        waiting = [
+            w
+            for w, rs in self._parked.items()
+            if rs and self._room(w) is None and not self._loading_holds(w)
+        ]
         return min(waiting, default=default)
 
     def _resume_parked(self, actions: list[Action]) -> None:

@@ -39,7 +39,7 @@ from dora.config import DoraConfig
 from dora.core.transfer_queue import Admitted, RefusalReason
 from dora.env import Env, PromptStream, Task
 from dora.episode import ChatRenderer, EpisodeLimits, masked_sample, run_episode
-from dora.errors import SchedulingError, ServerTimeout
+from dora.errors import ServerTimeout
 from dora.protocol import Group, Sample, SamplingParams
 
 if TYPE_CHECKING:
@@ -227,12 +227,7 @@ class Dispatcher:
         finally:
             # The lease ends with the episode (also on error or cancellation): its slot is free.
             if r.router.close(lease_id):  # else a roll-back removed it everywhere already
-                try:
-                    actions = r.orchestrator.finish(lease_id)
-                except SchedulingError:
-                    # partial mode: a roll-back forgot a request that had moved on to a ghost
-                    # version while its group (older) stays; nothing is left to release.
-                    actions = []
+                actions = r.orchestrator.finish(lease_id)
                 task_now = asyncio.current_task()
                 if task_now is None or not task_now.cancelling():  # no new tasks while stopping
                     r.apply(actions)

@@ -678,8 +678,9 @@ class Rollout:
             q.on_step_done(step)
         rolled_back: list[str] = []
         assigned: list[Assigned] = []
+        tainted = self._ghost_tainted(c + 1)
         while q.incarnation < hello.incarnation:
-            report = q.rollback(c)
+            report = q.rollback(c, tainted=tainted)
             rolled_back += report.rolled_back
             assigned = list(report.assigned)  # a later roll-back voids earlier ones
         for gid in rolled_back:
@@ -715,6 +716,20 @@ class Rollout:
         # Right after the queue's roll-back, as `dora.core.rollback` does: nothing in between.
         self.apply(self.orchestrator.rollback(newest, forget=leases))
         self.assigned(assigned)
+
+    def _ghost_tainted(self, newest: int) -> set[str]:
+        """Groups holding a token of a version newer than `newest` (partial mode: a request
+        resumed on a ghost version): their running leases follow the version that samples them
+        now, and a completed group keeps each token's version."""
+        tainted = {
+            gid
+            for lid, lease in self.router.leases.items()
+            if lease.version > newest and (gid := lid.rpartition("/")[0]) in self.group_tasks
+        }
+        for gid, group in self.groups.items():
+            if any(s.token_versions().max(initial=-1) > newest for s in group.samples):
+                tainted.add(gid)
+        return tainted
 
     def _maybe_publish(self) -> None:
         """Hand the newest published version whose weights are complete to the orchestrator."""

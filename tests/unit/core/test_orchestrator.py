@@ -271,6 +271,22 @@ def test_token_limits_do_not_ping_pong_a_load() -> None:
     assert o.location("r2") == "c"
 
 
+def test_a_drained_instance_does_not_load_a_version_already_on_its_way() -> None:
+    # r0 (version 0) is parked and `c` is loading version 0 for it; `b` (version 1) drained for
+    # it before `c` came. Once `b` empties it must not load version 0 too: `c`'s completion
+    # would take r0 and re-target `b` (two loads of one instance for one change of the inputs).
+    o = pool(Mode.DORA, 1, 1)
+    o.place(["r0"], version=0)
+    o.publish(1)
+    o.add_instance("b", capacity=1)
+    loaded(o, "b", 1)
+    assert o.place(["n1"], version=1) == "b"
+    assert o.remove_instance("i0") == [Park("r0", "i0"), Drain("b")]
+    assert shape(o.add_instance("c", capacity=1)) == [Load("c", 0)]
+    assert o.finish("n1") == [Undrain("b")]
+    assert loaded(o, "c", 0) == [Resume("r0", "c", 0)]
+
+
 def test_a_load_that_was_superseded_is_not_accepted() -> None:
     o = pool(Mode.DORA, 2, 2)
     o.place(["r1"], version=0)  # on i0
