@@ -190,7 +190,8 @@ def _summarise(run: RunData, *, name: str, placement: str, cpu: dict[str, float]
         window_s=window,
         tokens_per_s=tokens / window if window > 0 else 0.0,
         cpu_s=cpu_s,
-        cpu_s_per_token=cpu_s / tokens if cpu_s is not None and tokens else None,
+        # a window inside one CPU sample (POLL_S) measured nothing: not a free token
+        cpu_s_per_token=cpu_s / tokens if cpu_s and tokens else None,
         step_s=window / len(later),
         rollout_only_share=wait / step_time if step_time else 0.0,
         instance_util=sum(utils) / len(utils) if utils else 0.0,
@@ -341,7 +342,10 @@ def machine_bound(runs: list[ModeResult], cores: int) -> tuple[float, ModeResult
 def bound_lines(results: list[ModeResult], bound: tuple[float, ModeResult] | None) -> list[str]:
     """The bound, where it comes from, and each mode's tokens/s as a share of it."""
     if bound is None:
-        return []
+        return [
+            f"machine bound: not measured (no run's steady window spanned a CPU sample, every "
+            f"{POLL_S:g} s: run more steps)"
+        ]
     tokens_per_s, best = bound
     lines = [
         f"machine bound: {tokens_per_s:.0f} trained tokens/s (every core busy at "

@@ -104,7 +104,7 @@ def test_dora_bench_modes_end_to_end(tmp_path: Path) -> None:
         "--modes",
         "sync,dora",
         "--steps",
-        "3",
+        "8",  # a steady window of several CPU samples, so that the bound is measured
         "--out",
         str(out),
         cwd=tmp_path,
@@ -118,5 +118,5 @@ def test_dora_bench_modes_end_to_end(tmp_path: Path) -> None:
     assert [p["kind"] for p in result["placements"]] == ["colocated", "shared"]
     assert result["bound_tokens_per_s"] > 0
     assert re.search(r"dora: \d+ tokens/s, \d+% of the bound", done.stdout), done.stdout
-    assert all(r["cpu_s"] is not None for r in result["results"])  # 3 steps: may be ~0
+    assert all(r["cpu_s"] is not None for r in result["results"])
     assert (out / "dora" / "rollout.jsonl").is_file() and (out / "sync" / "summary.json").is_file()

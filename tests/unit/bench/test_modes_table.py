@@ -164,6 +164,7 @@ def test_table_and_ratio_lines_end_with_dora_over_sync(tmp_path: Path) -> None:
 def test_the_bound_is_every_core_at_the_cheapest_measured_token(tmp_path: Path) -> None:
     results = _modes(tmp_path, {"sync": 4.0, "dora": 2.0})  # 75 and 150 tokens/s
     assert machine_bound(results, 2) is None  # no CPU measured, no bound
+    assert "not measured" in bound_lines(results, None)[0]  # said, not left out
     sync = dataclasses.replace(results[0], cpu_s_per_token=0.004)
     dora = dataclasses.replace(results[1], cpu_s_per_token=0.008)
     cheaper_repeat = dataclasses.replace(sync, cpu_s_per_token=0.0025)
