@@ -27,22 +27,13 @@ The driver follows the sans-IO contract (docs/scheduling.md):
   far and drops the KV cache, `Resume` re-prefills;
 - completed groups go to the queue; what it assigns streams to the trainer. Colocated modes pause
   every instance while the trainer holds the GPUs.
-
-A sample of an agentic episode holds its slot (its lease) while it waits for a tool; its KV cache
-goes to host memory meanwhile (as the production system does) and only the tool's tokens are
-prefilled on return.
-
-The module is longer than 600 lines on purpose: the instances, the orchestrator's actions and the
-trainer share one clock, one event heap and the time integrals; split apart they would pass the
-whole state around.
 """
 
 from __future__ import annotations
 
 import heapq
 import math
-from collections import Counter, deque
-from dataclasses import dataclass, field
+from collections import Counter
 
 from dora.core import Admitted, Assigned, RefusalReason, TransferQueue
 from dora.core.orchestrator import (
@@ -58,135 +49,14 @@ from dora.core.orchestrator import (
 from dora.errors import SchedulingError
 from dora.sim.costs import Setup
 from dora.sim.modes import ModePlan
-from dora.sim.workload import Episode, Workload
+from dora.sim.state import Group, Inst, Req, Run
+from dora.sim.workload import Workload
 
 __all__ = ["Run", "simulate"]
 
 _INST, _LOADED, _TRAINED, _TOOL, _POLL = range(5)
 _POLL_S = 10.0
 _EPS = 1e-7
-
-
-class _Req:
-    __slots__ = (
-        "cached",
-        "ctx",
-        "ctx0",
-        "ep",
-        "group",
-        "inst",
-        "mark",
-        "p0",
-        "remaining",
-        "rid",
-        "shard",
-        "tool_pending",
-        "turn",
-        "v_first",
-        "v_last",
-        "where",
-    )
-
-    def __init__(self, rid: str, group: _Group, ep: Episode, version: int) -> None:
-        self.rid = rid
-        self.shard = 0
-        self.group = group
-        self.ep = ep
-        self.turn = 0
-        self.ctx = float(ep.prompt)
-        self.remaining = float(ep.turns[0])
-        self.cached = -1.0  # -1: a fresh prompt, prefilled once per group (shared prefix)
-        self.inst: _Inst | None = None
-        self.where = 0  # 0: neither running nor waiting (tool, parked), 1: waiting, 2: running
-        self.mark = self.p0 = self.ctx0 = 0.0
-        self.tool_pending = False
-        self.v_first = self.v_last = version
-
-
-@dataclass(slots=True)
-class _Group:
-    gid: str
-    version: int
-    left: int
-    tokens: int
-
-
-class _Inst:
-    __slots__ = (
-        "busy",
-        "draining",
-        "heap",
-        "id",
-        "kv",
-        "load",
-        "paused",
-        "prog",
-        "ready",
-        "roomy",
-        "running",
-        "seg_start",
-        "shard",
-        "stall",
-        "t",
-        "target",
-        "token",
-        "used",
-        "version",
-        "waiting",
-    )
-
-    def __init__(self, iid: str, shard: int) -> None:
-        self.id = iid
-        self.shard = shard
-        self.version: int | None = None
-        self.ready = False
-        self.draining = False
-        self.paused = False
-        self.running: dict[str, _Req] = {}
-        self.waiting: deque[_Req] = deque()
-        self.heap: list[tuple[float, int, _Req]] = []
-        self.kv = 0.0  # context tokens of the running sequences
-        self.prog = 0.0  # progress: tokens decoded per running sequence since the start
-        self.t = 0.0
-        self.stall = 0.0
-        self.token = 0
-        self.load: Load | None = None  # the pending load
-        self.target = 0.0
-        self.used = 0  # slots the orchestrator counts (running, waiting, in a tool)
-        self.roomy: int | None = None
-        self.busy = False
-        self.seg_start = 0.0
-
-
-@dataclass
-class Run:
-    """Everything one simulated mode measured."""
-
-    mode: str
-    plan: ModePlan
-    setup: Setup
-    step_end_s: list[float] = field(default_factory=list)
-    step_tokens: list[int] = field(default_factory=list)
-    step_groups: list[int] = field(default_factory=list)
-    step_versions: list[dict[int, int]] = field(default_factory=list)
-    """Per step: groups consumed per version (sync must be all version t)."""
-    snapshots: list[tuple[float, float, float, float, float]] = field(default_factory=list)
-    """At each step end: (time, instance busy s, running-seq s, trainer busy s, rollout-only s)."""
-    versions: list[dict[int, int]] = field(default_factory=list)
-    """At each step end: instances per version."""
-    staleness: list[int] = field(default_factory=list)
-    spans: Counter[int] = field(default_factory=Counter)
-    segments: list[tuple[int, float, float, int]] = field(default_factory=list)
-    """Timeline: (instance index, start, end, version; -1 while loading)."""
-    trainer: list[list[float]] = field(default_factory=list)
-    migrations: int = 0
-    migrated_gb: float = 0.0
-    preemptions: int = 0
-    parks: int = 0
-    loads: int = 0
-    events: int = 0
-    admission_waits: dict[str, int] = field(default_factory=dict)
-    accounting: dict[str, int] = field(default_factory=dict)
 
 
 class _Sim:
@@ -207,10 +77,10 @@ class _Sim:
         self.now = 0.0
         self.events: list[tuple[float, int, int, object, int]] = []
         self.seq = 0
-        self.insts: dict[str, _Inst] = {}
+        self.insts: dict[str, Inst] = {}
         self.index: dict[str, int] = {}
-        self.reqs: dict[str, _Req] = {}
-        self.groups: dict[str, _Group] = {}
+        self.reqs: dict[str, Req] = {}
+        self.groups: dict[str, Group] = {}
         self.roomy: dict[int, dict[int, set[str]]] = {}  # version -> shard -> instances
         self.n_groups = 0
         self.newest = 0
@@ -250,7 +120,7 @@ class _Sim:
         per = self.s.controller_instances
         for i in range(self.p.instances):
             iid = f"i{i}"
-            self.insts[iid] = _Inst(iid, i // per)
+            self.insts[iid] = Inst(iid, i // per)
             self.index[iid] = i
             tokens = int(self.kvcap * (1.0 - self.s.kv_watermark))
             orch = self.orchs[i // per]
@@ -262,14 +132,14 @@ class _Sim:
             self.now = when
             self.run.events += 1
             if kind == _INST:
-                assert isinstance(obj, _Inst)
+                assert isinstance(obj, Inst)
                 if arg == obj.token:
                     self.on_instance(obj)
             elif kind == _TOOL:
-                assert isinstance(obj, _Req)
+                assert isinstance(obj, Req)
                 self.on_tool(obj)
             elif kind == _LOADED:
-                assert isinstance(obj, _Inst)
+                assert isinstance(obj, Inst)
                 if obj.load is not None and arg == obj.load.id:  # a later Load supersedes it
                     self.on_loaded(obj, obj.load)
             elif kind == _TRAINED:
@@ -288,7 +158,7 @@ class _Sim:
 
     # --- instances -----------------------------------------------------------------------------
 
-    def sync(self, inst: _Inst) -> None:
+    def sync(self, inst: Inst) -> None:
         """Advance `inst` to now (no event of its own happened in between)."""
         dt = (self.now - inst.t) / self.slowdown()
         inst.t = self.now
@@ -308,7 +178,7 @@ class _Sim:
         inst.prog += dp
         inst.kv += b * dp
 
-    def kick(self, inst: _Inst) -> None:
+    def kick(self, inst: Inst) -> None:
         """Start waiting sequences, then schedule the instance's next event."""
         if inst.ready and not inst.paused:
             self.start_waiting(inst)
@@ -333,7 +203,7 @@ class _Sim:
         cores = self.s.gpus if self.p.colocated else self.s.rollout_gpus
         return max(1.0, self.n_busy * self.s.gpus_per_instance / cores)
 
-    def schedule(self, inst: _Inst) -> None:
+    def schedule(self, inst: Inst) -> None:
         """The instance's next event: its next completion or a full KV cache."""
         inst.token += 1
         if not inst.running or inst.paused or not inst.ready:
@@ -353,7 +223,7 @@ class _Sim:
         inst.target = inst.prog + dp
         self.at(self.now + dt, _INST, inst, inst.token)
 
-    def start_waiting(self, inst: _Inst) -> None:
+    def start_waiting(self, inst: Inst) -> None:
         limit = self.kvcap * (1.0 - self.s.kv_watermark)
         waiting, running = inst.waiting, inst.running
         while waiting and len(running) < self.s.max_seqs:
@@ -376,7 +246,7 @@ class _Sim:
             inst.kv += req.ctx
             self.n_running += 1
 
-    def stop(self, inst: _Inst, req: _Req) -> None:
+    def stop(self, inst: Inst, req: Req) -> None:
         """Take `req` off `inst` (it must be synced): its progress is kept."""
         if req.where == 2:
             del inst.running[req.rid]
@@ -392,7 +262,7 @@ class _Sim:
             inst.waiting.remove(req)
         req.where = 0
 
-    def on_instance(self, inst: _Inst) -> None:
+    def on_instance(self, inst: Inst) -> None:
         b = len(inst.running)
         dp = inst.target - inst.prog
         inst.stall = 0.0
@@ -417,7 +287,7 @@ class _Sim:
         self.kick(inst)
         self.pump()
 
-    def turn_done(self, req: _Req) -> None:
+    def turn_done(self, req: Req) -> None:
         req.turn += 1
         ep = req.ep
         if req.turn < len(ep.turns):
@@ -437,7 +307,7 @@ class _Sim:
         if g.left == 0:
             self.assigned(self.q.complete(g.gid))
 
-    def on_tool(self, req: _Req) -> None:
+    def on_tool(self, req: Req) -> None:
         if req.rid not in self.reqs:
             return
         req.tool_pending = False
@@ -451,7 +321,7 @@ class _Sim:
         inst.waiting.append(req)
         self.kick(inst)
 
-    def update_room(self, inst: _Inst) -> None:
+    def update_room(self, inst: Inst) -> None:
         room = (
             inst.version
             if inst.ready
@@ -471,7 +341,7 @@ class _Sim:
             self.roomy.setdefault(room, {}).setdefault(inst.shard, set()).add(inst.id)
         inst.roomy = room
 
-    def segment(self, inst: _Inst, version: int) -> None:
+    def segment(self, inst: Inst, version: int) -> None:
         if inst.version is not None and self.now > inst.seg_start:
             self.run.segments.append((self.index[inst.id], inst.seg_start, self.now, version))
         inst.seg_start = self.now
@@ -553,7 +423,7 @@ class _Sim:
                 inst.draining = True
                 self.update_room(inst)
 
-    def on_loaded(self, inst: _Inst, load: Load) -> None:
+    def on_loaded(self, inst: Inst, load: Load) -> None:
         assert inst.version is not None
         self.segment(inst, -1)
         inst.ready = True
@@ -592,10 +462,10 @@ class _Sim:
             inst = self.insts[where]
             self.sync(inst)
             eps = self.workload.group()
-            group = _Group(gid, v, len(eps), sum(e.tokens for e in eps))
+            group = Group(gid, v, len(eps), sum(e.tokens for e in eps))
             self.groups[gid] = group
             for rid, ep in zip(rids, eps, strict=True):
-                req = _Req(rid, group, ep, v)
+                req = Req(rid, group, ep, v)
                 req.inst = inst
                 req.shard = shard
                 req.where = 1
@@ -622,7 +492,7 @@ class _Sim:
                 ctx = req.ctx0 + (req.inst.prog - req.p0)
             self.report_size(req, int(ctx))
 
-    def report_size(self, req: _Req, ctx: int) -> None:
+    def report_size(self, req: Req, ctx: int) -> None:
         if self.orchs[req.shard].set_size(req.rid, ctx):  # a `Fail`: the workload cannot fail
             raise SchedulingError(
                 f"{self.p.name}: request {req.rid} has {ctx} context tokens, more than any "
