@@ -31,10 +31,18 @@ Rules, in mode `dora` (and `sync`, which is `dora` with K = 0):
   request longer than every instance's token capacity fails (`Fail`, `FailReason.TOO_LONG`);
 - an instance that dies: its requests migrate to another instance of their version, or are parked;
 - a version with parked requests and no room is served in deadline order (oldest version first):
-  it takes an empty instance, or else the newest version's least-loaded instance is drained (no new
-  groups) and loads it once empty, unless the instances loading it will hold its parked requests
-  by then. Parked requests resume as soon as their version has room, and before any idle
-  instance is re-targeted, so an instance is never loaded and released in turn;
+  in one plan it takes as many empty instances as its parked requests need beside the ones
+  already loading it (the queue packed as it would resume: in park order, by slots and KV
+  tokens), or else the newest version's least-loaded instance is drained (no new groups) and
+  loads it once empty, unless the instances loading it will hold its parked requests by then.
+  Parked requests resume as soon as their version has room, and before any idle instance is
+  re-targeted, so an instance is never loaded and released in turn;
+- an instance is told to load at most once per change of the inputs: a publish, a roll-back,
+  an instance added or removed, a request placed, resized (to another size) or ended, a demand
+  of another value. A load completion (or `rebalance`) alone changes none, so the plans it
+  starts never re-target an instance told to load since the last change. The rules above keep
+  this by themselves; as a backstop a plan that would break it leaves the instance as it is
+  until the next change (counted in `held_back_loads`);
 - capacity is never exceeded (`place`, `Migrate` and `Resume` only target free slots).
 The driver starts every group through `place`, so it keeps no state of its own about draining.
 

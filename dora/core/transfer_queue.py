@@ -11,7 +11,9 @@ Every deadline lies in `[t, t + K]` (versions are never newer than `t`), so the 
 counts of unassigned groups per deadline in a list indexed by `d - t`; checking the invariant is
 then O(K). Completed groups wait in a heap ordered by deadline (earliest deadline first), so every
 operation costs O(K + log n), whatever the length of the run or the size of a step (a `Durable`
-included: the book of groups, `groups.py`, releases a step's groups lazily).
+included: the book of groups, `groups.py`, releases a step's groups lazily). Memory does not grow
+with the run either, once steps are durable: the loaded versions are pruned once a step to those
+a call can still ask about, and the incarnation per version is kept per roll-back.
 
 Strict inputs: `on_step_done` takes the steps in order, `on_durable` only a filled step, and
 `rollback` only a step the trainer reported trained; anything else is a driver bug and raises.
