@@ -371,10 +371,10 @@ class Orchestrator(Pool):
         # (an instance died), and otherwise waits to switch with the others.
         for w in old:
             if self._parked.get(w) and self._room(w) is None and not self._loading.get(w):
-                idle = [self._instances[i] for v in self._empty for i in self._empty[v]]
-                idle = [i for i in idle if self._retargetable(i)]
-                if idle:
-                    self._load(min(idle, key=lambda i: i.id), w, actions)
+                idle = sorted(i for v in self._empty for i in self._empty[v])
+                pick = next((i for i in idle if self._retargetable(self._instances[i])), None)
+                if pick is not None:
+                    self._load(self._instances[pick], w, actions)
 
     def _plan_multi_version(self, actions: list[Action]) -> None:
         newest = self._newest
