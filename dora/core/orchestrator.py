@@ -31,10 +31,18 @@ Rules, in mode `dora` (and `sync`, which is `dora` with K = 0):
   request longer than every instance's token capacity fails (`Fail`, `FailReason.TOO_LONG`);
 - an instance that dies: its requests migrate to another instance of their version, or are parked;
 - a version with parked requests and no room is served in deadline order (oldest version first):
-  it takes an empty instance, or else the newest version's least-loaded instance is drained (no new
-  groups) and loads it once empty, unless the instances loading it will hold its parked requests
-  by then. Parked requests resume as soon as their version has room, and before any idle
-  instance is re-targeted, so an instance is never loaded and released in turn;
+  in one plan it takes as many empty instances as its parked requests need beside the ones
+  already loading it (the queue packed as it would resume: in park order, by slots and KV
+  tokens), or else the newest version's least-loaded instance is drained (no new groups) and
+  loads it once empty, unless the instances loading it will hold its parked requests by then.
+  Parked requests resume as soon as their version has room, and before any idle instance is
+  re-targeted, so an instance is never loaded and released in turn;
+- an instance is told to load at most once per change of the inputs: a publish, a roll-back,
+  an instance added or removed, a request placed, resized (to another size) or ended, a demand
+  of another value. A load completion (or `rebalance`) alone changes none, so the plans it
+  starts never re-target an instance told to load since the last change. The rules above keep
+  this by themselves; as a backstop a plan that would break it leaves the instance as it is
+  until the next change (counted in `held_back_loads`);
 - capacity is never exceeded (`place`, `Migrate` and `Resume` only target free slots).
 The driver starts every group through `place`, so it keeps no state of its own about draining.
 
@@ -127,6 +135,7 @@ class Orchestrator(Pool):
             raise SchedulingError(f"instance capacity must be >= 1, got {capacity}")
         if tokens is not None and tokens < 1:
             raise SchedulingError(f"instance token capacity must be >= 1, got {tokens}")
+        self._changed()
         self._joined += 1
         inst = _Instance(instance_id, capacity, self._joined, tokens)
         self._instances[instance_id] = inst
@@ -142,6 +151,7 @@ class Orchestrator(Pool):
         inst = self._instances.get(instance_id)
         if inst is None:
             raise SchedulingError(f"unknown instance {instance_id!r}")
+        self._changed()
         self._unindex(inst)
         del self._instances[instance_id]
         self._token_caps[inst.tokens] -= 1
@@ -181,6 +191,7 @@ class Orchestrator(Pool):
         """Version `version` is published and becomes the newest."""
         if version <= self._newest:
             raise SchedulingError(f"version {version} is not newer than {self._newest}")
+        self._changed()
         self._newest = version
         actions: list[Action] = []
         if self._mode is Mode.ONE_STEP_OFF:
@@ -205,6 +216,9 @@ class Orchestrator(Pool):
         never reports it gets consolidation whenever it frees an instance."""
         if requests < 0:
             raise SchedulingError(f"demand must be >= 0, got {requests}")
+        if requests == self._demand:
+            return []
+        self._changed()
         before = self._consolidating()
         self._demand = requests
         if self._consolidating() and not before:
@@ -218,6 +232,8 @@ class Orchestrator(Pool):
         if tokens < 0:
             raise SchedulingError(f"request {request!r}: size must be >= 0 tokens, got {tokens}")
         req = self._req(request)
+        if tokens != req.size:
+            self._changed()
         if req.instance is not None:
             self._instances[req.instance].used_tokens += tokens - req.size
         self._count_live(req.version, 0, tokens - req.size)
@@ -241,6 +257,7 @@ class Orchestrator(Pool):
         where = self.can_place(len(requests), version=version)
         if where is None:
             return None
+        self._changed()
         best = self._instances[where]
         for rid in requests:
             if rid in self._requests:
@@ -255,6 +272,7 @@ class Orchestrator(Pool):
         req = self._requests.get(request)
         if req is None:
             raise SchedulingError(f"unknown request {request!r}")
+        self._changed()
         inst = None if req.instance is None else self._instances[req.instance]
         if inst is None:
             if not req.failed:
@@ -267,6 +285,7 @@ class Orchestrator(Pool):
             inst is None
             or self._parked
             or self._draining
+            or self._deferred
             or self._mode not in (Mode.DORA, Mode.SYNC)
         ):
             return self._plan()  # a parked request's end may leave a load for it unneeded
@@ -299,6 +318,7 @@ class Orchestrator(Pool):
         if newest < 0:
             raise SchedulingError(f"rollback to version {newest}: versions are >= 0")
         drop = set(forget)
+        self._changed()
         self._newest = newest
         for rid, req in list(self._requests.items()):
             if req.version > newest or rid in drop:
@@ -323,11 +343,13 @@ class Orchestrator(Pool):
 
     def _plan(self) -> list[Action]:
         actions: list[Action] = []
+        self._deferred = False
         if self._mode is Mode.ONE_STEP_OFF:
             self._plan_one_step_off(actions)
         elif self._mode is Mode.PARTIAL:
             for inst in self._idle_not_newest():
-                self._load(inst, self._newest, actions)
+                if self._retargetable(inst):
+                    self._load(inst, self._newest, actions)
         else:
             self._plan_multi_version(actions)
             return actions
@@ -342,15 +364,17 @@ class Orchestrator(Pool):
                 if inst.version == self._newest:
                     actions.append(Undrain(inst.id))
             for inst in self._idle_not_newest():
-                self._load(inst, self._newest, actions)
+                if self._retargetable(inst):
+                    self._load(inst, self._newest, actions)
             return
         # The old version drains; an idle instance serves it only if its requests wait for room
         # (an instance died), and otherwise waits to switch with the others.
         for w in old:
             if self._parked.get(w) and self._room(w) is None and not self._loading.get(w):
-                idle = [i for v in self._empty for i in self._empty[v]]
-                if idle:
-                    self._load(self._instances[min(idle)], w, actions)
+                idle = sorted(i for v in self._empty for i in self._empty[v])
+                pick = next((i for i in idle if self._retargetable(self._instances[i])), None)
+                if pick is not None:
+                    self._load(self._instances[pick], w, actions)
 
     def _plan_multi_version(self, actions: list[Action]) -> None:
         newest = self._newest
@@ -369,6 +393,8 @@ class Orchestrator(Pool):
         for inst in sorted(todo.values(), key=lambda i: i.order):
             if inst.id in keep or inst.requests or inst.id not in self._instances:
                 continue
+            if not self._retargetable(inst):
+                continue  # told to load since the inputs changed: no second load for one change
             target = newest
             if inst.draining:
                 self._set_draining(inst, False)
@@ -397,7 +423,13 @@ class Orchestrator(Pool):
             enough = room >= need and room_tokens >= need_tokens
             if enough and not inst.requests:
                 continue
-            if migrate and enough and inst.ready and self._move_all(inst, kept, actions):
+            if (
+                migrate
+                and enough
+                and inst.ready
+                and self._retargetable(inst)
+                and self._move_all(inst, kept, actions)
+            ):
                 continue
             kept.append(inst)
             room += inst.capacity
@@ -433,29 +465,38 @@ class Orchestrator(Pool):
         return True
 
     def _grow(self, w: int, keep: set[str], actions: list[Action]) -> None:
-        """Old version `w` has parked requests and no room: give it an instance, unless the
-        instances loading it will hold them all (asking later would re-target a loading one)."""
-        loading = self._loading.get(w, {})
-        keep.update(loading)  # room to come for `w`: not to be re-targeted
-        if self._loading_holds(w):
-            return
-        # The loading instances take the head of the queue; the next request needs room too.
+        """Old version `w` has parked requests and no room for them: give it, in this one plan,
+        as many instances as its parked requests need (packed as they would resume) beside the
+        ones already loading it, so that no load completion asks for more."""
+        keep.update(self._loading.get(w, {}))  # room to come for `w`: not to be re-targeted
+        targets = self._targets(w)
         queue = self._parked[w]
-        taken = min(sum(self._instances[i].capacity for i in loading), len(queue) - 1)
-        size = self._requests[queue[taken]].size
-        spare = [
-            i
-            for i in self._instances.values()
-            if i.id not in keep and not i.requests and not i.draining and i.fits(size)
-        ]
-        if spare:
-            inst = min(spare, key=lambda i: (i.version == self._newest and i.ready, i.id))
+        held = self._held(w, targets)
+        if held == len(queue):
+            return
+        spare = sorted(
+            (
+                i
+                for i in self._instances.values()
+                if i.id not in keep and not i.requests and not i.draining
+            ),
+            key=lambda i: (i.version == self._newest and i.ready, i.id),
+        )
+        for inst in spare:
+            if not inst.fits(self._requests[queue[held]].size):
+                continue
+            if inst.version != w and not self._retargetable(inst):
+                continue
             keep.add(inst.id)
             if inst.version != w:
                 self._load(inst, w, actions)
-            return
+            targets.append(inst)
+            held = self._held(w, targets)
+            if held == len(queue):
+                return
         if self._draining:
             return  # one is already on its way
+        size = self._requests[queue[held]].size
         newest = [
             i
             for i in self._instances.values()
@@ -466,27 +507,38 @@ class Orchestrator(Pool):
             self._set_draining(inst, True)
             actions.append(Drain(inst.id))
 
-    def _loading_holds(self, w: int) -> bool:
-        """Whether the instances loading `w` will hold its parked requests, by slots and by
-        KV tokens (each of them, and all of them together)."""
-        loading = [self._instances[i] for i in self._loading.get(w, ())]
-        if not loading:
-            return False
-        sizes = [self._requests[r].size for r in self._parked[w]]
-        caps = [_UNLIMITED if i.tokens is None else i.tokens for i in loading]
-        return (
-            sum(i.capacity for i in loading) >= len(sizes)
-            and sum(caps) >= sum(sizes)
-            and max(caps) >= max(sizes)
-        )
+    def _targets(self, w: int) -> list[_Instance]:
+        """Where `w`'s parked requests can go: its instances with a free slot, loading or not
+        (a loading instance holds no request)."""
+        return [i for i in self._by_version.get(w, {}).values() if i.free > 0]
+
+    def _held(self, w: int, targets: list[_Instance]) -> int:
+        """How many of `w`'s parked requests, from the head, `targets` would hold were they all
+        ready: packed in park order, each onto the one with the most free slots that has its
+        KV tokens (the oldest on ties), as `_resume_parked` does, until one fits none."""
+        free = [i.free for i in targets]
+        used = [i.used_tokens for i in targets]
+        held = 0
+        for rid in self._parked[w]:
+            size = self._requests[rid].size
+            fit = [
+                k
+                for k, inst in enumerate(targets)
+                if free[k] > 0 and (inst.tokens is None or used[k] + size <= inst.tokens)
+            ]
+            if not fit:
+                break
+            best = min(fit, key=lambda k: (-free[k], targets[k].order))
+            free[best] -= 1
+            used[best] += size
+            held += 1
+        return held
 
     def _oldest_waiting(self, *, default: int) -> int:
         """The oldest version whose parked requests still need an instance: no room, and not
         held by the instances loading it (a load for it would be re-targeted once they are in)."""
         waiting = [
-            w
-            for w, rs in self._parked.items()
-            if rs and self._room(w) is None and not self._loading_holds(w)
+            w for w, rs in self._parked.items() if rs and self._held(w, self._targets(w)) < len(rs)
         ]
         return min(waiting, default=default)
 

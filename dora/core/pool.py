@@ -33,6 +33,7 @@ class _Instance:
     ready: bool = False
     draining: bool = False
     load_id: int = 0  # the pending `Load`'s id (0: none)
+    told: int = -1  # the input epoch of its last `Load` (see `Pool._changed`)
     requests: set[str] = field(default_factory=set)
     used_tokens: int = 0
 
@@ -67,6 +68,9 @@ class Pool:
         self._demand: int | None = None  # requests waiting for room (None: not reported)
         self._joined = 0
         self._loads = 0  # `Load` ids handed out
+        self._epoch = 0  # changes of the inputs so far: a load is told once per epoch
+        self._deferred = False  # a plan left an instance alone as told in this epoch
+        self._held_back = 0  # loads (or consolidations) left alone for that reason
         self._stale_loads = 0
         self._failures = dict.fromkeys(FailReason, 0)
         self._token_caps: dict[int | None, int] = {}  # instances per KV-token capacity
@@ -130,6 +134,14 @@ class Pool:
     def stale_loads(self) -> int:
         """Completions `on_loaded` ignored: not the pending load of a live instance."""
         return self._stale_loads
+
+    @property
+    def held_back_loads(self) -> int:
+        """Loads (and consolidations, which end in one) a plan left for the next change of the
+        inputs because the instance was told to load since the last one. The rules plan a
+        parked version's whole need at once, so this stays 0 unless they missed a case; it is
+        a backstop against load ping-pong, not a part of the plan."""
+        return self._held_back
 
     def is_live(self, request: str) -> bool:
         return request in self._requests
@@ -304,11 +316,29 @@ class Pool:
         else:
             self._draining.pop(inst.id, None)
 
+    def _changed(self) -> None:
+        """An input changed (an instance, a request, the newest version, the demand): from now
+        on every instance may be told to load again."""
+        self._epoch += 1
+
+    def _retargetable(self, inst: _Instance) -> bool:
+        """Whether a plan may tell `inst` to load: not already told since the inputs last
+        changed. A plan that leaves one alone for this reason marks itself deferred, so that
+        the next change of the inputs plans again."""
+        if inst.told != self._epoch:
+            return True
+        self._deferred = True
+        self._held_back += 1
+        return False
+
     def _load(self, inst: _Instance, version: int, actions: list[Action]) -> None:
         if inst.requests:
             raise SchedulingError(f"cannot load {inst.id!r}: it holds requests")
+        if inst.told == self._epoch:
+            raise SchedulingError(f"{inst.id!r} was told to load since the inputs last changed")
         self._unindex(inst)
         self._loads += 1
         inst.version, inst.ready, inst.load_id = version, False, self._loads
+        inst.told = self._epoch
         self._index(inst)
         actions.append(Load(inst.id, version, self._loads))

@@ -11,7 +11,9 @@ Every deadline lies in `[t, t + K]` (versions are never newer than `t`), so the 
 counts of unassigned groups per deadline in a list indexed by `d - t`; checking the invariant is
 then O(K). Completed groups wait in a heap ordered by deadline (earliest deadline first), so every
 operation costs O(K + log n), whatever the length of the run or the size of a step (a `Durable`
-included: the book of groups, `groups.py`, releases a step's groups lazily).
+included: the book of groups, `groups.py`, releases a step's groups lazily). Memory does not grow
+with the run either, once steps are durable: the loaded versions are pruned once a step to those
+a call can still ask about, and the incarnation per version is kept per roll-back.
 
 Strict inputs: `on_step_done` takes the steps in order, `on_durable` only a filled step, and
 `rollback` only a step the trainer reported trained; anything else is a driver bug and raises.
@@ -61,6 +63,7 @@ Usage by an event-driven driver (the server and the simulator do exactly this)::
 
 from __future__ import annotations
 
+import bisect
 import heapq
 from collections.abc import Collection
 
@@ -131,7 +134,9 @@ class TransferQueue(GroupBook):
         self._published = 0
         self._trained = -1
         self._incarnation = 0
-        self._version_incarnation: dict[int, int] = {0: 0}
+        # (first version, incarnation that published it) at each change of incarnation: a
+        # version's incarnation never falls as versions rise, so this grows per roll-back only.
+        self._incarnations: list[tuple[int, int]] = [(0, 0)]
         self._staleness = [0] * (max_staleness + 1)
         self._admission_waits = dict.fromkeys(RefusalReason, 0)
         self._admitted = self._consumed = self._filtered = self._rolled_back = 0
@@ -184,7 +189,10 @@ class TransferQueue(GroupBook):
 
     def version_tag(self, version: int) -> tuple[int, int]:
         """`(incarnation that published it, version)`: the identity a journal should store."""
-        return (self._version_incarnation.get(version, self._incarnation), version)
+        if version < 0 or version > self._published:
+            return (self._incarnation, version)
+        i = bisect.bisect_right(self._incarnations, (version, 1 << 62)) - 1
+        return (self._incarnations[i][1], version)
 
     def unassigned_by_deadline(self) -> list[int]:
         """`[U(= t), U(= t + 1), ..., U(= t + K)]`."""
@@ -375,7 +383,9 @@ class TransferQueue(GroupBook):
             raise SchedulingError(f"step {step} done but the queue is still filling {self._t}")
         self._trained = step
         self._published = step + 1
-        self._version_incarnation[step + 1] = self._incarnation
+        if self._incarnations[-1][1] != self._incarnation:
+            self._incarnations.append((step + 1, self._incarnation))
+        self._prune_loaded()
         return True
 
     def on_durable(self, step: int, *, incarnation: int | None = None) -> list[str]:
@@ -390,6 +400,7 @@ class TransferQueue(GroupBook):
             raise SchedulingError(f"Durable({step}): a step is >= 0 (-1: none)")
         released = self._release_through(step)
         self._durable = max(self._durable, step)
+        self._prune_loaded()
         return released
 
     def rollback(self, checkpoint_step: int, *, tainted: Collection[str] = ()) -> RollbackReport:
@@ -432,9 +443,7 @@ class TransferQueue(GroupBook):
         self._t, self._f = c + 1, self._b
         self._trained = c
         self._published = c + 1
-        self._version_incarnation = {
-            w: i for w, i in self._version_incarnation.items() if w <= c + 1
-        }
+        self._incarnations = [(w, i) for w, i in self._incarnations if w <= c + 1]
         self._loaded -= set(ghosts)
         self._newest = max(self._loaded, default=None)
         self._due = [0] * (self._k + 1)
@@ -450,6 +459,16 @@ class TransferQueue(GroupBook):
         )
 
     # --- internals ---------------------------------------------------------------------------
+
+    def _prune_loaded(self) -> None:
+        """Forget loaded versions no call can need: below both the staleness bound (`t - K`:
+        admission, re-binding and restarts take no older version) and the first step a
+        roll-back may return to (`durable + 1`), except the newest of them (what a roll-back
+        there takes for the newest). O(versions kept), once a step."""
+        floor = min(self._t - self._k, self._durable + 1)
+        old = [w for w in self._loaded if w < floor]
+        if len(old) > 1:
+            self._loaded.difference_update(sorted(old)[:-1])
 
     def _stale(self, incarnation: int | None) -> bool:
         if incarnation is None or incarnation == self._incarnation:

@@ -317,6 +317,8 @@ class Sim:
         assert len(loaded) <= p.k + 1, (loaded, q.step)
         if p.mode is not Mode.DORA:  # sync, one_step_off and partial switch all instances at once
             assert len(loaded) <= 1, loaded
+        # One load per instance per change of the inputs, by the rules alone (every mode).
+        assert o.held_back_loads == 0
         views = {v.id: v for v in o.instances()}
         for v in views.values():
             assert v.load <= v.capacity

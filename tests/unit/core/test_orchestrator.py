@@ -358,3 +358,33 @@ def test_partial_rollback_does_not_resume_a_kept_group_on_the_ghost() -> None:
         assert load.version == 1
         o.on_loaded(load)
     assert o.location("a") is not None and o.request_version("a") == 1
+
+
+def complete_loads(o: Orchestrator, actions: list[Action]) -> list[Action]:
+    """Report every pending load done, oldest first, until none is left (no other input);
+    returns every action on the way, `actions` (the last input's) first."""
+    out = list(actions)
+    while pending := [p for v in o.instances() if (p := o.pending_load(v.id)) is not None]:
+        out += o.on_loaded(min(pending, key=lambda a: a.id))
+    return out
+
+
+def test_a_parked_version_takes_its_whole_need_in_one_plan() -> None:
+    # Three requests of version 0 sit on `i3`, which dies; `i1` and `i2` (one slot each) were
+    # told to load version 1. Version 0 needs three slots: taking one instance per plan made
+    # `i1`'s load completion take `i4`, which the same input (its joining) had told to load
+    # version 1: two loads of one instance for one change of the inputs.
+    o = Orchestrator(mode=Mode.DORA)
+    for iid, capacity in [("i1", 1), ("i2", 1), ("i3", 3)]:
+        o.add_instance(iid, capacity=capacity, tokens=100)
+        loaded(o, iid, 0)
+    for rid in ["r0", "r1", "r2"]:
+        assert o.place([rid], version=0) is not None
+        o.set_size(rid, 0)
+    o.publish(1)
+    assert {o.location(r) for r in ["r0", "r1", "r2"]} == {"i3"}
+    o.remove_instance("i3")
+    after = complete_loads(o, o.add_instance("i4", capacity=1, tokens=100))
+    told = [a.instance for a in after if isinstance(a, Load)]
+    assert len(told) == len(set(told)), after
+    assert all(o.location(r) is not None for r in ["r0", "r1", "r2"]), after

@@ -4,17 +4,18 @@ requests), loads complete late and out of order (superseded ones too), groups st
 newest version, requests grow and end (half the time to within a few tokens of their
 instance's token limit), versions are published and rolled back. After every step: C1 for every
 placement (`place`, `Migrate`, `Resume` only onto a ready instance of the request's own
-version), capacity, and no load ping-pong: between two changes of the inputs (a publish, an
-instance added or removed, a request placed, resized or ended, a demand report or a roll-back;
-a load completion alone is none), an instance is never told to load a version it was already
-told to load (old, new, old, ...). At the end, with the inputs frozen but loads completing and
-requests ending, every parked request is resumed or failed with a reason. Derandomized, so that
-it runs the same 1,000 examples everywhere; with the token-limit fix reverted it fails.
-
-Not asserted: at most one load per instance per change of the inputs. A parked version grows by
-one instance per plan, so a later load completion can still re-target an instance told to load
-the newest version (start [1, 1, 3] at size 0; publish; kill the holder; add an instance; let
-the loads complete).resumed or failed with a reason."""
+version), capacity, and no load ping-pong in its strict form: an instance is told to load at
+most once per change of the inputs. A change of the inputs is a publish, a roll-back, an
+instance added or removed, a request placed (`place` that returns an instance), resized to
+another size, or ended, and a demand report of another value; a load completion alone is none,
+so the loads it leads to may not re-target an instance told to load since the last change.
+At the end, with the inputs frozen but loads completing and requests ending, every parked
+request is resumed or failed with a reason, and the orchestrator's backstop against a second
+load (`held_back_loads`) never acts: the rules alone keep the property. Derandomized, so that it
+runs the same 1,000 examples everywhere. The known counterexample of a parked version given one
+instance per plan (instead of its whole need at once) is a unit test
+(`test_a_parked_version_takes_its_whole_need_in_one_plan`): these examples found it only with
+some seeds."""
 
 from __future__ import annotations
 
@@ -51,7 +52,7 @@ class Driver(RuleBasedStateMachine):
         self.loads: dict[int, Load] = {}  # every Load not yet reported, superseded ones too
         self.version: dict[str, int] = {}  # live request -> the version it was born with
         self.failed: set[str] = set()
-        self.loads_since_input: dict[str, list[int]] = {}  # instance -> versions told
+        self.told: dict[str, Load] = {}  # instance -> its Load since the inputs last changed
         self.tokens: dict[str, int | None] = {}  # instance -> its token limit
         self.size: dict[str, int] = {}  # request -> its last reported size
 
@@ -62,9 +63,9 @@ class Driver(RuleBasedStateMachine):
         for a in actions:
             if isinstance(a, Load):
                 self.loads[a.id] = a
-                told = self.loads_since_input.setdefault(a.instance, [])
-                assert a.version not in told, f"{a.instance} ping-pongs back to {a.version}"
-                told.append(a.version)
+                first = self.told.get(a.instance)
+                assert first is None, f"{a.instance} told {first} then {a} for one input change"
+                self.told[a.instance] = a
             elif isinstance(a, Migrate | Resume):
                 where = a.dst if isinstance(a, Migrate) else a.instance
                 v = views[where]
@@ -78,9 +79,10 @@ class Driver(RuleBasedStateMachine):
                 assert isinstance(a, Park | Drain | Undrain)
 
     def input_changed(self) -> None:
-        self.loads_since_input = {}
+        self.told = {}
 
     def end(self, rid: str) -> None:
+        self.input_changed()
         self.apply(self.o.finish(rid))
         del self.version[rid]
         self.size.pop(rid, None)
@@ -109,6 +111,7 @@ class Driver(RuleBasedStateMachine):
             rid = f"r{self.n_requests - 1}"
             if rid in self.version:
                 self.size[rid] = size
+                self.input_changed()
                 self.apply(self.o.set_size(rid, size))
         self.input_changed()
 
@@ -144,6 +147,16 @@ class Driver(RuleBasedStateMachine):
         self.apply(self.o.remove_instance(victim))
         self.end_failed()
 
+    @precondition(lambda self: self.o.instances())
+    @rule(data=st.data(), capacity=st.integers(1, 2))
+    def replace_instance(self, data: st.DataObject, capacity: int) -> None:
+        """An instance holding an old version's requests dies and a small fresh one takes its
+        place: its requests park and need several instances at once, while the fresh one and
+        those told to load the newest version are spare (one instance per plan would let a
+        later load completion re-target one of them)."""
+        self.kill_instance(data, old_holder=True)
+        self.add_instance(capacity, 100)
+
     @precondition(lambda self: self.loads)
     @rule(data=st.data())
     def complete_load(self, data: st.DataObject) -> None:
@@ -155,12 +168,12 @@ class Driver(RuleBasedStateMachine):
 
     @rule(n=st.integers(1, 2))
     def start_group(self, n: int) -> None:
-        self.input_changed()
         w = self.o.newest
         rids = [f"r{self.n_requests + j}" for j in range(n)]
         where = self.o.place(rids, version=w)
         if where is None:
-            return
+            return  # nothing changed
+        self.input_changed()
         self.n_requests += n
         view = next(v for v in self.o.instances() if v.id == where)
         assert view.ready and view.version == w and view.load <= view.capacity  # C1
@@ -173,7 +186,6 @@ class Driver(RuleBasedStateMachine):
         """A request's context grows; half the time to within a few tokens of what is left of
         its instance's (or some instance's) token limit, where packing by slots and by tokens
         disagree."""
-        self.input_changed()
         rid = data.draw(st.sampled_from(sorted(self.version)))
         if data.draw(st.booleans()):
             where = self.o.location(rid)
@@ -183,6 +195,8 @@ class Driver(RuleBasedStateMachine):
                 tokens = max(0, limit - used + self.size.get(rid, 0) + near)
             elif limits := sorted({t for t in self.tokens.values() if t is not None}):
                 tokens = max(0, data.draw(st.sampled_from(limits)) // 2 + near)
+        if tokens != self.size.get(rid, 0):
+            self.input_changed()
         self.size[rid] = tokens
         self.apply(self.o.set_size(rid, tokens))
         self.end_failed()
@@ -217,7 +231,8 @@ class Driver(RuleBasedStateMachine):
 
     @rule(requests=st.integers(0, 6))
     def demand(self, requests: int) -> None:
-        self.input_changed()
+        if requests != self.o.demand:
+            self.input_changed()
         self.apply(self.o.set_demand(requests))
 
     # --- after every step ---------------------------------------------------------------------
@@ -233,6 +248,12 @@ class Driver(RuleBasedStateMachine):
             if where is not None:
                 assert views[where].ready and views[where].version == w, (rid, views[where])
         assert sum(self.o.live().values()) == len(self.version)
+
+    @invariant()
+    def no_load_held_back(self) -> None:
+        """The rules alone keep to one load per instance per change of the inputs: the
+        orchestrator's backstop (a load it leaves for the next change) never acts."""
+        assert self.o.held_back_loads == 0
 
     def teardown(self) -> None:
         """Freeze the inputs: loads complete and requests end (newest first, so that old
@@ -259,6 +280,6 @@ class Driver(RuleBasedStateMachine):
 
 
 Driver.TestCase.settings = settings(
-    max_examples=1000, stateful_step_count=30, deadline=None, derandomize=True
+    max_examples=1000, stateful_step_count=40, deadline=None, derandomize=True
 )
 test_orchestrator_as_a_driver_sees_it = Driver.TestCase

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pickle
+
 import pytest
 
 from dora.core import (
@@ -273,3 +275,48 @@ def test_rollback_to_a_step_never_trained_is_refused() -> None:
     with pytest.raises(SchedulingError, match=r"step 1.*never trained"):
         q.rollback(1)  # filled, but the trainer reported only step 0
     assert q.rollback(0).step == 0
+
+
+def run_steps(q: TransferQueue, first: int, last: int) -> None:
+    """Fill, train, load and make durable steps `first`..`last` (one group a step, B = 1),
+    reloading an old version now and then, as an instance serving a parked request does."""
+    for step in range(first, last + 1):
+        admit(q, f"g{step}")
+        q.complete(f"g{step}")
+        publish(q, step)
+        if step % 7 == 0:
+            q.on_version_loaded(step - 1)
+        q.on_durable(step)
+
+
+def test_state_stays_flat_with_the_length_of_a_run() -> None:
+    # The loaded versions and each version's incarnation were kept for the whole run.
+    q = TransferQueue(groups_per_step=1, max_staleness=2)
+    q.on_version_loaded(0)
+    run_steps(q, 0, 199)
+    early = len(pickle.dumps(q))
+    run_steps(q, 200, 3999)
+    assert len(pickle.dumps(q)) < early * 1.05 + 200, (early, len(pickle.dumps(q)))
+
+
+def test_pruned_state_answers_as_the_full_one() -> None:
+    q = TransferQueue(groups_per_step=1, max_staleness=2)
+    q.on_version_loaded(0)
+    run_steps(q, 0, 49)
+    q.rollback(49)  # incarnation 1: versions up to 50 stay incarnation 0's
+    run_steps(q, 50, 99)
+    assert [q.version_tag(w) for w in (0, 30, 50, 51, 100, 101)] == [
+        (0, 0),
+        (0, 30),
+        (0, 50),
+        (1, 51),
+        (1, 100),
+        (1, 101),
+    ]
+    # Admission, re-binding and roll-back need only recent versions: a version older than the
+    # staleness bound is refused as before, and a roll-back finds the newest real version.
+    assert q.admission_blocker(version=10) is RefusalReason.WEIGHTS_NOT_LOADED
+    report = q.rollback(99)
+    assert report.ghost_versions == () and q.newest_version == 100
+    run_steps(q, 100, 120)
+    assert q.version_tag(100) == (1, 100) and q.version_tag(101) == (2, 101)
