@@ -115,8 +115,6 @@ async def run_serve(
     from dora.episode import ChatRenderer
     from dora.link import ServeLink
     from dora.models.prepare import prepare_model
-    from dora.serve.dispatcher import Dispatcher
-    from dora.serve.evaluate import Evaluator
     from dora.serve.metrics import SampleLog
     from dora.serve.rollout import Rollout
 
@@ -166,18 +164,10 @@ async def run_serve(
                 link=serve_link,
                 model_dir=str(model_dir),
                 run_dir=run_dir,
-                dispatcher_factory=lambda r: Dispatcher(
-                    r, tasks=tasks, env_factory=env_factory, renderer=renderer
-                ),
-                evaluator_factory=(
-                    (
-                        lambda r: Evaluator(
-                            r, tasks=eval_tasks, env_factory=env_factory, renderer=renderer
-                        )
-                    )
-                    if eval_tasks
-                    else None
-                ),
+                tasks=tasks,
+                env_factory=env_factory,
+                renderer=renderer,
+                eval_tasks=eval_tasks,
                 progress=progress,
                 replace_instance=replace,
                 prompts_skipped=len(train.skipped),

@@ -24,7 +24,6 @@ one); the display redraws from the same snapshot.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -35,10 +34,9 @@ import msgspec
 
 if TYPE_CHECKING:
     from dora.protocol import Group
-    from dora.serve.rollout import Rollout
     from dora.tracking import Tracking
 
-__all__ = ["MetricsLog", "Progress", "RolloutReport", "SampleLog", "Snapshots", "Ticker"]
+__all__ = ["MetricsLog", "Progress", "Record", "RolloutReport", "SampleLog", "Ticker"]
 
 Record = dict[str, object]
 
@@ -203,136 +201,6 @@ class RolloutReport:
     """Masked samples by what failed (`reset raised KeyError`, `reward`, ...); `extra` holds
     their total (`masked_samples`)."""
     extra: dict[str, float] = field(default_factory=dict)
-
-
-class Snapshots:
-    """Reads a running `Rollout` into `tick` records and the final report."""
-
-    def __init__(self, rollout: Rollout) -> None:
-        self._r = rollout
-        self._last_busy: dict[str, tuple[float, float]] = {}
-        self._tick_versions_serving = 0
-
-    def take(self, lag_ms: float) -> Record:
-        r = self._r
-        now = time.monotonic()
-        instances = []
-        for view in r.orchestrator.instances():
-            state = r.router.instances[view.id]
-            busy = state.busy_until(now)
-            last_t, last_busy = self._last_busy.get(view.id, (r.started_at, 0.0))
-            util = (busy - last_busy) / (now - last_t) if now > last_t else 0.0
-            self._last_busy[view.id] = (now, busy)
-            instances.append(
-                {
-                    "id": view.id,
-                    "version": view.version,
-                    "ready": view.ready,
-                    "draining": view.draining,
-                    "leases": view.load,
-                    "capacity": view.capacity,
-                    "inflight": state.inflight,
-                    "util": round(min(1.0, util), 4),
-                    "tokens": state.tokens,
-                }
-            )
-        serving = r.router.versions_serving()
-        self._tick_versions_serving = max(self._tick_versions_serving, len(serving))
-        # Episodes per version: in an LLM call, between calls (env step, tool, reward), parked.
-        episodes: dict[int, dict[str, int]] = {}
-        for lease in r.router.leases.values():
-            where = "parked" if lease.instance is None else "calling" if lease.call_id else "env"
-            counts = episodes.setdefault(lease.version, {"calling": 0, "env": 0, "parked": 0})
-            counts[where] += 1
-        acct = r.queue.accounting()
-        evals = r.evaluator.history if r.evaluator is not None else []
-        return {
-            "step": r.queue.step,
-            "trained": r.trained_step,
-            "newest": r.queue.newest_version,
-            "published": r.queue.published_version,
-            "instances": instances,
-            "live_per_version": r.orchestrator.live(),
-            "serving_versions": serving,
-            "episodes_per_version": dict(sorted(episodes.items())),
-            "queue_per_version": {
-                w: dataclasses.asdict(c) for w, c in r.queue.version_counts().items()
-            },
-            "staleness_histogram": r.queue.staleness_histogram(),
-            "admitted": acct.admitted,
-            "completed": r.completed,
-            "assigned": acct.consumed,
-            "masked": acct.masked,
-            "retried": acct.retried,
-            "rolled_back": acct.rolled_back,
-            "migrations": r.router.migrations,
-            "kv_migrations": r.router.kv_migrations,
-            "resubmissions": r.router.resubmissions,
-            "parks": r.router.parks,
-            "missed_interrupts": r.router.missed_interrupts,
-            "failed_calls": r.router.failed_calls,
-            "instances_failed": sorted(r.dead),
-            "weight_loads": r.weight_loads,
-            "weight_load_s": round(r.weight_load_s, 4),
-            "weights_held": r.store.versions(),
-            "admission_wait_s": {k: round(v, 4) for k, v in r.admission_wait_s.items() if v},
-            "trainer_wait_s": round(r.trainer_wait_s, 4),
-            "loop_lag_ms": round(lag_ms, 3),
-            "core_s": round(r.core.seconds, 6),
-            "core_calls": r.core.calls,
-            "journal_writes": r.queue.journal_writes()[0],
-            "journal_bytes": r.queue.journal_writes()[1],
-            "link": {
-                "sent_messages": getattr(r.link, "sent_messages", 0),
-                "sent_bytes": getattr(r.link, "sent_bytes", 0),
-                "received_messages": getattr(r.link, "received_messages", 0),
-                "received_bytes": getattr(r.link, "received_bytes", 0),
-            },
-            **({"eval": {"version": evals[-1][0], "accuracy": evals[-1][1]}} if evals else {}),
-        }
-
-    def report(self) -> RolloutReport:
-        r = self._r
-        now = time.monotonic()
-        wall = now - r.started_at
-        util = {
-            i.id: round(i.busy_until(now) / wall, 4) if wall > 0 else 0.0
-            for i in r.router.instances.values()
-        }
-        evals = r.evaluator.history if r.evaluator is not None else []
-        extra: dict[str, float] = {}
-        if evals:
-            (first_v, first_a), (last_v, last_a) = evals[0], evals[-1]
-            extra = {
-                "eval_first_version": first_v,
-                "eval_first_accuracy": first_a,
-                "eval_last_version": last_v,
-                "eval_last_accuracy": last_a,
-            }
-        return RolloutReport(
-            mode=r.mode.value,
-            steps=r.queue.step,
-            groups_sent=sum(r.sent_per_step.values()),
-            wall_s=round(wall, 3),
-            max_versions_serving=r.router.max_versions_serving,
-            utilisation=util,
-            staleness_histogram=r.queue.staleness_histogram(),
-            migrations=r.router.migrations,
-            kv_migrations=r.router.kv_migrations,
-            resubmissions=r.router.resubmissions,
-            parks=r.router.parks,
-            missed_interrupts=r.router.missed_interrupts,
-            failed_calls=r.router.failed_calls,
-            instances_failed=sorted(r.dead),
-            weight_loads=r.weight_loads,
-            weight_load_s=round(r.weight_load_s, 4),
-            admission_wait_s={k: round(v, 4) for k, v in r.admission_wait_s.items()},
-            trainer_wait_s=round(r.trainer_wait_s, 4),
-            max_loop_lag_ms=round(r.ticker.max_lag_ms, 3),
-            steps_trained=r.trained_step + 1,
-            tick_versions_serving=self._tick_versions_serving,
-            extra=extra,
-        )
 
 
 class SampleLog:
