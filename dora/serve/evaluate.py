@@ -53,6 +53,7 @@ from dora.protocol import Sample, SamplingParams
 from dora.serve.dispatcher import episode_limits, episode_on_lease, turn_max_tokens
 from dora.serve.metrics import MetricsLog
 from dora.serve.placement import Placement
+from dora.serve.records import Eval
 from dora.serve.spawn import Spawner
 
 __all__ = ["CORRECT_AT", "Evaluator"]
@@ -180,7 +181,7 @@ class Evaluator:
             if version not in self.done:
                 await self.evaluate(version, due=Due(steps=version))
 
-    async def evaluate(self, version: int | None, *, due: Due) -> dict[str, object]:
+    async def evaluate(self, version: int | None, *, due: Due) -> Eval:
         """Evaluate `version` (None: the newest loaded one when room is found) on the held-out
         tasks, for the threshold `due`; write and return the `eval` record."""
         started = time.monotonic()
@@ -192,29 +193,29 @@ class Evaluator:
         n = len(samples)
         correct = sum(1 for s in samples if not s.masked and s.reward >= CORRECT_AT)
         trained_at = self._trained_at(version)
-        record: dict[str, object] = {
-            "step": version,
-            "version": version,
-            "due": due.steps,
-            "due_s": due.seconds,
-            "accuracy": correct / n if n else 0.0,
-            "reward_mean": math.fsum(s.reward for s in samples) / n if n else 0.0,
-            "n": n,
-            "masked": sum(1 for s in samples if s.masked),
-            "concurrency": concurrency,
-            "version_time_s": None if trained_at is None else round(trained_at, 4),
-            "started_s": round(started - self._metrics.start, 4),
-            "seconds": round(time.monotonic() - started, 4),
-        }
-        self._metrics.write("eval", record)
-        self.history.append((version, correct / n if n else 0.0))
+        record = Eval(
+            step=version,
+            version=version,
+            due=due.steps,
+            due_s=due.seconds,
+            accuracy=correct / n if n else 0.0,
+            reward_mean=math.fsum(s.reward for s in samples) / n if n else 0.0,
+            n=n,
+            masked=sum(1 for s in samples if s.masked),
+            concurrency=concurrency,
+            version_time_s=None if trained_at is None else round(trained_at, 4),
+            started_s=round(started - self._metrics.start, 4),
+            seconds=round(time.monotonic() - started, 4),
+        )
+        self._metrics.write(record)
+        self.history.append((version, record.accuracy))
         log.info(
             "eval: version %d accuracy %.3f (%d held-out tasks, %d at once, %.1f s)",
             version,
-            record["accuracy"],
+            record.accuracy,
             n,
             concurrency,
-            record["seconds"],
+            record.seconds,
         )
         return record
 

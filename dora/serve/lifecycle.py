@@ -26,6 +26,14 @@ from dora.serve.instances import InstanceHandle
 from dora.serve.journal import JournaledQueue
 from dora.serve.metrics import MetricsLog
 from dora.serve.placement import Placement
+from dora.serve.records import (
+    InstanceFailed,
+    InstanceRestarted,
+    InstanceRestartFailed,
+    InstanceUnresponsive,
+    WeightLoad,
+    WeightLoadTimeout,
+)
 from dora.serve.spawn import Spawner
 from dora.serve.stats import ServeStats
 from dora.serve.weights import WeightStore
@@ -97,7 +105,7 @@ class InstanceLifecycle:
             return
         self._stats.instances_failed.add(instance)
         log.warning("instance %s is unreachable; moving its requests", instance)
-        self._metrics.write("instance_failed", {"instance": instance})
+        self._metrics.write(InstanceFailed(instance=instance))
         self._placement.apply(self._orchestrator.remove_instance(instance))
         self._replace(instance)
 
@@ -106,7 +114,7 @@ class InstanceLifecycle:
         one that is unreachable, and the calls still waiting on it are cut and resubmitted."""
         if instance in self._stats.instances_failed:
             return
-        self._metrics.write("instance_unresponsive", {"instance": instance, "error": error})
+        self._metrics.write(InstanceUnresponsive(instance=instance, error=error))
         self.failed(instance)
         cut = self._router.cut(instance)
         log.warning("instance %s missed its health deadline; %d calls cut", instance, cut)
@@ -130,13 +138,11 @@ class InstanceLifecycle:
             handle = await self._replace_instance(instance)
         except (ServerUnavailable, ServerTimeout) as exc:
             log.warning("replacing instance %s failed: %s", instance, exc)
-            self._metrics.write(
-                "instance_restart_failed", {"instance": instance, "error": str(exc)}
-            )
+            self._metrics.write(InstanceRestartFailed(instance=instance, error=str(exc)))
             self._replace(instance)
             return
         log.warning("instance %s replaces %s", handle.id, instance)
-        self._metrics.write("instance_restarted", {"instance": handle.id, "replaces": instance})
+        self._metrics.write(InstanceRestarted(instance=handle.id, replaces=instance))
         self.add(handle)
 
     # --- loads ---------------------------------------------------------------------------------
@@ -189,9 +195,7 @@ class InstanceLifecycle:
             self._router.instances[instance].version = version
             self._stats.weight_loads += 1
             self._stats.weight_load_s += seconds
-            self._metrics.write(
-                "weight_load", {"instance": instance, "version": version, "seconds": seconds}
-            )
+            self._metrics.write(WeightLoad(instance=instance, version=version, seconds=seconds))
         self._loaded(load)
 
     async def _send_weights(self, instance: str, version: int) -> bool:
@@ -226,13 +230,9 @@ class InstanceLifecycle:
                 )
                 log.warning("%s", error)
                 self._metrics.write(
-                    "weight_load_timeout",
-                    {
-                        "instance": instance,
-                        "version": version,
-                        "attempt": attempt + 1,
-                        "error": error,
-                    },
+                    WeightLoadTimeout(
+                        instance=instance, version=version, attempt=attempt + 1, error=error
+                    )
                 )
                 if attempt == retries:  # stuck: replace it (bounded by its own limit)
                     self.failed(instance)

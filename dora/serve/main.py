@@ -163,7 +163,8 @@ async def run_serve(
             report = await rollout.run()
     finally:
         serve_link.close()
-    (run_dir / "summary.json").write_bytes(msgspec.json.format(msgspec.json.encode(report)))
+    summary = msgspec.json.encode(msgspec.structs.asdict(report))
+    (run_dir / "summary.json").write_bytes(msgspec.json.format(summary))
     return report
 
 

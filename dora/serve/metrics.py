@@ -1,6 +1,6 @@
 """Rollout metrics: a JSONL file in the run directory, and a live display in the terminal.
 
-Records (one JSON object per line, `kind` first):
+Records (one JSON object per line, `kind` first; one struct per kind in `records.py`):
 - `tick`, every `log.metrics_every_s`: per instance its version, leases and capacity, calls in
   flight and utilisation (the fraction of the last interval with at least one call running);
   live episodes per version (in an LLM call, in the environment, parked), calls in flight per
@@ -26,19 +26,18 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, TYPE_CHECKING
 
 import msgspec
 
+from dora.serve.records import Record, RolloutReport, Tick
+
 if TYPE_CHECKING:
     from dora.protocol import Group
     from dora.tracking import Tracking
 
-__all__ = ["MetricsLog", "Progress", "Record", "RolloutReport", "SampleLog", "Ticker"]
-
-Record = dict[str, object]
+__all__ = ["MetricsLog", "Progress", "RolloutReport", "SampleLog", "Ticker"]
 
 
 class MetricsLog:
@@ -52,10 +51,12 @@ class MetricsLog:
         self.start = time.monotonic()
         self._tracking = tracking  # TensorBoard / W&B (dora/tracking.py): every record, if on
 
-    def write(self, kind: str, record: Record) -> None:
+    def write(self, record: Record) -> None:
         if self._file is None:
             return
-        line = {"kind": kind, "time_s": round(time.monotonic() - self.start, 4), **record}
+        fields = msgspec.to_builtins(record)
+        line = {"kind": fields["kind"], "time_s": round(time.monotonic() - self.start, 4)}
+        line.update(fields)
         self._file.write(self._encoder.encode(line) + b"\n")
         self._file.flush()
         if self._tracking is not None:
@@ -91,36 +92,32 @@ class Progress:
         self._root.addHandler(RichHandler(console=self._console, show_path=False))
         self._live.start()
 
-    def update(self, snap: Record) -> None:
+    def update(self, snap: Tick) -> None:
         from rich.table import Table
 
-        serving = snap["serving_versions"]
-        assert isinstance(serving, dict)
+        serving = snap.serving_versions
         calls = ", ".join(f"v{w}: {n}" for w, n in sorted(serving.items())) or "none"
-        last_eval = snap.get("eval")
-        if isinstance(last_eval, dict):
-            calls += f"\nheld-out accuracy (greedy) v{last_eval['version']}: "
-            calls += f"{100 * float(last_eval['accuracy']):.1f}%"
+        if snap.eval is not None:
+            calls += f"\nheld-out accuracy (greedy) v{snap.eval.version}: "
+            calls += f"{100 * snap.eval.accuracy:.1f}%"
         table = Table(
             title=(
-                f"dora serve  step {snap['step']}/{self.total_steps}  trained {snap['trained']}  "
-                f"newest v{snap['newest']}\ncalls in flight per version: {calls}"
+                f"dora serve  step {snap.step}/{self.total_steps}  trained {snap.trained}  "
+                f"newest v{snap.newest}\ncalls in flight per version: {calls}"
             ),
             expand=False,
         )
         for col in ("instance", "version", "leases", "in flight", "util"):
             table.add_column(col, justify="right")
-        instances = snap["instances"]
-        assert isinstance(instances, list)
-        for inst in instances:
-            state = "" if inst["ready"] else " (loading)"
-            state = " (draining)" if inst["draining"] else state
+        for inst in snap.instances:
+            state = "" if inst.ready else " (loading)"
+            state = " (draining)" if inst.draining else state
             table.add_row(
-                str(inst["id"]),
-                f"{inst['version']}{state}",
-                f"{inst['leases']}/{inst['capacity']}",
-                str(inst["inflight"]),
-                f"{100 * float(inst['util']):.0f}%",
+                inst.id,
+                f"{inst.version}{state}",
+                f"{inst.leases}/{inst.capacity}",
+                str(inst.inflight),
+                f"{100 * inst.util:.0f}%",
             )
         self._live.update(table)
 
@@ -138,7 +135,7 @@ class Ticker:
     def __init__(
         self,
         log: MetricsLog,
-        snapshot: Callable[[float], Record],
+        snapshot: Callable[[float], Tick],
         *,
         every_s: float,
         progress: Progress | None = None,
@@ -161,46 +158,12 @@ class Ticker:
             if due < loop.time():  # fell behind (a stalled loop): skip, do not burst
                 due = loop.time() + self._every_s
 
-    def emit(self, lag_ms: float) -> Record:
+    def emit(self, lag_ms: float) -> Tick:
         snap = self._snapshot(lag_ms)
-        self._log.write("tick", snap)
+        self._log.write(snap)
         if self._progress is not None:
             self._progress.update(snap)
         return snap
-
-
-@dataclass(kw_only=True)
-class RolloutReport:
-    """What a finished run did (also the `summary` record)."""
-
-    mode: str
-    steps: int
-    groups_sent: int
-    wall_s: float
-    max_versions_serving: int
-    """Most distinct versions with calls in flight at the same moment (exact, from the router)."""
-    utilisation: dict[str, float]
-    """Per instance: the fraction of the run with at least one call running."""
-    staleness_histogram: list[int]
-    migrations: int
-    kv_migrations: int
-    resubmissions: int
-    parks: int
-    missed_interrupts: int
-    failed_calls: int
-    instances_failed: list[str]
-    weight_loads: int
-    weight_load_s: float
-    admission_wait_s: dict[str, float]
-    trainer_wait_s: float
-    max_loop_lag_ms: float
-    steps_trained: int
-    tick_versions_serving: int = 0
-    """Most versions with calls in flight seen by a metrics tick (coarser than the router's)."""
-    masked_reasons: dict[str, int] = field(default_factory=dict)
-    """Masked samples by what failed (`reset raised KeyError`, `reward`, ...); `extra` holds
-    their total (`masked_samples`)."""
-    extra: dict[str, float] = field(default_factory=dict)
 
 
 class SampleLog:

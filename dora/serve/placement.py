@@ -16,17 +16,22 @@ from collections.abc import Callable, Sequence
 
 from dora.core.orchestrator import (
     Action,
-    Drain,
     Fail,
     Load,
     Migrate,
     Orchestrator,
     Park,
     Resume,
-    Undrain,
+)
+from dora.core.orchestrator import (
+    Drain as DrainAction,
+)
+from dora.core.orchestrator import (
+    Undrain as UndrainAction,
 )
 from dora.errors import SchedulingError
 from dora.serve.metrics import MetricsLog
+from dora.serve.records import Drain, RequestFailed, Undrain
 from dora.serve.router import LeaseSampler, Router
 from dora.serve.spawn import Spawner
 
@@ -93,10 +98,12 @@ class Placement:
             match action:
                 case Load():
                     self.on_load(action)
-                case Drain(instance=i):
-                    self._metrics.write("drain", {"instance": i})
-                case Undrain(instance=i):  # placement asks the orchestrator; this is for the log
-                    self._metrics.write("undrain", {"instance": i})
+                case DrainAction(instance=i):
+                    self._metrics.write(Drain(instance=i))
+                case UndrainAction(
+                    instance=i
+                ):  # placement asks the orchestrator; this is for the log
+                    self._metrics.write(Undrain(instance=i))
                 case Migrate(request=rid, dst=dst):
                     if self.router.move(rid, dst):
                         self._spawn(self.router.interrupt(rid, export=True), name=f"move-{rid}")
@@ -106,7 +113,7 @@ class Placement:
                 case Resume(request=rid, instance=i, version=v):
                     self.router.resume(rid, i, v)
                 case Fail(request=rid, reason=reason):
-                    self._metrics.write("request_failed", {"lease": rid, "reason": reason.value})
+                    self._metrics.write(RequestFailed(lease=rid, reason=reason.value))
                     self.router.fail(rid, reason.value)
         self.changed.set()
         for listener in self.listeners:

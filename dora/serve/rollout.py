@@ -43,8 +43,6 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-import msgspec
-
 from dora.config import DoraConfig
 from dora.core.orchestrator import Mode, Orchestrator
 from dora.env import Env, PromptStream, Task
@@ -59,6 +57,7 @@ from dora.serve.journal import JournaledQueue
 from dora.serve.lifecycle import InstanceLifecycle, Replace
 from dora.serve.metrics import MetricsLog, Progress, RolloutReport, SampleLog, Ticker
 from dora.serve.placement import Placement
+from dora.serve.records import Restore, ServeStart
 from dora.serve.router import Router
 from dora.serve.snapshots import Snapshots
 from dora.serve.spawn import Spawner
@@ -208,7 +207,7 @@ class Rollout:
     async def run(self) -> RolloutReport:
         starts = self.trainer.restored.starts
         self.trainer.start()
-        self.metrics.write("serve_start", {"serve_start": starts + 1, "unix_time": time.time()})
+        self.metrics.write(ServeStart(serve_start=starts + 1, unix_time=time.time()))
         try:
             async with asyncio.TaskGroup() as tg:
                 self.spawn.open(tg)
@@ -230,7 +229,7 @@ class Rollout:
             report = self._snapshots.report(
                 restored_starts=starts, max_lag_ms=self.ticker.max_lag_ms
             )
-            self.metrics.write("summary", msgspec.to_builtins(report))
+            self.metrics.write(report)
             self.metrics.close()
             self.queue.close()
         return report
@@ -247,17 +246,16 @@ class Rollout:
             len(restored.lost),
         )
         self.metrics.write(
-            "restore",
-            {
-                "serve_start": restored.starts + 1,
-                "step": q.step,
-                "incarnation": q.incarnation,
-                "groups_held": len(restored.groups),
-                "lost": len(restored.lost),
-                "admitted": acct.admitted,
-                "consumed": acct.consumed,
-                "rolled_back": acct.rolled_back,
-            },
+            Restore(
+                serve_start=restored.starts + 1,
+                step=q.step,
+                incarnation=q.incarnation,
+                groups_held=len(restored.groups),
+                lost=len(restored.lost),
+                admitted=acct.admitted,
+                consumed=acct.consumed,
+                rolled_back=acct.rolled_back,
+            )
         )
 
     def _evaluate_loaded(self, version: int) -> None:

@@ -11,8 +11,9 @@ from dora.link import ServeLink
 from dora.serve.coretime import CoreClock
 from dora.serve.history import History
 from dora.serve.journal import JournaledQueue
-from dora.serve.metrics import Record, RolloutReport
+from dora.serve.metrics import RolloutReport
 from dora.serve.placement import Placement
+from dora.serve.records import InstanceTick, LinkCounts, Tick, TickEval
 from dora.serve.stats import ServeStats
 from dora.serve.trainer_link import TrainerLink
 from dora.serve.weights import WeightStore
@@ -51,7 +52,7 @@ class Snapshots:
         self._last_busy: dict[str, tuple[float, float]] = {}
         self._tick_versions_serving = 0
 
-    def take(self, lag_ms: float) -> Record:
+    def take(self, lag_ms: float) -> Tick:
         q, st = self._queue, self._stats
         now = time.monotonic()
         instances = []
@@ -62,17 +63,17 @@ class Snapshots:
             util = (busy - last_busy) / (now - last_t) if now > last_t else 0.0
             self._last_busy[view.id] = (now, busy)
             instances.append(
-                {
-                    "id": view.id,
-                    "version": view.version,
-                    "ready": view.ready,
-                    "draining": view.draining,
-                    "leases": view.load,
-                    "capacity": view.capacity,
-                    "inflight": state.inflight,
-                    "util": round(min(1.0, util), 4),
-                    "tokens": state.tokens,
-                }
+                InstanceTick(
+                    id=view.id,
+                    version=view.version,
+                    ready=view.ready,
+                    draining=view.draining,
+                    leases=view.load,
+                    capacity=view.capacity,
+                    inflight=state.inflight,
+                    util=round(min(1.0, util), 4),
+                    tokens=state.tokens,
+                )
             )
         serving = self._router.versions_serving()
         self._tick_versions_serving = max(self._tick_versions_serving, len(serving))
@@ -85,43 +86,43 @@ class Snapshots:
         acct = q.accounting()
         evals = self._evals()
         link = self._link
-        return {
-            "step": q.step,
-            "trained": self._trainer.trained_step,
-            "newest": q.newest_version,
-            "published": q.published_version,
-            "instances": instances,
-            "live_per_version": self._orchestrator.live(),
-            "serving_versions": serving,
-            "episodes_per_version": dict(sorted(episodes.items())),
-            "queue_per_version": {w: dataclasses.asdict(c) for w, c in q.version_counts().items()},
-            "staleness_histogram": q.staleness_histogram(),
-            "admitted": acct.admitted,
-            "completed": st.completed,
-            "assigned": acct.consumed,
-            "masked": acct.masked,
-            "retried": acct.retried,
-            "rolled_back": acct.rolled_back,
+        return Tick(
+            step=q.step,
+            trained=self._trainer.trained_step,
+            newest=q.newest_version,
+            published=q.published_version,
+            instances=instances,
+            live_per_version=self._orchestrator.live(),
+            serving_versions=serving,
+            episodes_per_version=dict(sorted(episodes.items())),
+            queue_per_version={w: dataclasses.asdict(c) for w, c in q.version_counts().items()},
+            staleness_histogram=q.staleness_histogram(),
+            admitted=acct.admitted,
+            completed=st.completed,
+            assigned=acct.consumed,
+            masked=acct.masked,
+            retried=acct.retried,
+            rolled_back=acct.rolled_back,
             **st.router_counts(),
-            "instances_failed": sorted(st.instances_failed),
-            "weight_loads": st.weight_loads,
-            "weight_load_s": round(st.weight_load_s, 4),
-            "weights_held": self._store.versions(),
-            "admission_wait_s": {k: round(v, 4) for k, v in st.admission_wait_s.items() if v},
-            "trainer_wait_s": round(st.trainer_wait_s, 4),
-            "loop_lag_ms": round(lag_ms, 3),
-            "core_s": round(self._core.seconds, 6),
-            "core_calls": self._core.calls,
-            "journal_writes": q.journal_writes()[0],
-            "journal_bytes": q.journal_writes()[1],
-            "link": {
-                "sent_messages": getattr(link, "sent_messages", 0),
-                "sent_bytes": getattr(link, "sent_bytes", 0),
-                "received_messages": getattr(link, "received_messages", 0),
-                "received_bytes": getattr(link, "received_bytes", 0),
-            },
-            **({"eval": {"version": evals[-1][0], "accuracy": evals[-1][1]}} if evals else {}),
-        }
+            instances_failed=sorted(st.instances_failed),
+            weight_loads=st.weight_loads,
+            weight_load_s=round(st.weight_load_s, 4),
+            weights_held=self._store.versions(),
+            admission_wait_s={k: round(v, 4) for k, v in st.admission_wait_s.items() if v},
+            trainer_wait_s=round(st.trainer_wait_s, 4),
+            loop_lag_ms=round(lag_ms, 3),
+            core_s=round(self._core.seconds, 6),
+            core_calls=self._core.calls,
+            journal_writes=q.journal_writes()[0],
+            journal_bytes=q.journal_writes()[1],
+            link=LinkCounts(
+                sent_messages=getattr(link, "sent_messages", 0),
+                sent_bytes=getattr(link, "sent_bytes", 0),
+                received_messages=getattr(link, "received_messages", 0),
+                received_bytes=getattr(link, "received_bytes", 0),
+            ),
+            eval=TickEval(version=evals[-1][0], accuracy=evals[-1][1]) if evals else None,
+        )
 
     def report(self, *, restored_starts: int, max_lag_ms: float) -> RolloutReport:
         """The whole run's report: this serve's counters, and what earlier serves of the run

@@ -49,6 +49,9 @@ from dora.serve.history import check_not_all_masked, masked_reasons
 from dora.serve.journal import JournaledQueue, Restored
 from dora.serve.metrics import MetricsLog, SampleLog
 from dora.serve.placement import Placement
+from dora.serve.records import Budget, Masked, Trained
+from dora.serve.records import Rollback as RollbackRecord
+from dora.serve.records import Step as StepRecord
 from dora.serve.spawn import Spawner
 from dora.serve.stats import ServeStats
 from dora.serve.weights import WeightStore, read_folder
@@ -177,7 +180,7 @@ class TrainerLink:
                         self.trained_step = max(self.trained_step, step)
                         self._trained_at[step] = time.monotonic()
                         self.trained.set()
-                        self._metrics.write("trained", {"step": step, "metrics": m})
+                        self._metrics.write(Trained(step=step, metrics=m))
                         self._check_budget()
                         self.maybe_publish()
                         self._placement.changed.set()
@@ -266,8 +269,7 @@ class TrainerLink:
         self._store.set_incarnation(hello.incarnation)
         self._store.retain({v for v in self._store.versions() if v <= c + 1})
         self._metrics.write(
-            "rollback",
-            {"incarnation": q.incarnation, "step": c, "rolled_back": len(rolled_back)},
+            RollbackRecord(incarnation=q.incarnation, step=c, rolled_back=len(rolled_back))
         )
         # A serve restored from its journal holds only version 0 until the trainer publishes its
         # starting version again: the orchestrator must not plan loads of weights not here yet.
@@ -337,7 +339,7 @@ class TrainerLink:
         reasons = masked_reasons(group.samples)
         if reasons:
             n = self._stats.add_masked(reasons)
-            self._metrics.write("masked", {"group": group.id, "samples": n, "reasons": reasons})
+            self._metrics.write(Masked(group=group.id, samples=n, reasons=reasons))
         self.assigned(assigned)
 
     def assigned(self, assigned: list[Assigned] | tuple[Assigned, ...]) -> None:
@@ -369,7 +371,7 @@ class TrainerLink:
                 "final evaluation)",
                 *(minutes, self.end_step),
             )
-            self._metrics.write("budget", {"max_minutes": minutes, "last_step": self.end_step})
+            self._metrics.write(Budget(max_minutes=minutes, last_step=self.end_step))
             with contextlib.suppress(ServerUnavailable):
                 reason = f"learn.max_minutes = {minutes:g} reached after step {self.end_step}"
                 await self.link.send(
@@ -434,14 +436,13 @@ class TrainerLink:
         check_not_all_masked(step, samples, env=self._config.env.cls)
         self._queue.sync()
         self._metrics.write(
-            "step",
-            {
-                "step": step,
-                "groups": [gid for gid, _ in groups],
-                "versions": [v for _, v in groups],
-                "staleness": [step - v for _, v in groups],
-                "fill_s": now - self._step_started,
-            },
+            StepRecord(
+                step=step,
+                groups=[gid for gid, _ in groups],
+                versions=[v for _, v in groups],
+                staleness=[step - v for _, v in groups],
+                fill_s=now - self._step_started,
+            )
         )
         self._step_started = now
         if step == self._num_steps - 1:

@@ -11,6 +11,7 @@ import time
 from collections.abc import Coroutine
 from typing import Any
 
+import msgspec
 import pytest
 
 from dora.config import load_config
@@ -21,6 +22,7 @@ from dora.protocol import Completion, SamplingParams
 from dora.serve.episode import ChatRenderer
 from dora.serve.evaluate import Evaluator
 from dora.serve.placement import Placement
+from dora.serve.records import Record
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -87,8 +89,11 @@ class FakeMetrics:
         self.start = time.monotonic()
         self.records: list[tuple[str, dict[str, object]]] = []
 
-    def write(self, kind: str, record: dict[str, object]) -> None:
-        self.records.append((kind, {"time_s": time.monotonic() - self.start, **record}))
+    def write(self, record: Record) -> None:
+        fields = msgspec.to_builtins(record)
+        self.records.append(
+            (fields.pop("kind"), {"time_s": time.monotonic() - self.start, **fields})
+        )
 
 
 class FakeRollout:
