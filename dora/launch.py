@@ -40,12 +40,12 @@ import signal
 import subprocess
 import sys
 import time
-from datetime import datetime
 from pathlib import Path
 
 from dora.config import DoraConfig, load_config, render_toml
 from dora.errors import NotYetAvailable, RunAborted
 from dora.net import free_port
+from dora.rundir import resolve_run_dir
 
 GRACE_S = 20.0
 READY_ENV = "DORA_READY_FILE"
@@ -60,16 +60,6 @@ def mark_ready() -> None:
         Path(path).touch()
 
 
-def make_run_dir(config: DoraConfig) -> Path:
-    if config.log.run_dir:
-        run_dir = Path(config.log.run_dir)
-    else:
-        stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
-        run_dir = Path("runs") / f"{config.log.name}-{stamp}"
-    run_dir.mkdir(parents=True, exist_ok=True)
-    return run_dir
-
-
 def main(args: argparse.Namespace) -> int:
     for side in ("dora.serve.main", "dora.learn.main"):
         try:
@@ -80,7 +70,8 @@ def main(args: argparse.Namespace) -> int:
             raise NotYetAvailable(f"{side} is not in this version yet")
     config = load_config(args.config, args.overrides)
     args.overrides = [*args.overrides, *_thread_overrides(args.config, args.overrides, config)]
-    run_dir = make_run_dir(config)
+    run_dir = resolve_run_dir(config, resume=False)
+    run_dir.mkdir(parents=True, exist_ok=True)
     port = config.serve.port or free_port(config.serve.host)
     from dora.models.prepare import prepare_model
 

@@ -27,7 +27,6 @@ from dora.core.transfer_queue import (
     RefusalReason,
     Refused,
     RollbackReport,
-    TrainerWait,
     TransferQueue,
     VersionCounts,
 )
@@ -54,7 +53,6 @@ __all__ = [
     "Resume",
     "Rollback",
     "RollbackReport",
-    "TrainerWait",
     "TransferQueue",
     "Undrain",
     "VersionCounts",

@@ -77,9 +77,6 @@ class GroupBook:
         """Groups the queue holds, per version and state."""
         return {w: VersionCounts(*c) for w, c in sorted(self._per_version.items())}
 
-    def is_masked(self, group_id: str) -> bool:
-        return self._get(group_id).masked
-
     def _get(self, group_id: str) -> _Group:
         g = self._groups.get(group_id)
         if g is None or (g.state is GroupState.ASSIGNED and g.step <= self._durable):

@@ -17,7 +17,6 @@ __all__ = [
     "RefusalReason",
     "Refused",
     "RollbackReport",
-    "TrainerWait",
     "VersionCounts",
 ]
 
@@ -35,17 +34,6 @@ class RefusalReason(enum.Enum):
     """A version older than the newest was asked for and legacy filling is off."""
     NO_CAPACITY = "no_capacity"
     """No instance has room (recorded by the driver; the queue never returns it)."""
-
-
-class TrainerWait(enum.Enum):
-    """Why step `t` cannot take another group now."""
-
-    NONE = "none"
-    """Nothing blocks: the run is finished or a group can be assigned."""
-    NO_COMPLETED_GROUP = "no_completed_group"
-    """No completed, unassigned group exists."""
-    DEADLINE_GROUP_RUNNING = "deadline_group_running"
-    """Completed groups exist, but earlier-deadline groups still running must go first."""
 
 
 class GroupState(enum.Enum):

@@ -21,11 +21,12 @@ Strict inputs: `on_step_done` takes the steps in order, `on_durable` only a fill
 Rules (docs/scheduling.md):
 - admission at version `w` needs (a) `w + K >= t` and (b) room for one more group of deadline
   `w + K` in the invariant; `w` is the newest loaded version unless `legacy_filling` is on;
-- an admitted group that has not sampled a token may be re-bound to a newer loaded version (that
-  moves its deadline later and never raises any `U(<= s)`); `start` freezes the version;
+- a group whose episodes were lost with their process is admitted again (`restart`) at a loaded
+  version not older than its own (that moves its deadline later and never raises any `U(<= s)`);
+  `start` freezes the version;
 - a completed group is assigned to step `t` only if the invariant holds afterwards, earliest
   deadline first; when `f` reaches 0 the step closes and `t` advances. Assignments are returned by
-  the call that unlocked them (`complete`, `filter`, `rebind`, `rollback`, a failure that masks);
+  the call that unlocked them (`complete`, `filter`, `restart`, `rollback`, a failure that masks);
 - a completed group may be filtered (removed and counted); a failed group is retried at its
   version (at most `max_retries` times) or masked: it completes with masked samples and is
   consumed like any other group;
@@ -78,7 +79,6 @@ from dora.core.outcomes import (
     RefusalReason,
     Refused,
     RollbackReport,
-    TrainerWait,
     VersionCounts,
 )
 from dora.errors import SchedulingError
@@ -94,7 +94,6 @@ __all__ = [
     "RefusalReason",
     "Refused",
     "RollbackReport",
-    "TrainerWait",
     "TransferQueue",
     "VersionCounts",
 ]
@@ -151,11 +150,6 @@ class TransferQueue(GroupBook):
         return self._t
 
     @property
-    def free_slots(self) -> int:
-        """Free slots of step `t` (`f`)."""
-        return self._f
-
-    @property
     def groups_per_step(self) -> int:
         return self._b
 
@@ -194,10 +188,6 @@ class TransferQueue(GroupBook):
         i = bisect.bisect_right(self._incarnations, (version, 1 << 62)) - 1
         return (self._incarnations[i][1], version)
 
-    def unassigned_by_deadline(self) -> list[int]:
-        """`[U(= t), U(= t + 1), ..., U(= t + K)]`."""
-        return list(self._due)
-
     def staleness_histogram(self) -> list[int]:
         """Consumed groups by staleness `t - w`, index 0..K."""
         return list(self._staleness)
@@ -220,15 +210,6 @@ class TransferQueue(GroupBook):
             ignored_messages=self._ignored,
             restarted=self._restarted,
         )
-
-    def trainer_wait(self) -> TrainerWait:
-        """Why step `t` is not filling now (the driver times the wait)."""
-        if self.finished or self._f == 0:
-            return TrainerWait.NONE
-        self._drop_stale_heads()
-        if not self._ready:
-            return TrainerWait.NO_COMPLETED_GROUP
-        return TrainerWait.DEADLINE_GROUP_RUNNING
 
     def check_invariant(self) -> None:
         """Raise SchedulingError if `U(<= s) <= cap(s)` fails for some `s >= t` (O(K))."""
@@ -275,21 +256,6 @@ class TransferQueue(GroupBook):
     def record_admission_wait(self, reason: RefusalReason) -> None:
         """Count a wait the driver saw (e.g. NO_CAPACITY), beside the queue's own refusals."""
         self._admission_waits[reason] += 1
-
-    def rebind(self, group_id: str, *, version: int) -> list[Assigned]:
-        """Move an admitted group that has not sampled a token to a newer loaded version."""
-        g = self._get(group_id)
-        if g.state is not GroupState.ADMITTED or g.pinned:
-            raise SchedulingError(f"group {group_id!r} has started or is pinned; cannot rebind")
-        if version not in self._loaded or version <= g.version:
-            raise SchedulingError(f"cannot rebind {group_id!r} from {g.version} to {version}")
-        self._count(g, -1)
-        self._due[g.deadline - self._t] -= 1
-        g.version = version
-        g.deadline = self._deadline_of(version)
-        self._due[g.deadline - self._t] += 1
-        self._count(g, +1)
-        return self._assign()
 
     def restart(self, group_id: str, *, version: int) -> list[Assigned]:
         """The group's episodes were lost (their process died) before it was assigned: it is

@@ -8,7 +8,7 @@ one group's samples as the orchestrator's demand (`set_demand`; 0 while the queu
 so old versions are consolidated only when the newest version needs the room. A group is placed
 on the least loaded such instance (by the orchestrator), started at once, and its `G` episodes run
 concurrently, each with a `LeaseSampler` pinned to the group's version. When admission is refused
-the dispatcher waits on the rollout's `changed` event (set by every completion, lease end, version
+the dispatcher waits on the placement's `changed` event (set by every completion, lease end, version
 load and trainer ack), and the time spent waiting is added up per reason (`weights_not_loaded`,
 `invariant`, `no_capacity`, ...).
 
@@ -24,7 +24,7 @@ The prompt stream is `PromptStream` (cycles, reshuffled each epoch) over the tas
 `dora.data.load_tasks` reads from `data.source`; each admitted group's stream position is
 journaled. A `dora serve` restored from its journal continues the stream where it stopped, and
 restarts the groups whose episodes died with the previous process (same id, same task) at the
-newest version, before it admits new groups (`Rollout.lost_groups`, `TransferQueue.restart`).
+newest version, before it admits new groups (`TrainerLink.lost_groups`, `TransferQueue.restart`).
 """
 
 from __future__ import annotations
@@ -33,7 +33,6 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 from dora.config import DoraConfig
 from dora.core.transfer_queue import Admitted, RefusalReason
@@ -41,9 +40,12 @@ from dora.env import Env, PromptStream, Task
 from dora.episode import ChatRenderer, EpisodeLimits, masked_sample, run_episode
 from dora.errors import ServerTimeout
 from dora.protocol import Group, Sample, SamplingParams
-
-if TYPE_CHECKING:
-    from dora.serve.rollout import Rollout
+from dora.serve.journal import JournaledQueue
+from dora.serve.placement import Placement
+from dora.serve.router import LeaseSampler
+from dora.serve.spawn import Spawner
+from dora.serve.stats import ServeStats
+from dora.serve.trainer_link import TrainerLink
 
 __all__ = ["Dispatcher", "episode_limits", "episode_on_lease"]
 
@@ -55,14 +57,24 @@ class Dispatcher:
 
     def __init__(
         self,
-        rollout: Rollout,
+        cfg: DoraConfig,
         *,
+        queue: JournaledQueue,
+        placement: Placement,
+        trainer: TrainerLink,
+        stats: ServeStats,
+        spawn: Spawner,
         tasks: PromptStream,
         env_factory: Callable[[], Env],
         renderer: ChatRenderer,
     ) -> None:
-        cfg = rollout.config
-        self._r = rollout
+        self._queue = queue
+        self._placement = placement
+        self._orchestrator = placement.orchestrator
+        self._trainer = trainer
+        self._stats = stats
+        self._spawn = spawn
+        self._group_size = cfg.rollout.group_size
         self._tasks = tasks
         self._env_factory = env_factory
         self._renderer = renderer
@@ -74,28 +86,28 @@ class Dispatcher:
         self._limits = episode_limits(cfg)
         self._on_error = cfg.rollout.on_env_error
         self._trainer_timeout_s = cfg.serve.request_timeout_s
-        restored = rollout.restored
+        restored = trainer.restored
         self._next = restored.next_group
         self._positions = restored.task_positions
         if restored.starts:
             self._tasks.position = restored.prompt_position
 
     async def run(self) -> None:
-        r, q, g = self._r, self._r.queue, self._r.group_size
+        p, q, g, orch = self._placement, self._queue, self._group_size, self._orchestrator
         # No exit when every step is filled: a trainer restart may roll the queue back. The run
         # ends when the rollout's task group does.
         while True:
-            r.changed.clear()
-            version = r.orchestrator.newest
+            p.changed.clear()
+            version = orch.newest
             if self._restart_lost(version):
                 continue
             reason = q.admission_blocker(version)
-            if reason is None and r.orchestrator.can_place(g, version=version) is None:
+            if reason is None and p.can_place(g, version=version) is None:
                 reason = RefusalReason.NO_CAPACITY
             if reason is not None:
                 waiting = reason in (RefusalReason.NO_CAPACITY, RefusalReason.WEIGHTS_NOT_LOADED)
-                if r.orchestrator.demand != (g if waiting else 0):
-                    r.apply(r.orchestrator.set_demand(g if waiting else 0))
+                if orch.demand != (g if waiting else 0):
+                    p.apply(orch.set_demand(g if waiting else 0))
                 await self._wait(reason)
                 continue
             gid = f"g{self._next}"
@@ -104,8 +116,7 @@ class Dispatcher:
             assert isinstance(admitted, Admitted) and admitted.version == version
             q.task(gid, self._tasks.position)
             task = self._tasks.next()
-            self._place(gid, version)
-            r.group_tasks[gid] = r.spawn(self._run_group(gid, task, version), name=f"group-{gid}")
+            self._start(gid, task, version)
             # Let the group's episodes start before the next admission: a step's burst of
             # hundreds of groups then never holds the loop for seconds (timers, the link).
             await asyncio.sleep(0)
@@ -113,14 +124,14 @@ class Dispatcher:
     def _restart_lost(self, version: int) -> bool:
         """Restart one group lost with a previous `dora serve`, at `version` (the newest), if an
         instance has room; True if one was restarted."""
-        r, q = self._r, self._r.queue
-        for gid in r.lost_groups():
+        q = self._queue
+        for gid in self._trainer.lost_groups():
             if q.group_version(gid) > version or q.admission_blocker(version) in (
                 RefusalReason.WEIGHTS_NOT_LOADED,
                 RefusalReason.NOT_NEWEST,
             ):
                 return False  # the trainer's version is not loaded yet
-            if r.orchestrator.can_place(r.group_size, version=version) is None:
+            if self._placement.can_place(self._group_size, version=version) is None:
                 return False
             position = self._positions.get(gid)
             if position is None:  # admitted, but its task was not journaled: a fresh one
@@ -133,72 +144,70 @@ class Dispatcher:
                 position=position,
             ).next()
             log.info("restarting group %s (lost with the previous serve) at v%d", gid, version)
-            r.restored.lost.remove(gid)
-            r.assigned(q.restart(gid, version=version))
-            self._place(gid, version)
-            r.group_tasks[gid] = r.spawn(self._run_group(gid, task, version), name=f"group-{gid}")
+            self._trainer.restored.lost.remove(gid)
+            self._trainer.assigned(q.restart(gid, version=version))
+            self._start(gid, task, version)
             return True
         return False
 
     async def _wait(self, reason: RefusalReason) -> None:
         """Wait for a state change; only a wait for the trainer's weights has a deadline (it is
         the one that needs another process to make progress)."""
-        r = self._r
-        r.queue.record_admission_wait(reason)
+        q, orch, changed = self._queue, self._orchestrator, self._placement.changed
+        q.record_admission_wait(reason)
         started = time.monotonic()
-        nothing_running = not r.orchestrator.live()
-        newest = r.orchestrator.newest
-        loading = any(v.version == newest and not v.ready for v in r.orchestrator.instances())
+        nothing_running = not orch.live()
+        newest = orch.newest
+        loading = any(v.version == newest and not v.ready for v in orch.instances())
         try:
             if reason is RefusalReason.WEIGHTS_NOT_LOADED and nothing_running and not loading:
                 async with asyncio.timeout(self._trainer_timeout_s):
-                    await r.changed.wait()
+                    await changed.wait()
             else:
-                await r.changed.wait()
+                await changed.wait()
         except TimeoutError:
             raise ServerTimeout(
                 f"waited {self._trainer_timeout_s:g} s for version "
-                f"{r.queue.step - r.queue.max_staleness} from the trainer (step {r.queue.step}, "
-                f"newest loaded {r.queue.newest_version}); is dora learn running?"
+                f"{q.step - q.max_staleness} from the trainer (step {q.step}, "
+                f"newest loaded {q.newest_version}); is dora learn running?"
             ) from None
         finally:
-            r.admission_wait_s[reason.value] += time.monotonic() - started
+            self._stats.admission_wait_s[reason.value] += time.monotonic() - started
 
-    def _place(self, gid: str, version: int) -> list[str]:
-        r = self._r
-        leases = [f"{gid}/{i}" for i in range(r.group_size)]
-        where = r.orchestrator.place(leases, version=version)
-        assert where is not None, "can_place said there was room"
-        r.queue.start(gid)
-        for lid in leases:
-            r.router.open(lid, version=version, instance=where)
-        return leases
+    def _start(self, gid: str, task: Task, version: int) -> None:
+        self._place(gid, version)
+        running = self._trainer.group_tasks
+        running[gid] = self._spawn(self._run_group(gid, task, version), name=f"group-{gid}")
+
+    def _place(self, gid: str, version: int) -> None:
+        self._placement.place([f"{gid}/{i}" for i in range(self._group_size)], version=version)
+        self._queue.start(gid)
 
     async def _run_group(self, gid: str, task: Task, version: int) -> None:
         try:
             await self._run_group_once(gid, task, version)
         finally:
-            self._r.group_tasks.pop(gid, None)
+            self._trainer.group_tasks.pop(gid, None)
 
     async def _run_group_once(self, gid: str, task: Task, version: int) -> None:
-        r = self._r
-        leases = [f"{gid}/{i}" for i in range(r.group_size)]
+        q, trainer = self._queue, self._trainer
+        leases = [f"{gid}/{i}" for i in range(self._group_size)]
         while True:
             async with asyncio.TaskGroup() as tg:
                 running = [tg.create_task(self._episode(lid, task)) for lid in leases]
             samples = [t.result() for t in running]
             if self._on_error == "retry" and any(s.masked for s in samples):
-                room = r.orchestrator.can_place(r.group_size, version=version) is not None
-                outcome = r.queue.fail(gid, retry_allowed=room)
+                room = self._placement.can_place(self._group_size, version=version) is not None
+                outcome = q.fail(gid, retry_allowed=room)
                 if outcome.retried:
                     log.info("group %s failed; retrying at version %d", gid, version)
                     self._place(gid, version)
                     continue
                 group = self._group(gid, task, version, samples)
-                r.group_done(group, list(outcome.assigned))
+                trainer.group_done(group, list(outcome.assigned))
                 return
             group = self._group(gid, task, version, samples)
-            r.group_done(group, r.queue.complete(gid))
+            trainer.group_done(group, q.complete(gid))
             return
 
     def _group(self, gid: str, task: Task, version: int, samples: list[Sample]) -> Group:
@@ -207,17 +216,15 @@ class Dispatcher:
             prompt_id=task.prompt_id,
             version=version,
             samples=samples,
-            incarnation=self._r.queue.incarnation,
+            incarnation=self._queue.incarnation,
         )
-        self._r.queue.keep(group)  # journaled before the queue hears it is complete
+        self._queue.keep(group)  # journaled before the queue hears it is complete
         return group
 
     async def _episode(self, lease_id: str, task: Task) -> Sample:
-        r = self._r
         try:
             return await episode_on_lease(
-                r,
-                lease_id,
+                self._placement.sampler(lease_id),
                 task,
                 env_factory=self._env_factory,
                 renderer=self._renderer,
@@ -225,12 +232,7 @@ class Dispatcher:
                 limits=self._limits,
             )
         finally:
-            # The lease ends with the episode (also on error or cancellation): its slot is free.
-            if r.router.close(lease_id):  # else a roll-back removed it everywhere already
-                actions = r.orchestrator.finish(lease_id)
-                task_now = asyncio.current_task()
-                if task_now is None or not task_now.cancelling():  # no new tasks while stopping
-                    r.apply(actions)
+            self._placement.end(lease_id)  # the lease ends with the episode, also on error
 
 
 def turn_max_tokens(cfg: DoraConfig) -> int:
@@ -250,8 +252,7 @@ def episode_limits(cfg: DoraConfig) -> EpisodeLimits:
 
 
 async def episode_on_lease(
-    rollout: Rollout,
-    lease_id: str,
+    sampler: LeaseSampler,
     task: Task,
     *,
     env_factory: Callable[[], Env],
@@ -267,7 +268,7 @@ async def episode_on_lease(
         log.warning("env factory raised", exc_info=True)
         return masked_sample(task, f"env factory: {exc!r}")
     return await run_episode(
-        sampler=rollout.router.sampler(lease_id),
+        sampler=sampler,
         tokenizer=renderer,
         env=env,
         task=task,

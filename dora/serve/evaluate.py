@@ -45,16 +45,16 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
+from dora.config import DoraConfig
 from dora.env import Env, Task
-from dora.errors import SchedulingError
+from dora.episode import ChatRenderer
 from dora.protocol import Sample, SamplingParams
 from dora.serve.dispatcher import episode_limits, episode_on_lease, turn_max_tokens
-from dora.serve.episode import ChatRenderer
-
-if TYPE_CHECKING:
-    from dora.serve.rollout import Rollout
+from dora.serve.metrics import MetricsLog
+from dora.serve.placement import Placement
+from dora.serve.records import Eval
+from dora.serve.spawn import Spawner
 
 __all__ = ["CORRECT_AT", "Evaluator"]
 
@@ -85,14 +85,24 @@ class Evaluator:
 
     def __init__(
         self,
-        rollout: Rollout,
+        cfg: DoraConfig,
         *,
+        placement: Placement,
+        newest_loaded: Callable[[], int | None],
+        trained_at: Callable[[int], float | None],
+        metrics: MetricsLog,
+        spawn: Spawner,
         tasks: list[Task],
         env_factory: Callable[[], Env],
         renderer: ChatRenderer,
     ) -> None:
-        cfg = rollout.config
-        self._r = rollout
+        self._placement = placement
+        self._newest_loaded = newest_loaded
+        """The transfer queue's newest loaded version."""
+        self._trained_at = trained_at
+        """When a version was trained, on the clock of the run's records."""
+        self._metrics = metrics
+        self._spawn = spawn
         self._tasks = tasks
         self._env_factory = env_factory
         self._renderer = renderer
@@ -117,7 +127,7 @@ class Evaluator:
         """(version, accuracy) of every evaluation so far, in the order they finished."""
 
     def wake(self) -> None:
-        """A state change that can free room or load a version (called by `Rollout.apply`)."""
+        """A state change that can free room or load a version (called by `Placement.apply`)."""
         self._wake.set()
 
     def on_loaded(self, version: int) -> None:
@@ -126,7 +136,7 @@ class Evaluator:
         (`data.eval_every_s`)."""
         if self._finishing or version in self.done:
             return
-        at = self._r.version_trained_at(version)
+        at = self._trained_at(version)
         by_steps = version >= self._next_due
         by_time = at is not None and at >= self._next_due_s
         if not (by_steps or by_time):
@@ -146,14 +156,14 @@ class Evaluator:
         self._start(due)
 
     def _start(self, due: Due) -> None:
-        self._running = self._r.spawn(self._periodic(due), name=f"eval-due{due}")
+        self._running = self._spawn(self._periodic(due), name=f"eval-due{due}")
 
     async def _periodic(self, due: Due) -> None:
         try:
             await self.evaluate(None, due=due)
         finally:
             self._running = None
-        newest = self._r.queue.newest_version
+        newest = self._newest_loaded()
         if self._pending is not None and not self._finishing:
             due, self._pending = self._pending, None
             if newest is not None and newest not in self.done:
@@ -171,10 +181,9 @@ class Evaluator:
             if version not in self.done:
                 await self.evaluate(version, due=Due(steps=version))
 
-    async def evaluate(self, version: int | None, *, due: Due) -> dict[str, object]:
+    async def evaluate(self, version: int | None, *, due: Due) -> Eval:
         """Evaluate `version` (None: the newest loaded one when room is found) on the held-out
         tasks, for the threshold `due`; write and return the `eval` record."""
-        r = self._r
         started = time.monotonic()
         self._count += 1
         prefix = f"eval{self._count}"
@@ -183,30 +192,30 @@ class Evaluator:
         version, concurrency = await self._run_workers(version, prefix, queue, samples)
         n = len(samples)
         correct = sum(1 for s in samples if not s.masked and s.reward >= CORRECT_AT)
-        trained_at = r.version_trained_at(version)
-        record: dict[str, object] = {
-            "step": version,
-            "version": version,
-            "due": due.steps,
-            "due_s": due.seconds,
-            "accuracy": correct / n if n else 0.0,
-            "reward_mean": math.fsum(s.reward for s in samples) / n if n else 0.0,
-            "n": n,
-            "masked": sum(1 for s in samples if s.masked),
-            "concurrency": concurrency,
-            "version_time_s": None if trained_at is None else round(trained_at, 4),
-            "started_s": round(started - r.metrics.start, 4),
-            "seconds": round(time.monotonic() - started, 4),
-        }
-        r.metrics.write("eval", record)
-        self.history.append((version, correct / n if n else 0.0))
+        trained_at = self._trained_at(version)
+        record = Eval(
+            step=version,
+            version=version,
+            due=due.steps,
+            due_s=due.seconds,
+            accuracy=correct / n if n else 0.0,
+            reward_mean=math.fsum(s.reward for s in samples) / n if n else 0.0,
+            n=n,
+            masked=sum(1 for s in samples if s.masked),
+            concurrency=concurrency,
+            version_time_s=None if trained_at is None else round(trained_at, 4),
+            started_s=round(started - self._metrics.start, 4),
+            seconds=round(time.monotonic() - started, 4),
+        )
+        self._metrics.write(record)
+        self.history.append((version, record.accuracy))
         log.info(
             "eval: version %d accuracy %.3f (%d held-out tasks, %d at once, %.1f s)",
             version,
-            record["accuracy"],
+            record.accuracy,
             n,
             concurrency,
-            record["seconds"],
+            record.seconds,
         )
         return record
 
@@ -219,13 +228,12 @@ class Evaluator:
         share instead of running one episode at a time. With `version` None the evaluation takes
         the newest loaded version at the moment it finds room (a version superseded while it
         waited is never waited for: no instance would take new requests of it)."""
-        r = self._r
         active: set[str] = set()
         peak = opened = 0
         async with asyncio.TaskGroup() as tg:
             while queue:
                 self._wake.clear()
-                target = r.queue.newest_version if version is None else version
+                target = self._newest_loaded() if version is None else version
                 want = min(self._workers - len(active), len(queue))
                 n = self._room(target, want) if target is not None else 0
                 if n:
@@ -234,10 +242,8 @@ class Evaluator:
                     self.done.add(version)
                     leases = [f"{prefix}/{opened + i}" for i in range(n)]
                     opened += n
-                    where = r.orchestrator.place(leases, version=version)
-                    assert where is not None, "can_place said there was room"
+                    self._placement.place(leases, version=version)
                     for lid in leases:
-                        r.router.open(lid, version=version, instance=where)
                         active.add(lid)
                         tg.create_task(self._worker(lid, queue, samples, active))
                     peak = max(peak, len(active))
@@ -249,14 +255,13 @@ class Evaluator:
     def _room(self, version: int, want: int) -> int:
         """How many of `want` new leases one accepting instance of `version` has room for."""
         for n in range(want, 0, -1):
-            if self._r.orchestrator.can_place(n, version=version) is not None:
+            if self._placement.can_place(n, version=version) is not None:
                 return n
         return 0
 
     async def _worker(
         self, lease_id: str, queue: list[Task], samples: list[Sample], active: set[str]
     ) -> None:
-        r = self._r
         try:
             while queue:
                 task = queue.pop()
@@ -264,19 +269,12 @@ class Evaluator:
         finally:
             active.discard(lease_id)
             self._wake.set()
-            if r.router.close(lease_id):
-                try:
-                    actions = r.orchestrator.finish(lease_id)
-                except SchedulingError:
-                    actions = []  # a roll-back forgot it (partial mode, ghost version)
-                current = asyncio.current_task()
-                if current is None or not current.cancelling():
-                    r.apply(actions)
+            # a roll-back may have forgotten it (partial mode, ghost version)
+            self._placement.end(lease_id, forgotten_ok=True)
 
     async def _episode(self, lease_id: str, task: Task) -> Sample:
         return await episode_on_lease(
-            self._r,
-            lease_id,
+            self._placement.sampler(lease_id),
             task,
             env_factory=self._env_factory,
             renderer=self._renderer,

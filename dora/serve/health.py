@@ -5,7 +5,7 @@ deadlocked, swapping) is not: its calls just wait, up to `serve.request_timeout_
 be as long as the longest LLM call. `HealthWatch` probes every instance's `/health` every
 `timeout_s / 4` seconds, each probe bounded by `timeout_s` (`serve.health_timeout_s`); an
 instance whose probe fails or times out is handed to `on_dead`, and the rollout treats it
-exactly like a dead one (`Rollout.instance_unresponsive`): its requests move to another instance
+exactly like a dead one (`InstanceLifecycle.unresponsive`): its requests move to another instance
 of their version, the calls it was running are cut and resubmitted with the tokens their episodes
 hold, and it is replaced. A hung instance then costs seconds, not the run.
 

@@ -20,10 +20,16 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import msgspec
-
 from dora.errors import AllMasked
 from dora.protocol import Sample
+from dora.serve.records import (
+    Eval,
+    InstanceFailed,
+    InstanceRestarted,
+    Masked,
+    ServeStart,
+    read_records,
+)
 
 __all__ = ["History", "check_not_all_masked", "masked_reason", "masked_reasons", "read_history"]
 
@@ -48,30 +54,21 @@ def read_history(path: Path) -> History:
     if not path.exists():
         return out
     serve = 1
-    decoder = msgspec.json.Decoder(dict[str, object])
-    with path.open("rb") as f:
-        for line in f:
-            try:
-                record = decoder.decode(line)
-            except msgspec.DecodeError:
-                continue  # torn by a kill
-            match record.get("kind"):
-                case "serve_start":
-                    serve = int(record.get("serve_start", serve))  # type: ignore[call-overload]
-                    if out.started_unix is None:
-                        out.started_unix = float(record["unix_time"])  # type: ignore[arg-type]
-                case "instance_failed":
-                    out.instances_failed.append(f"{record['instance']}@serve{serve}")
-                case "instance_restarted":
-                    out.instance_restarts += 1
-                case "masked":
-                    out.masked_samples += int(record["samples"])  # type: ignore[call-overload]
-                    reasons = record.get("reasons", {})
-                    assert isinstance(reasons, dict)
-                    for reason, n in reasons.items():
-                        out.masked_reasons[reason] = out.masked_reasons.get(reason, 0) + int(n)
-                case "eval" if out.first_eval is None:
-                    out.first_eval = (int(record["version"]), float(record["accuracy"]))  # type: ignore[call-overload, arg-type]
+    for record in read_records(path):
+        match record:
+            case ServeStart(serve_start=serve, unix_time=unix_time):
+                if out.started_unix is None:
+                    out.started_unix = unix_time
+            case InstanceFailed(instance=instance):
+                out.instances_failed.append(f"{instance}@serve{serve}")
+            case InstanceRestarted():
+                out.instance_restarts += 1
+            case Masked(samples=n, reasons=reasons):
+                out.masked_samples += n
+                for reason, k in reasons.items():
+                    out.masked_reasons[reason] = out.masked_reasons.get(reason, 0) + k
+            case Eval(version=version, accuracy=accuracy) if out.first_eval is None:
+                out.first_eval = (version, accuracy)
     return out
 
 

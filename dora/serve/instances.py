@@ -7,7 +7,7 @@ them in this process (`EngineServer`) to save the seconds a process costs; both 
 that are already running (`serve.urls`).
 
 A `ProcessPool` can start more instances while it runs: `dora serve` replaces an instance that
-died (`Rollout._replace`); a replacement gets the next free id (`i3` after `i0`..`i2`).
+died (`InstanceLifecycle`); a replacement gets the next free id (`i3` after `i0`..`i2`).
 
 Engines this pool starts bind 127.0.0.1 whatever `serve.host` says: they are serve's private
 children (dora serve, on this host, is their only client, as with the vLLM servers the launcher
@@ -31,9 +31,13 @@ import sys
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from dora.errors import ServerTimeout, ServerUnavailable
 from dora.instance import EngineClient, InstanceClient, InstanceHandle
+
+if TYPE_CHECKING:
+    from dora.config import DoraConfig
 
 __all__ = [
     "InstanceClient",
@@ -61,6 +65,22 @@ class InstanceSpec:
     request_timeout_s: float = 600.0
     control_timeout_s: float = 120.0
     start_timeout_s: float = 120.0
+
+    @classmethod
+    def from_config(cls, config: DoraConfig, model_dir: str | Path) -> InstanceSpec:
+        """The instances `serve.*` and `model.max_model_len` describe, of the model in
+        `model_dir` (a load gets `serve.weight_load_timeout_s`, and so does a start)."""
+        serve = config.serve
+        return cls(
+            model_dir=str(model_dir),
+            token=serve.token,
+            threads=serve.threads_per_instance,
+            max_running=serve.max_running,
+            max_model_len=config.model.max_model_len,
+            request_timeout_s=serve.request_timeout_s,
+            control_timeout_s=serve.weight_load_timeout_s,
+            start_timeout_s=serve.weight_load_timeout_s,
+        )
 
 
 def _client(url: str, spec: InstanceSpec) -> InstanceClient:

@@ -30,10 +30,10 @@ from __future__ import annotations
 import contextlib
 import os
 import struct
-from collections.abc import Collection, Iterator
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Literal, ParamSpec, TypeVar
 
 import msgspec
 
@@ -53,15 +53,18 @@ __all__ = ["JournalFile", "JournaledQueue", "Restored", "read_frames"]
 
 _LEN = struct.Struct("<I")
 
+P = ParamSpec("P")
+T = TypeVar("T")
+
 
 class _Op(msgspec.Struct, array_like=True, tag_field="op"):
     pass
 
 
 class Bind(_Op, tag="bind"):
-    """`try_admit` (admitted), `rebind` or `restart` of group `gid` at `version`."""
+    """`try_admit` (admitted) or `restart` of group `gid` at `version`."""
 
-    how: Literal["admit", "rebind", "restart"]
+    how: Literal["admit", "restart"]
     gid: str
     version: int
 
@@ -257,8 +260,6 @@ class JournaledQueue(TransferQueue):
                 self.try_admit(gid, version=v)
                 if gid[1:].isdigit():
                     out.next_group = max(out.next_group, int(gid[1:]) + 1)
-            case Bind(how="rebind", gid=gid, version=v):
-                self.rebind(gid, version=v)
             case Bind(gid=gid, version=v):
                 self.restart(gid, version=v)
             case Task(gid=gid, position=p):
@@ -336,6 +337,14 @@ class JournaledQueue(TransferQueue):
         finally:
             self._depth -= 1
 
+    def _journaled(self, op: _Op, call: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
+        """Run the queue's `call`, then journal `op` (only if it returned: a refused operation
+        changed nothing)."""
+        with self._inner():
+            out = call(*args, **kwargs)
+        self._write(op)
+        return out
+
     def try_admit(self, group_id: str, *, version: int | None = None) -> Admitted | Refused:
         with self._inner():
             out = super().try_admit(group_id, version=version)
@@ -344,61 +353,36 @@ class JournaledQueue(TransferQueue):
         return out
 
     def start(self, group_id: str) -> None:
-        with self._inner():
-            super().start(group_id)
-        self._write(Mark("start", group_id))
-
-    def rebind(self, group_id: str, *, version: int) -> list[Assigned]:
-        with self._inner():
-            out = super().rebind(group_id, version=version)
-        self._write(Bind("rebind", group_id, version))
-        return out
+        self._journaled(Mark("start", group_id), super().start, group_id)
 
     def restart(self, group_id: str, *, version: int) -> list[Assigned]:
-        with self._inner():
-            out = super().restart(group_id, version=version)
-        self._write(Bind("restart", group_id, version))
-        return out
+        op = Bind("restart", group_id, version)
+        return self._journaled(op, super().restart, group_id, version=version)
 
     def complete(self, group_id: str, *, filtered: bool = False) -> list[Assigned]:
-        with self._inner():
-            out = super().complete(group_id, filtered=filtered)
-        self._write(Complete(group_id, filtered))
-        return out
+        op = Complete(group_id, filtered)
+        return self._journaled(op, super().complete, group_id, filtered=filtered)
 
     def filter(self, group_id: str) -> list[Assigned]:
-        with self._inner():
-            out = super().filter(group_id)
-        self._write(Mark("filter", group_id))
-        return out
+        return self._journaled(Mark("filter", group_id), super().filter, group_id)
 
     def fail(self, group_id: str, *, retry_allowed: bool = True) -> FailureOutcome:
-        with self._inner():
-            out = super().fail(group_id, retry_allowed=retry_allowed)
-        self._write(Fail(group_id, retry_allowed))
-        return out
+        op = Fail(group_id, retry_allowed)
+        return self._journaled(op, super().fail, group_id, retry_allowed=retry_allowed)
 
     def on_version_loaded(self, version: int, *, incarnation: int | None = None) -> bool:
-        with self._inner():
-            out = super().on_version_loaded(version, incarnation=incarnation)
-        self._write(Ack("loaded", version, incarnation))
-        return out
+        op = Ack("loaded", version, incarnation)
+        return self._journaled(op, super().on_version_loaded, version, incarnation=incarnation)
 
     def on_step_done(self, step: int, *, incarnation: int | None = None) -> bool:
-        with self._inner():
-            out = super().on_step_done(step, incarnation=incarnation)
-        self._write(Ack("trained", step, incarnation))
-        return out
+        op = Ack("trained", step, incarnation)
+        return self._journaled(op, super().on_step_done, step, incarnation=incarnation)
 
     def on_durable(self, step: int, *, incarnation: int | None = None) -> list[str]:
-        with self._inner():
-            out = super().on_durable(step, incarnation=incarnation)
-        self._write(Ack("durable", step, incarnation))
-        return out
+        op = Ack("durable", step, incarnation)
+        return self._journaled(op, super().on_durable, step, incarnation=incarnation)
 
     def rollback(self, checkpoint_step: int, *, tainted: Collection[str] = ()) -> RollbackReport:
         names = sorted(tainted)
-        with self._inner():
-            out = super().rollback(checkpoint_step, tainted=names)
-        self._write(Rollback(checkpoint_step, names))
-        return out
+        op = Rollback(checkpoint_step, names)
+        return self._journaled(op, super().rollback, checkpoint_step, tainted=names)

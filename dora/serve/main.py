@@ -39,7 +39,6 @@ from dora.serve.instances import (
     InstanceSpec,
     ProcessPool,
     attach,
-    start_in_process,
     start_processes,
 )
 
@@ -53,7 +52,7 @@ Replace = Callable[[str], Awaitable[InstanceHandle]]
 
 @contextlib.asynccontextmanager
 async def _instances(
-    config: DoraConfig, model_dir: Path, *, in_process: bool, run_dir: Path
+    config: DoraConfig, model_dir: Path, *, run_dir: Path
 ) -> AsyncIterator[tuple[list[InstanceHandle], Replace | None]]:
     """The instances of the configured backend (started here, or attached at `serve.urls`), and
     how to replace one that died (only for engine processes that this serve started)."""
@@ -75,22 +74,9 @@ async def _instances(
         async with emulated_instances(config, str(model_dir), count=count, stats_path=stats) as eh:
             yield eh, None  # type: ignore[misc]
         return
-    spec = InstanceSpec(
-        model_dir=str(model_dir),
-        token=config.serve.token,
-        threads=config.serve.threads_per_instance,
-        max_running=config.serve.max_running,
-        max_model_len=config.model.max_model_len,
-        request_timeout_s=config.serve.request_timeout_s,
-        control_timeout_s=config.serve.weight_load_timeout_s,
-        start_timeout_s=config.serve.weight_load_timeout_s,
-    )
+    spec = InstanceSpec.from_config(config, model_dir)
     if config.serve.urls:
         async with attach(spec, config.serve.urls) as handles:
-            yield handles, None
-        return
-    if in_process:
-        async with start_in_process(spec, config.serve.instances) as handles:
             yield handles, None
         return
     async with start_processes(spec, config.serve.instances) as pool:
@@ -102,12 +88,9 @@ async def run_serve(
     config: DoraConfig,
     *,
     run_dir: Path,
-    in_process: bool = False,
-    link: object | None = None,
     progress: bool | None = None,
 ) -> object:
-    """The whole rollout side; returns the `RolloutReport`. Tests pass `in_process=True` (engines
-    in this process) and their own `ServeLink` (to know its address before the run starts)."""
+    """The whole rollout side; returns the `RolloutReport`."""
     from transformers import AutoTokenizer
 
     from dora.data import fit_context, load_tasks
@@ -115,8 +98,6 @@ async def run_serve(
     from dora.episode import ChatRenderer
     from dora.link import ServeLink
     from dora.models.prepare import prepare_model
-    from dora.serve.dispatcher import Dispatcher
-    from dora.serve.evaluate import Evaluator
     from dora.serve.metrics import SampleLog
     from dora.serve.rollout import Rollout
 
@@ -151,14 +132,12 @@ async def run_serve(
             key="data.eval_source",
         )
         eval_tasks, eval_skipped = held_out.tasks, len(held_out.skipped)
-    own_link = link is None
-    serve_link = ServeLink.from_config(config.serve) if link is None else link
-    assert isinstance(serve_link, ServeLink)
+    serve_link = ServeLink.from_config(config.serve)
     if progress is None:
         progress = config.log.progress and sys.stderr.isatty()
     try:
         print(f"dora serve: trainer link on {serve_link.address}", flush=True)
-        instances = _instances(config, model_dir, in_process=in_process, run_dir=run_dir)
+        instances = _instances(config, model_dir, run_dir=run_dir)
         async with instances as (handles, replace):
             rollout = Rollout(
                 config,
@@ -166,18 +145,10 @@ async def run_serve(
                 link=serve_link,
                 model_dir=str(model_dir),
                 run_dir=run_dir,
-                dispatcher_factory=lambda r: Dispatcher(
-                    r, tasks=tasks, env_factory=env_factory, renderer=renderer
-                ),
-                evaluator_factory=(
-                    (
-                        lambda r: Evaluator(
-                            r, tasks=eval_tasks, env_factory=env_factory, renderer=renderer
-                        )
-                    )
-                    if eval_tasks
-                    else None
-                ),
+                tasks=tasks,
+                env_factory=env_factory,
+                renderer=renderer,
+                eval_tasks=eval_tasks,
                 progress=progress,
                 replace_instance=replace,
                 prompts_skipped=len(train.skipped),
@@ -191,9 +162,9 @@ async def run_serve(
             mark_ready()  # instances up, prompts measured: a failure from now on is a fault
             report = await rollout.run()
     finally:
-        if own_link:
-            serve_link.close()
-    (run_dir / "summary.json").write_bytes(msgspec.json.format(msgspec.json.encode(report)))
+        serve_link.close()
+    summary = msgspec.json.encode(msgspec.structs.asdict(report))
+    (run_dir / "summary.json").write_bytes(msgspec.json.format(summary))
     return report
 
 

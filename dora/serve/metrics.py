@@ -1,6 +1,6 @@
 """Rollout metrics: a JSONL file in the run directory, and a live display in the terminal.
 
-Records (one JSON object per line, `kind` first):
+Records (one JSON object per line, `kind` first; one struct per kind in `records.py`):
 - `tick`, every `log.metrics_every_s`: per instance its version, leases and capacity, calls in
   flight and utilisation (the fraction of the last interval with at least one call running);
   live episodes per version (in an LLM call, in the environment, parked), calls in flight per
@@ -24,23 +24,20 @@ one); the display redraws from the same snapshot.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, TYPE_CHECKING
 
 import msgspec
 
+from dora.serve.records import Record, RolloutReport, Tick
+
 if TYPE_CHECKING:
     from dora.protocol import Group
-    from dora.serve.rollout import Rollout
     from dora.tracking import Tracking
 
-__all__ = ["MetricsLog", "Progress", "RolloutReport", "SampleLog", "Snapshots", "Ticker"]
-
-Record = dict[str, object]
+__all__ = ["MetricsLog", "Progress", "RolloutReport", "SampleLog", "Ticker"]
 
 
 class MetricsLog:
@@ -54,10 +51,12 @@ class MetricsLog:
         self.start = time.monotonic()
         self._tracking = tracking  # TensorBoard / W&B (dora/tracking.py): every record, if on
 
-    def write(self, kind: str, record: Record) -> None:
+    def write(self, record: Record) -> None:
         if self._file is None:
             return
-        line = {"kind": kind, "time_s": round(time.monotonic() - self.start, 4), **record}
+        fields = msgspec.to_builtins(record)
+        line = {"kind": fields["kind"], "time_s": round(time.monotonic() - self.start, 4)}
+        line.update(fields)
         self._file.write(self._encoder.encode(line) + b"\n")
         self._file.flush()
         if self._tracking is not None:
@@ -93,36 +92,32 @@ class Progress:
         self._root.addHandler(RichHandler(console=self._console, show_path=False))
         self._live.start()
 
-    def update(self, snap: Record) -> None:
+    def update(self, snap: Tick) -> None:
         from rich.table import Table
 
-        serving = snap["serving_versions"]
-        assert isinstance(serving, dict)
+        serving = snap.serving_versions
         calls = ", ".join(f"v{w}: {n}" for w, n in sorted(serving.items())) or "none"
-        last_eval = snap.get("eval")
-        if isinstance(last_eval, dict):
-            calls += f"\nheld-out accuracy (greedy) v{last_eval['version']}: "
-            calls += f"{100 * float(last_eval['accuracy']):.1f}%"
+        if snap.eval is not None:
+            calls += f"\nheld-out accuracy (greedy) v{snap.eval.version}: "
+            calls += f"{100 * snap.eval.accuracy:.1f}%"
         table = Table(
             title=(
-                f"dora serve  step {snap['step']}/{self.total_steps}  trained {snap['trained']}  "
-                f"newest v{snap['newest']}\ncalls in flight per version: {calls}"
+                f"dora serve  step {snap.step}/{self.total_steps}  trained {snap.trained}  "
+                f"newest v{snap.newest}\ncalls in flight per version: {calls}"
             ),
             expand=False,
         )
         for col in ("instance", "version", "leases", "in flight", "util"):
             table.add_column(col, justify="right")
-        instances = snap["instances"]
-        assert isinstance(instances, list)
-        for inst in instances:
-            state = "" if inst["ready"] else " (loading)"
-            state = " (draining)" if inst["draining"] else state
+        for inst in snap.instances:
+            state = "" if inst.ready else " (loading)"
+            state = " (draining)" if inst.draining else state
             table.add_row(
-                str(inst["id"]),
-                f"{inst['version']}{state}",
-                f"{inst['leases']}/{inst['capacity']}",
-                str(inst["inflight"]),
-                f"{100 * float(inst['util']):.0f}%",
+                inst.id,
+                f"{inst.version}{state}",
+                f"{inst.leases}/{inst.capacity}",
+                str(inst.inflight),
+                f"{100 * inst.util:.0f}%",
             )
         self._live.update(table)
 
@@ -140,7 +135,7 @@ class Ticker:
     def __init__(
         self,
         log: MetricsLog,
-        snapshot: Callable[[float], Record],
+        snapshot: Callable[[float], Tick],
         *,
         every_s: float,
         progress: Progress | None = None,
@@ -163,176 +158,12 @@ class Ticker:
             if due < loop.time():  # fell behind (a stalled loop): skip, do not burst
                 due = loop.time() + self._every_s
 
-    def emit(self, lag_ms: float) -> Record:
+    def emit(self, lag_ms: float) -> Tick:
         snap = self._snapshot(lag_ms)
-        self._log.write("tick", snap)
+        self._log.write(snap)
         if self._progress is not None:
             self._progress.update(snap)
         return snap
-
-
-@dataclass(kw_only=True)
-class RolloutReport:
-    """What a finished run did (also the `summary` record)."""
-
-    mode: str
-    steps: int
-    groups_sent: int
-    wall_s: float
-    max_versions_serving: int
-    """Most distinct versions with calls in flight at the same moment (exact, from the router)."""
-    utilisation: dict[str, float]
-    """Per instance: the fraction of the run with at least one call running."""
-    staleness_histogram: list[int]
-    migrations: int
-    kv_migrations: int
-    resubmissions: int
-    parks: int
-    missed_interrupts: int
-    failed_calls: int
-    instances_failed: list[str]
-    weight_loads: int
-    weight_load_s: float
-    admission_wait_s: dict[str, float]
-    trainer_wait_s: float
-    max_loop_lag_ms: float
-    steps_trained: int
-    tick_versions_serving: int = 0
-    """Most versions with calls in flight seen by a metrics tick (coarser than the router's)."""
-    masked_reasons: dict[str, int] = field(default_factory=dict)
-    """Masked samples by what failed (`reset raised KeyError`, `reward`, ...); `extra` holds
-    their total (`masked_samples`)."""
-    extra: dict[str, float] = field(default_factory=dict)
-
-
-class Snapshots:
-    """Reads a running `Rollout` into `tick` records and the final report."""
-
-    def __init__(self, rollout: Rollout) -> None:
-        self._r = rollout
-        self._last_busy: dict[str, tuple[float, float]] = {}
-        self._tick_versions_serving = 0
-
-    def take(self, lag_ms: float) -> Record:
-        r = self._r
-        now = time.monotonic()
-        instances = []
-        for view in r.orchestrator.instances():
-            state = r.router.instances[view.id]
-            busy = state.busy_until(now)
-            last_t, last_busy = self._last_busy.get(view.id, (r.started_at, 0.0))
-            util = (busy - last_busy) / (now - last_t) if now > last_t else 0.0
-            self._last_busy[view.id] = (now, busy)
-            instances.append(
-                {
-                    "id": view.id,
-                    "version": view.version,
-                    "ready": view.ready,
-                    "draining": view.draining,
-                    "leases": view.load,
-                    "capacity": view.capacity,
-                    "inflight": state.inflight,
-                    "util": round(min(1.0, util), 4),
-                    "tokens": state.tokens,
-                }
-            )
-        serving = r.router.versions_serving()
-        self._tick_versions_serving = max(self._tick_versions_serving, len(serving))
-        # Episodes per version: in an LLM call, between calls (env step, tool, reward), parked.
-        episodes: dict[int, dict[str, int]] = {}
-        for lease in r.router.leases.values():
-            where = "parked" if lease.instance is None else "calling" if lease.call_id else "env"
-            counts = episodes.setdefault(lease.version, {"calling": 0, "env": 0, "parked": 0})
-            counts[where] += 1
-        acct = r.queue.accounting()
-        evals = r.evaluator.history if r.evaluator is not None else []
-        return {
-            "step": r.queue.step,
-            "trained": r.trained_step,
-            "newest": r.queue.newest_version,
-            "published": r.queue.published_version,
-            "instances": instances,
-            "live_per_version": r.orchestrator.live(),
-            "serving_versions": serving,
-            "episodes_per_version": dict(sorted(episodes.items())),
-            "queue_per_version": {
-                w: dataclasses.asdict(c) for w, c in r.queue.version_counts().items()
-            },
-            "staleness_histogram": r.queue.staleness_histogram(),
-            "admitted": acct.admitted,
-            "completed": r.completed,
-            "assigned": acct.consumed,
-            "masked": acct.masked,
-            "retried": acct.retried,
-            "rolled_back": acct.rolled_back,
-            "migrations": r.router.migrations,
-            "kv_migrations": r.router.kv_migrations,
-            "resubmissions": r.router.resubmissions,
-            "parks": r.router.parks,
-            "missed_interrupts": r.router.missed_interrupts,
-            "failed_calls": r.router.failed_calls,
-            "instances_failed": sorted(r.dead),
-            "weight_loads": r.weight_loads,
-            "weight_load_s": round(r.weight_load_s, 4),
-            "weights_held": r.store.versions(),
-            "admission_wait_s": {k: round(v, 4) for k, v in r.admission_wait_s.items() if v},
-            "trainer_wait_s": round(r.trainer_wait_s, 4),
-            "loop_lag_ms": round(lag_ms, 3),
-            "core_s": round(r.core.seconds, 6),
-            "core_calls": r.core.calls,
-            "journal_writes": r.queue.journal_writes()[0],
-            "journal_bytes": r.queue.journal_writes()[1],
-            "link": {
-                "sent_messages": getattr(r.link, "sent_messages", 0),
-                "sent_bytes": getattr(r.link, "sent_bytes", 0),
-                "received_messages": getattr(r.link, "received_messages", 0),
-                "received_bytes": getattr(r.link, "received_bytes", 0),
-            },
-            **({"eval": {"version": evals[-1][0], "accuracy": evals[-1][1]}} if evals else {}),
-        }
-
-    def report(self) -> RolloutReport:
-        r = self._r
-        now = time.monotonic()
-        wall = now - r.started_at
-        util = {
-            i.id: round(i.busy_until(now) / wall, 4) if wall > 0 else 0.0
-            for i in r.router.instances.values()
-        }
-        evals = r.evaluator.history if r.evaluator is not None else []
-        extra: dict[str, float] = {}
-        if evals:
-            (first_v, first_a), (last_v, last_a) = evals[0], evals[-1]
-            extra = {
-                "eval_first_version": first_v,
-                "eval_first_accuracy": first_a,
-                "eval_last_version": last_v,
-                "eval_last_accuracy": last_a,
-            }
-        return RolloutReport(
-            mode=r.mode.value,
-            steps=r.queue.step,
-            groups_sent=sum(r.sent_per_step.values()),
-            wall_s=round(wall, 3),
-            max_versions_serving=r.router.max_versions_serving,
-            utilisation=util,
-            staleness_histogram=r.queue.staleness_histogram(),
-            migrations=r.router.migrations,
-            kv_migrations=r.router.kv_migrations,
-            resubmissions=r.router.resubmissions,
-            parks=r.router.parks,
-            missed_interrupts=r.router.missed_interrupts,
-            failed_calls=r.router.failed_calls,
-            instances_failed=sorted(r.dead),
-            weight_loads=r.weight_loads,
-            weight_load_s=round(r.weight_load_s, 4),
-            admission_wait_s={k: round(v, 4) for k, v in r.admission_wait_s.items()},
-            trainer_wait_s=round(r.trainer_wait_s, 4),
-            max_loop_lag_ms=round(r.ticker.max_lag_ms, 3),
-            steps_trained=r.trained_step + 1,
-            tick_versions_serving=self._tick_versions_serving,
-            extra=extra,
-        )
 
 
 class SampleLog:

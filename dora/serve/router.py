@@ -45,6 +45,7 @@ import msgspec
 from dora.errors import RequestError, ServerError, ServerUnavailable
 from dora.instance import ExportedRequest, InstanceClient
 from dora.protocol import Completion, FinishReason, SamplingParams
+from dora.serve.stats import ServeStats
 
 __all__ = ["InstanceState", "Lease", "LeaseSampler", "Router"]
 
@@ -103,25 +104,22 @@ class Lease:
 class Router:
     """Leases, instances, and the moves between them."""
 
-    def __init__(self, *, kv_migration: bool, control_timeout_s: float = 60.0) -> None:
+    def __init__(
+        self,
+        *,
+        kv_migration: bool,
+        control_timeout_s: float = 60.0,
+        stats: ServeStats | None = None,
+    ) -> None:
         self.kv_migration = kv_migration
         self.control_timeout_s = control_timeout_s
         self.instances: dict[str, InstanceState] = {}
         self.leases: dict[str, Lease] = {}
-        self.migrations = 0
-        self.kv_migrations = 0
-        self.resubmissions = 0
-        self.parks = 0
-        self.missed_interrupts = 0
-        """Interrupts that found nothing to stop (the call had ended) or failed on the instance:
-        the call then finished where it was, which is safe (same version, or a drained load)."""
-        self.failed_calls = 0
-        """Calls lost because their instance became unreachable."""
+        self.stats = stats if stats is not None else ServeStats()
+        """The router's counters (`migrations`, `parks`, `failed_calls`, ...)."""
         self.on_failure: Callable[[str], None] | None = None
         """Called with an instance id when a call finds it unreachable; without it the error
         propagates."""
-        self.max_versions_serving = 0
-        """Most distinct versions with calls in flight at the same moment."""
 
     def add_instance(self, instance_id: str, client: InstanceClient, *, version: int) -> None:
         self.instances[instance_id] = InstanceState(instance_id, client, version)
@@ -159,7 +157,7 @@ class Router:
         lease = self.leases[lease_id]
         lease.instance = dst
         lease.migrations += 1
-        self.migrations += 1
+        self.stats.migrations += 1
         return self._needs_interrupt(lease)
 
     def park(self, lease_id: str) -> bool:
@@ -167,7 +165,7 @@ class Router:
         lease = self.leases[lease_id]
         lease.instance = None
         lease.placed.clear()
-        self.parks += 1
+        self.stats.parks += 1
         return self._needs_interrupt(lease)
 
     def resume(self, lease_id: str, instance: str, version: int) -> None:
@@ -210,7 +208,7 @@ class Router:
                     await client.abort(call_id)
         except (ServerError, TimeoutError) as exc:
             # The call had finished (404/409) or the instance is gone: resubmission covers both.
-            self.missed_interrupts += 1
+            self.stats.missed_interrupts += 1
             log.debug("interrupting %s on %s: %s", call_id, instance_id, exc)
         finally:
             if not future.done():
@@ -228,7 +226,7 @@ class Router:
             inst.idle.clear()
         inst.inflight += 1
         serving = {i.version for i in self.instances.values() if i.inflight}
-        self.max_versions_serving = max(self.max_versions_serving, len(serving))
+        self.stats.max_versions_serving = max(self.stats.max_versions_serving, len(serving))
 
     def _end(self, inst: InstanceState, tokens: int) -> None:
         inst.inflight -= 1
@@ -278,7 +276,7 @@ class Router:
                             prompt_ids, params, request_id=call_id, version=lease.version
                         )
                     else:
-                        self.kv_migrations += 1
+                        self.stats.kv_migrations += 1
                         completion = await inst.client.import_request(
                             msgspec.structs.replace(imported, request_id=call_id)
                         )
@@ -299,7 +297,7 @@ class Router:
         if completion is None:
             # The instance is gone, and the tokens of this call with it. The failure handler
             # moves (or parks) every lease it held; the caller resubmits the tokens it has.
-            self.failed_calls += 1
+            self.stats.failed_calls += 1
             self.on_failure(inst.id)  # type: ignore[misc]
             lost = Completion(
                 request_id=call_id, token_ids=[], logprobs=[], versions=[], finish_reason="abort"
@@ -365,7 +363,7 @@ class LeaseSampler:
             finish = part.finish_reason
             if not interrupted:
                 break
-            self._router.resubmissions += 1
+            self._router.stats.resubmissions += 1
         return Completion(
             request_id=lease.id,
             token_ids=tokens,

@@ -13,11 +13,13 @@ import sys
 import types
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from dora.config import load_config
 from dora.errors import ConfigError
 from dora.serve.metrics import MetricsLog
+from dora.serve.records import Record, Trained, WeightLoad
 from dora.tracking import open_tracking, scalars
 
 TICK = {
@@ -36,14 +38,23 @@ TICK = {
 TRAINED = {"step": 2, "metrics": {"loss": 0.125, "reward_mean": 0.5, "tokens": 900.0}}
 
 
+def record(kind: str, fields: dict[str, object]) -> Record:
+    """A record of `kind` with only `fields` (the tracking sink reads whatever a record holds)."""
+    cls = msgspec.defstruct(
+        f"Fake_{kind}", [(k, object) for k in fields], bases=(Record,), tag=kind, kw_only=True
+    )
+    out: Record = cls(**fields)
+    return out
+
+
 def _write_run(log: MetricsLog) -> None:
-    log.write("tick", TICK)
-    log.write("step", {"step": 2, "fill_s": 1.25, "versions": [1, 2], "staleness": [1, 0]})
-    log.write("trained", TRAINED)
-    log.write("trained", {"step": 3, "metrics": {"loss": 0.25, "reward_mean": 0.75}})
-    log.write("eval", {"step": 4, "version": 4, "accuracy": 0.375, "n": 128})
-    log.write("weight_load", {"instance": "i0", "version": 3, "seconds": 0.1})
-    log.write("summary", {"mode": "dora", "steps": 4, "wall_s": 12.5})
+    log.write(record("tick", TICK))
+    log.write(record("step", {"step": 2, "fill_s": 1.25, "versions": [1, 2], "staleness": [1, 0]}))
+    log.write(Trained(step=2, metrics=TRAINED["metrics"]))  # type: ignore[arg-type]
+    log.write(Trained(step=3, metrics={"loss": 0.25, "reward_mean": 0.75}))
+    log.write(record("eval", {"step": 4, "version": 4, "accuracy": 0.375, "n": 128}))
+    log.write(WeightLoad(instance="i0", version=3, seconds=0.1))
+    log.write(record("summary", {"mode": "dora", "steps": 4, "wall_s": 12.5}))
     log.close()
 
 

@@ -23,10 +23,10 @@ from vllm_helpers import needs_vllm
 
 from dora.config import load_config
 from dora.errors import ConfigError
-from dora.link import ServeLink
 from dora.serve.main import run_serve
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "integration" / "serve"))
+from serve_helpers import on_free_port
 from serve_trainer import ToyTrainer
 
 pytestmark = [*needs_vllm, pytest.mark.asyncio(loop_scope="session"), pytest.mark.timeout(300)]
@@ -67,22 +67,18 @@ async def test_dora_serve_on_vllm(tiny_model: Path, tmp_path: Path, own_tmpdir: 
         "log.progress=false",
     ]
     config = load_config(None, overrides)
-    link = ServeLink()
+    config, address = on_free_port(config)
     # The trainer waits for its first group while dora serve starts the vLLM servers (25-60 s).
-    trainer = ToyTrainer(
-        link.address, model_dir=tiny_model, steps=STEPS, batch_size=B, timeout_s=240
-    )
+    trainer = ToyTrainer(address, model_dir=tiny_model, steps=STEPS, batch_size=B, timeout_s=240)
     trainer.start()
     try:
         report: Any = await asyncio.wait_for(
-            run_serve(config, run_dir=run_dir, link=link, progress=False), 240
+            run_serve(config, run_dir=run_dir, progress=False), 240
         )
     except ConfigError as exc:
         if "not available in dora serve yet" not in str(exc):
             raise
         pytest.skip(f"dora serve has no vLLM hook yet (dora.vllm.launcher.vllm_instances): {exc}")
-    finally:
-        link.close()
     await asyncio.to_thread(trainer.join)
     # the RolloutReport (read by attribute: its module is still moving)
     print(f"\n{report}")

@@ -11,13 +11,12 @@ import json
 from pathlib import Path
 
 import pytest
+from serve_helpers import on_free_port, serve_in_process
 from serve_trainer import ToyTrainer
 
 from dora.config import DoraConfig, load_config
 from dora.env import Episode, Task
 from dora.errors import EnvError
-from dora.link import ServeLink
-from dora.serve.main import run_serve
 from envs.math import ChainArithmeticEnv, chain_arithmetic_tasks
 
 pytestmark = pytest.mark.timeout(120)
@@ -78,13 +77,10 @@ async def test_env_errors(tmp_path: Path, long_tail_model: Path, policy: str) ->
         "rollout.max_retries=1",
         "env.cls=test_serve_env_errors:FlakyEnv",
     )
-    link = ServeLink()
-    trainer = ToyTrainer(link.address, model_dir=long_tail_model, steps=STEPS, batch_size=B)
+    config, address = on_free_port(config)
+    trainer = ToyTrainer(address, model_dir=long_tail_model, steps=STEPS, batch_size=B)
     trainer.start()
-    try:
-        await asyncio.wait_for(run_serve(config, run_dir=tmp_path, in_process=True, link=link), 90)
-    finally:
-        link.close()
+    await asyncio.wait_for(serve_in_process(config, run_dir=tmp_path), 90)
     await asyncio.to_thread(trainer.join)
     assert all(len(trainer.by_step[s]) == B for s in range(STEPS))
     samples = [s for _, g in trainer.received for s in g.samples]
@@ -110,16 +106,11 @@ async def test_a_step_whose_every_sample_is_masked_stops_the_run(
     tmp_path: Path, long_tail_model: Path
 ) -> None:
     config = _config(tmp_path, long_tail_model, "env.cls=test_serve_env_errors:BrokenEnv")
-    link = ServeLink()
-    trainer = ToyTrainer(link.address, model_dir=long_tail_model, steps=STEPS, batch_size=B)
+    config, address = on_free_port(config)
+    trainer = ToyTrainer(address, model_dir=long_tail_model, steps=STEPS, batch_size=B)
     trainer.start()
-    try:
-        with pytest.raises(ExceptionGroup) as info:
-            await asyncio.wait_for(
-                run_serve(config, run_dir=tmp_path, in_process=True, link=link), 90
-            )
-    finally:
-        link.close()
+    with pytest.raises(ExceptionGroup) as info:
+        await asyncio.wait_for(serve_in_process(config, run_dir=tmp_path), 90)
     with contextlib.suppress(Exception):  # serve stopped without a word: the trainer times out
         await asyncio.to_thread(trainer.join, 30)
     [error] = info.value.exceptions

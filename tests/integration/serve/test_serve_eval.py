@@ -16,12 +16,11 @@ import zlib
 from pathlib import Path
 
 import pytest
+from serve_helpers import on_free_port, serve_in_process
 from serve_trainer import ToyTrainer
 
 from dora.config import load_config
 from dora.env import Episode, Task
-from dora.link import ServeLink
-from dora.serve.main import run_serve
 from dora.serve.rollout import RolloutReport
 from envs.math import ChainArithmeticEnv, chain_arithmetic_tasks
 
@@ -74,17 +73,10 @@ async def test_eval_while_training(tmp_path: Path, long_tail_model: Path) -> Non
             "log.progress=false",
         ],
     )
-    link = ServeLink()
-    trainer = ToyTrainer(
-        link.address, model_dir=long_tail_model, steps=STEPS, batch_size=B, noise=0.0
-    )
+    config, address = on_free_port(config)
+    trainer = ToyTrainer(address, model_dir=long_tail_model, steps=STEPS, batch_size=B, noise=0.0)
     trainer.start()
-    try:
-        report = await asyncio.wait_for(
-            run_serve(config, run_dir=tmp_path, in_process=True, link=link, progress=False), 150
-        )
-    finally:
-        link.close()
+    report = await asyncio.wait_for(serve_in_process(config, run_dir=tmp_path, progress=False), 150)
     await asyncio.to_thread(trainer.join)
     assert isinstance(report, RolloutReport)
     records = [json.loads(x) for x in (tmp_path / "rollout.jsonl").read_text().splitlines()]

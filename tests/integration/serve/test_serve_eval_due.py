@@ -10,12 +10,11 @@ import json
 from pathlib import Path
 
 import pytest
+from serve_helpers import on_free_port, serve_in_process
 from serve_trainer import ToyTrainer
 
 from dora.config import load_config
 from dora.env import Task
-from dora.link import ServeLink
-from dora.serve.main import run_serve
 from envs.math import chain_arithmetic_tasks
 
 pytestmark = pytest.mark.timeout(120)
@@ -54,17 +53,12 @@ async def _run(
             *overrides,
         ],
     )
-    link = ServeLink()
+    config, address = on_free_port(config)
     trainer = ToyTrainer(
-        link.address, model_dir=model, steps=steps, batch_size=B, step_time_s=step_time_s
+        address, model_dir=model, steps=steps, batch_size=B, step_time_s=step_time_s
     )
     trainer.start()
-    try:
-        await asyncio.wait_for(
-            run_serve(config, run_dir=tmp_path, in_process=True, link=link, progress=False), 60
-        )
-    finally:
-        link.close()
+    await asyncio.wait_for(serve_in_process(config, run_dir=tmp_path, progress=False), 60)
     await asyncio.to_thread(trainer.join)
     return [json.loads(x) for x in (tmp_path / "rollout.jsonl").read_text().splitlines()]
 

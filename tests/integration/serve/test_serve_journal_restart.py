@@ -19,6 +19,7 @@ from pathlib import Path
 
 import msgspec
 import pytest
+from serve_helpers import on_free_port, serve_in_process, serve_started
 from serve_trainer import (
     ToyTrainer,
     check_resumed,
@@ -29,9 +30,8 @@ from serve_trainer import (
 
 from dora.config import DoraConfig
 from dora.errors import ProtocolError
-from dora.link import LearnLink, ServeLink
+from dora.link import LearnLink
 from dora.protocol import Hello
-from dora.serve.main import run_serve
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -40,10 +40,10 @@ STEPS, B, K = 8, 2, 2
 
 async def _serve_until_stopped(config: DoraConfig, run_dir: Path, model: Path) -> ToyTrainer:
     """The first serve, with a trainer that dies after step 4; then serve is stopped too."""
-    link = ServeLink()
-    first = dying_trainer(link.address, model, steps=STEPS, batch_size=B)
+    config, address = on_free_port(config)
+    first = dying_trainer(address, model, steps=STEPS, batch_size=B)
     first.start()
-    serve = asyncio.ensure_future(run_serve(config, run_dir=run_dir, in_process=True, link=link))
+    serve = asyncio.ensure_future(serve_in_process(config, run_dir=run_dir))
     try:
         await asyncio.to_thread(first.join, 60)
         assert first.trained == [0, 1, 2, 3, 4]
@@ -52,7 +52,6 @@ async def _serve_until_stopped(config: DoraConfig, run_dir: Path, model: Path) -
         serve.cancel()
         with pytest.raises(asyncio.CancelledError):
             await serve
-        link.close()
     return first
 
 
@@ -70,16 +69,11 @@ async def test_a_restarted_serve_restores_its_journal(
     config = msgspec.structs.replace(config, data=evaluating)
     first = await _serve_until_stopped(config, tmp_path, long_tail_model)
 
-    link = ServeLink()
-    second = resumed_trainer(link.address, long_tail_model, steps=STEPS, batch_size=B)
+    config, address = on_free_port(config)
+    second = resumed_trainer(address, long_tail_model, steps=STEPS, batch_size=B)
     second.start()
-    try:
-        report = await asyncio.wait_for(
-            run_serve(config, run_dir=tmp_path, in_process=True, link=link), 120
-        )
-        await asyncio.to_thread(second.join)
-    finally:
-        link.close()
+    report = await asyncio.wait_for(serve_in_process(config, run_dir=tmp_path), 120)
+    await asyncio.to_thread(second.join)
 
     check_resumed(first, second, steps=STEPS, k=K)
     # step 4 of the lost run (versions 2..4, all real) comes back from the journal, not resampled
@@ -125,18 +119,15 @@ async def test_a_restored_serve_refuses_a_trainer_that_was_not_restarted(
     config = restart_config(tmp_path, long_tail_model, steps=STEPS, batch_size=B, k=K)
     await _serve_until_stopped(config, tmp_path, long_tail_model)
 
-    link = ServeLink()
-    same = ToyTrainer(
-        link.address, model_dir=long_tail_model, steps=STEPS, batch_size=B, timeout_s=5
-    )
+    config, address = on_free_port(config)
+    serve = asyncio.ensure_future(serve_in_process(config, run_dir=tmp_path))
+    await serve_started(tmp_path, starts=2)  # its link is bound: the hello reaches it
+    same = ToyTrainer(address, model_dir=long_tail_model, steps=STEPS, batch_size=B, timeout_s=5)
     same.start()
     try:
         with pytest.raises(ExceptionGroup) as caught:
-            await asyncio.wait_for(
-                run_serve(config, run_dir=tmp_path, in_process=True, link=link), 60
-            )
+            await asyncio.wait_for(serve, 60)
     finally:
-        link.close()
         with contextlib.suppress(Exception):  # its serve is gone: it times out
             await asyncio.to_thread(same.join, 30)
     (error,) = caught.value.exceptions
@@ -152,26 +143,20 @@ async def test_a_serve_restored_after_the_last_step_finishes_for_a_trainer_with_
     run (before, its answer to the hello failed and `dora run` restarted it until its limit)."""
     steps = 2
     config = restart_config(tmp_path, long_tail_model, steps=steps, batch_size=B, k=K)
-    link = ServeLink()
-    first = ToyTrainer(link.address, model_dir=long_tail_model, steps=steps, batch_size=B)
+    config, address = on_free_port(config)
+    first = ToyTrainer(address, model_dir=long_tail_model, steps=steps, batch_size=B)
     first.start()
-    try:
-        await asyncio.wait_for(run_serve(config, run_dir=tmp_path, in_process=True, link=link), 60)
-        await asyncio.to_thread(first.join)
-    finally:
-        link.close()
+    await asyncio.wait_for(serve_in_process(config, run_dir=tmp_path), 60)
+    await asyncio.to_thread(first.join)
     assert first.trained == [0, 1]
 
-    link = ServeLink()
-    try:
-        done = LearnLink(link.address)  # a resumed `dora learn` past its last step
-        done.send(Hello(role="learn", incarnation=1, step=steps))
-        done.close()  # flushes the hello, then goes: serve reads it from a peer already gone
-        report = await asyncio.wait_for(
-            run_serve(config, run_dir=tmp_path, in_process=True, link=link), 60
-        )
-    finally:
-        link.close()
+    config, address = on_free_port(config)
+    serve = asyncio.ensure_future(serve_in_process(config, run_dir=tmp_path))
+    await serve_started(tmp_path, starts=2)  # its link is bound: the hello reaches it
+    done = LearnLink(address)  # a resumed `dora learn` past its last step
+    done.send(Hello(role="learn", incarnation=1, step=steps))
+    done.close()  # flushes the hello, then goes: serve reads it from a peer already gone
+    report = await asyncio.wait_for(serve, 60)
     extra = report.extra  # type: ignore[attr-defined]
     assert extra["serve_restarts"] == 1 and extra["consumed"] == steps * B
     assert extra["admitted"] == extra["consumed"] + extra["filtered"] + extra["rolled_back"]

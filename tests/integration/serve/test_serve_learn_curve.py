@@ -16,10 +16,10 @@ from pathlib import Path
 
 import pytest
 import zmq.auth
+from serve_helpers import serve_in_process
 
 from dora.config import load_config
 from dora.launch import free_port
-from dora.serve.main import run_serve
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 
@@ -82,9 +82,7 @@ async def test_two_rank_trainer_over_the_curve_link(tmp_path: Path, long_tail_mo
         start_new_session=True,
     )
     try:
-        await asyncio.wait_for(
-            run_serve(serve_config, run_dir=tmp_path / "serve-run", in_process=True), 240
-        )
+        await asyncio.wait_for(serve_in_process(serve_config, run_dir=tmp_path / "serve-run"), 240)
         assert await asyncio.wait_for(trainer.wait(), 60) == 0
     finally:
         if trainer.returncode is None:

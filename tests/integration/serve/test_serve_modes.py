@@ -20,12 +20,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from serve_helpers import on_free_port, serve_in_process
 from serve_trainer import ToyTrainer
 
 from dora.config import load_config
-from dora.link import ServeLink
 from dora.protocol import Group
-from dora.serve.main import run_serve
 from dora.serve.rollout import RolloutReport
 
 STEPS, B, G, INSTANCES = 20, 2, 4, 4
@@ -80,16 +79,13 @@ async def _run(
     mode: str, tmp_path: Path, model: Path, **extra: object
 ) -> tuple[RolloutReport, ToyTrainer, list[dict[str, object]]]:
     config = _config(mode, tmp_path / mode, model, **extra)
-    link = ServeLink()
-    trainer = ToyTrainer(link.address, model_dir=model, steps=STEPS, batch_size=B)
+    config, address = on_free_port(config)
+    trainer = ToyTrainer(address, model_dir=model, steps=STEPS, batch_size=B)
     trainer.start()
-    try:
-        report = await asyncio.wait_for(
-            run_serve(config, run_dir=tmp_path / mode, in_process=True, link=link, progress=False),
-            200,
-        )
-    finally:
-        link.close()
+    report = await asyncio.wait_for(
+        serve_in_process(config, run_dir=tmp_path / mode, progress=False),
+        200,
+    )
     await asyncio.to_thread(trainer.join)
     records = [json.loads(x) for x in (tmp_path / mode / "rollout.jsonl").read_text().splitlines()]
     assert isinstance(report, RolloutReport)

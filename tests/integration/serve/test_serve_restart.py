@@ -19,10 +19,10 @@ import json
 from pathlib import Path
 
 import pytest
+from serve_helpers import on_free_port, serve_in_process
 from serve_trainer import ToyTrainer, check_resumed, dying_trainer, restart_config, resumed_trainer
 
 from dora.config import load_config
-from dora.link import ServeLink
 from dora.serve.main import run_serve
 
 pytestmark = pytest.mark.timeout(180)
@@ -32,23 +32,22 @@ STEPS, B, K = 8, 2, 2
 
 async def test_trainer_restart_rolls_back(tmp_path: Path, long_tail_model: Path) -> None:
     config = restart_config(tmp_path, long_tail_model, steps=STEPS, batch_size=B, k=K)
-    link = ServeLink()
-    first = dying_trainer(link.address, long_tail_model, steps=STEPS, batch_size=B)
+    config, address = on_free_port(config)
+    first = dying_trainer(address, long_tail_model, steps=STEPS, batch_size=B)
     first.start()
-    serve = asyncio.ensure_future(run_serve(config, run_dir=tmp_path, in_process=True, link=link))
+    serve = asyncio.ensure_future(serve_in_process(config, run_dir=tmp_path))
     try:
         await asyncio.to_thread(first.join, 60)
         assert first.trained == [0, 1, 2, 3, 4]
         # The restart takes a while: meanwhile serve loads version 5 (published by the lost
         # step 4) and starts groups on it, which the roll-back must remove.
         await asyncio.sleep(2.0)
-        second = resumed_trainer(link.address, long_tail_model, steps=STEPS, batch_size=B)
+        second = resumed_trainer(address, long_tail_model, steps=STEPS, batch_size=B)
         second.start()
         report = await asyncio.wait_for(serve, 120)
         await asyncio.to_thread(second.join)
     finally:
         serve.cancel()
-        link.close()
 
     check_resumed(first, second, steps=STEPS, k=K)
     records = [json.loads(x) for x in (tmp_path / "rollout.jsonl").read_text().splitlines()]
@@ -84,13 +83,10 @@ async def test_attach_to_running_engines(tmp_path: Path, long_tail_model: Path) 
                 "log.progress=false",
             ],
         )
-        link = ServeLink()
-        trainer = ToyTrainer(link.address, model_dir=long_tail_model, steps=steps, batch_size=B)
+        config, address = on_free_port(config)
+        trainer = ToyTrainer(address, model_dir=long_tail_model, steps=steps, batch_size=B)
         trainer.start()
-        try:
-            await asyncio.wait_for(run_serve(config, run_dir=tmp_path, link=link), 120)
-        finally:
-            link.close()
+        await asyncio.wait_for(run_serve(config, run_dir=tmp_path), 120)
         await asyncio.to_thread(trainer.join)
         assert sorted(trainer.by_step) == list(range(steps))
         for step, group in trainer.received:

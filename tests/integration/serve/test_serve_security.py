@@ -13,17 +13,20 @@ dataset with a prompt that cannot fit.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from pathlib import Path
 
 import aiohttp
 import pytest
 import zmq.auth
+from serve_helpers import serve_in_process
 from serve_trainer import ToyTrainer
 
 from dora.config import DoraConfig, ServeConfig, load_config
 from dora.launch import free_port
-from dora.serve.main import _instances, run_serve
+from dora.serve.instances import InstanceSpec, start_in_process
+from dora.serve.main import _instances
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -60,10 +63,13 @@ async def test_engines_bind_loopback_and_need_the_token(
     tmp_path: Path, long_tail_model: Path, in_process: bool
 ) -> None:
     config = _config(tmp_path, long_tail_model)
-    async with _instances(config, long_tail_model, in_process=in_process, run_dir=tmp_path) as (
-        handles,
-        _,
-    ):
+    async with contextlib.AsyncExitStack() as stack:
+        if in_process:  # as the serve tests start them (then attached through `serve.urls`)
+            spec = InstanceSpec.from_config(config, long_tail_model)
+            handles = await stack.enter_async_context(start_in_process(spec, 1))
+        else:
+            instances = _instances(config, long_tail_model, run_dir=tmp_path)
+            handles, _ = await stack.enter_async_context(instances)
         (handle,) = handles
         assert handle.url.startswith("http://127.0.0.1:"), handle.url
         async with (
@@ -112,7 +118,7 @@ async def test_serve_links_over_curve_from_config_and_skips_a_prompt_that_cannot
     )
     trainer.start()
     run_dir = tmp_path / "run"
-    await asyncio.wait_for(run_serve(config, run_dir=run_dir, in_process=True, progress=False), 90)
+    await asyncio.wait_for(serve_in_process(config, run_dir=run_dir, progress=False), 90)
     await asyncio.to_thread(trainer.join)
 
     assert trainer.trained == list(range(STEPS)) and trainer.shutdown

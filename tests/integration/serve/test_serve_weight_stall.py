@@ -18,10 +18,10 @@ from pathlib import Path
 import aiohttp
 import pytest
 from aiohttp import web
+from serve_helpers import on_free_port
 from serve_trainer import ToyTrainer
 
 from dora.config import load_config
-from dora.link import ServeLink
 from dora.serve.instances import InstanceSpec, start_in_process
 from dora.serve.main import run_serve
 
@@ -96,19 +96,14 @@ async def test_a_stalled_weight_load_times_out_and_is_retried(
                 "log.progress=false",
             ],
         )
-        link = ServeLink()
+        config, address = on_free_port(config)
         # slow steps: the run outlasts the stalled load and its retry
         trainer = ToyTrainer(
-            link.address, model_dir=long_tail_model, steps=STEPS, batch_size=B, step_time_s=0.8
+            address, model_dir=long_tail_model, steps=STEPS, batch_size=B, step_time_s=0.8
         )
         trainer.start()
-        try:
-            report = await asyncio.wait_for(
-                run_serve(config, run_dir=tmp_path, in_process=True, link=link), 150
-            )
-            await asyncio.to_thread(trainer.join)
-        finally:
-            link.close()
+        report = await asyncio.wait_for(run_serve(config, run_dir=tmp_path), 150)
+        await asyncio.to_thread(trainer.join)
 
     assert stalled, "the proxy held a load"
     records = [json.loads(x) for x in (tmp_path / "rollout.jsonl").read_text().splitlines()]

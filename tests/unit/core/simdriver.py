@@ -344,6 +344,6 @@ class Sim:
                 break
         raise AssertionError(
             f"stuck: trainer at {self.trainer_step}, queue at {self.q.step}, "
-            f"wait={self.q.trainer_wait()}, due={self.q.unassigned_by_deadline()}, "
+            f"{self.q.accounting()}, queue={self.q.version_counts()}, "
             f"live={self.o.live()}, instances={self.o.instances()}"
         )

@@ -71,9 +71,6 @@ def drive(params: tuple[int, int, int, int, int, float, float, float, int]) -> R
             actions.append("admit")
         if run.unstarted:
             actions.append("start")
-            newest = q.newest_version
-            if newest is not None and any(q.group_version(g) < newest for g in run.unstarted):
-                actions.append("rebind")
         if run.running:
             actions += ["complete"] * 3
         if len(run.inbox.get(run.trainer_step, [])) == b:
@@ -82,9 +79,7 @@ def drive(params: tuple[int, int, int, int, int, float, float, float, int]) -> R
             actions.append("load")
         if run.durable < run.trainer_step - 1:
             actions.append("durable")
-        assert actions, (
-            f"deadlock: t={q.step} wait={q.trainer_wait()} due={q.unassigned_by_deadline()}"
-        )
+        assert actions, f"deadlock: t={q.step} {q.accounting()} {q.version_counts()}"
         action = rng.choice(actions)
         if action == "admit":
             n += 1
@@ -93,7 +88,7 @@ def drive(params: tuple[int, int, int, int, int, float, float, float, int]) -> R
             assert isinstance(out, Admitted)
             assert out.version + k >= q.step
             run.admitted.add(gid)
-            if rng.random() < 0.3:  # bound late but not started yet: may be re-bound
+            if rng.random() < 0.3:  # bound but not started yet
                 run.unstarted.append(gid)
             else:
                 q.start(gid)
@@ -102,13 +97,6 @@ def drive(params: tuple[int, int, int, int, int, float, float, float, int]) -> R
             gid = run.unstarted.pop(rng.randrange(len(run.unstarted)))
             q.start(gid)
             run.running.append(gid)
-        elif action == "rebind":
-            newest = q.newest_version
-            assert newest is not None
-            gid = next(g for g in run.unstarted if q.group_version(g) < newest)
-            before = q.deadline(gid)
-            run.receive(q.rebind(gid, version=newest))
-            assert q.deadline(gid) >= before
         elif action == "complete":
             gid = run.running.pop(rng.randrange(len(run.running)))
             if rng.random() < p_fail:

@@ -12,7 +12,6 @@ from dora.core import (
     GroupState,
     RefusalReason,
     Refused,
-    TrainerWait,
     TransferQueue,
 )
 from dora.errors import SchedulingError
@@ -42,7 +41,6 @@ def test_design_example_out_of_order_completion() -> None:
     publish(q, 0)
     assert admit(q, "g4").deadline == 3
     assert q.complete("g4") == []  # step 1 taking g4 would leave 2 deadline-2 groups for 1 slot
-    assert q.trainer_wait() is TrainerWait.DEADLINE_GROUP_RUNNING
     assert q.complete("g2") == [Assigned("g2", 1, 0)]  # g4 still blocked: g3 needs step 2
     assert q.complete("g3") == [Assigned("g3", 2, 0), Assigned("g4", 3, 1)]
     assert q.staleness_histogram() == [1, 1, 2]
@@ -79,7 +77,7 @@ def test_k0_is_synchronous() -> None:
     assert q.try_admit("c") == Admitted("c", 1, 1)
 
 
-def test_admission_binds_newest_and_rebind_moves_deadline() -> None:
+def test_admission_binds_newest() -> None:
     q = TransferQueue(groups_per_step=1, max_staleness=1)
     q.on_version_loaded(0)
     assert q.try_admit("a") == Admitted("a", 0, 1)
@@ -89,12 +87,6 @@ def test_admission_binds_newest_and_rebind_moves_deadline() -> None:
     assert q.complete("a") == [Assigned("a", 0, 0)]
     publish(q, 0)
     assert q.try_admit("x", version=0) == Refused(RefusalReason.NOT_NEWEST)
-    q.rebind("b", version=1)
-    assert q.deadline("b") == 2
-    assert q.version_counts()[1].admitted == 1
-    q.start("b")
-    with pytest.raises(SchedulingError):
-        q.rebind("b", version=1)
 
 
 def test_legacy_filling_admits_old_version() -> None:
@@ -128,7 +120,6 @@ def test_fail_retries_then_masks() -> None:
     q.start("a")
     out = q.fail("a")
     assert not out.retried and out.assigned == (Assigned("a", 0, 0),)
-    assert q.is_masked("a")
     assert q.accounting().masked == 1
 
 
@@ -193,14 +184,6 @@ def test_rollback_cannot_undo_durable_step() -> None:
     q.on_durable(0)
     with pytest.raises(SchedulingError):
         q.rollback(-1)
-
-
-def test_trainer_wait_no_completed_group() -> None:
-    q = TransferQueue(groups_per_step=2, max_staleness=1)
-    q.on_version_loaded(0)
-    assert q.trainer_wait() is TrainerWait.NO_COMPLETED_GROUP
-    admit(q, "a")
-    assert q.trainer_wait() is TrainerWait.NO_COMPLETED_GROUP
 
 
 def test_bad_calls_raise() -> None:

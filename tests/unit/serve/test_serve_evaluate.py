@@ -1,5 +1,5 @@
-"""The evaluator against the real orchestrator, with a fake rollout around it (a scripted sampler
-instead of instances): a due evaluation whose version is superseded before it finds room
+"""The evaluator against the real orchestrator, with fakes around it (a scripted sampler instead
+of instances): a due evaluation whose version is superseded before it finds room
 evaluates the version that takes requests, instead of waiting for room that never comes; the end
 of the run is not held up by it; the record says which version, when it was trained, and how many
 episodes ran at once."""
@@ -11,6 +11,7 @@ import time
 from collections.abc import Coroutine
 from typing import Any
 
+import msgspec
 import pytest
 
 from dora.config import load_config
@@ -20,6 +21,8 @@ from dora.models.tiny import char_tokenizer
 from dora.protocol import Completion, SamplingParams
 from dora.serve.episode import ChatRenderer
 from dora.serve.evaluate import Evaluator
+from dora.serve.placement import Placement
+from dora.serve.records import Record
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -86,12 +89,16 @@ class FakeMetrics:
         self.start = time.monotonic()
         self.records: list[tuple[str, dict[str, object]]] = []
 
-    def write(self, kind: str, record: dict[str, object]) -> None:
-        self.records.append((kind, {"time_s": time.monotonic() - self.start, **record}))
+    def write(self, record: Record) -> None:
+        fields = msgspec.to_builtins(record)
+        self.records.append(
+            (fields.pop("kind"), {"time_s": time.monotonic() - self.start, **fields})
+        )
 
 
 class FakeRollout:
-    """What the evaluator uses of `Rollout`: the orchestrator is real, loads are instant."""
+    """What the evaluator is wired to: a real orchestrator in a real `Placement`, a fake router,
+    and instant loads."""
 
     def __init__(self) -> None:
         self.config = load_config(
@@ -103,9 +110,15 @@ class FakeRollout:
         self.queue = FakeQueue()
         self.metrics = FakeMetrics()
         self.tasks: list[asyncio.Task[None]] = []
-        self.evaluator: Evaluator | None = None
         self.trained_at = {1: 1.5}
         self.running = self.peak = 0
+        self.placement = Placement(
+            self.orchestrator,
+            self.router,  # type: ignore[arg-type]
+            metrics=self.metrics,  # type: ignore[arg-type]
+            spawn=self.spawn,  # type: ignore[arg-type]
+        )
+        self.placement.on_load = self._loaded
         self.apply(self.orchestrator.add_instance("i0", capacity=CAPACITY))
 
     def spawn(self, coro: Coroutine[Any, Any, None], *, name: str) -> asyncio.Task[None]:
@@ -114,12 +127,11 @@ class FakeRollout:
         return task
 
     def apply(self, actions: list[Action]) -> None:
-        for action in actions:
-            if isinstance(action, Load):
-                self.queue.newest_version = action.version
-                self.apply(self.orchestrator.on_loaded(action))
-        if self.evaluator is not None:
-            self.evaluator.wake()
+        self.placement.apply(actions)
+
+    def _loaded(self, load: Load) -> None:
+        self.queue.newest_version = load.version
+        self.apply(self.orchestrator.on_loaded(load))
 
     def version_trained_at(self, version: int) -> float | None:
         return 0.0 if version == 0 else self.trained_at.get(version)
@@ -128,8 +140,18 @@ class FakeRollout:
 def _evaluator(rollout: FakeRollout, n: int) -> Evaluator:
     tasks = [Task(f"e{i}", {"question": "2+2?"}) for i in range(n)]
     renderer = ChatRenderer(rollout.tokenizer)  # type: ignore[arg-type]
-    evaluator = Evaluator(rollout, tasks=tasks, env_factory=Answer4, renderer=renderer)  # type: ignore[arg-type]
-    rollout.evaluator = evaluator
+    evaluator = Evaluator(
+        rollout.config,
+        placement=rollout.placement,
+        newest_loaded=lambda: rollout.queue.newest_version,
+        trained_at=rollout.version_trained_at,
+        metrics=rollout.metrics,  # type: ignore[arg-type]
+        spawn=rollout.spawn,  # type: ignore[arg-type]
+        tasks=tasks,
+        env_factory=Answer4,
+        renderer=renderer,
+    )
+    rollout.placement.listeners.append(evaluator.wake)
     return evaluator
 
 

@@ -2,27 +2,58 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from dora.serve.history import masked_reason, read_history
+from dora.serve.metrics import MetricsLog
+from dora.serve.records import (
+    Eval,
+    InstanceFailed,
+    InstanceRestarted,
+    Masked,
+    Record,
+    ServeStart,
+    WeightLoad,
+)
+
+
+def _eval(version: int, accuracy: float) -> Eval:
+    return Eval(
+        step=version,
+        version=version,
+        due=version,
+        due_s=None,
+        accuracy=accuracy,
+        reward_mean=accuracy,
+        n=8,
+        masked=0,
+        concurrency=2,
+        version_time_s=None,
+        started_s=1.0,
+        seconds=0.5,
+    )
 
 
 def test_history_sums_the_earlier_serves_and_skips_a_torn_line(tmp_path: Path) -> None:
-    path = tmp_path / "rollout.jsonl"
-    records = [
-        {"kind": "serve_start", "serve_start": 1, "unix_time": 1000.0},
-        {"kind": "eval", "version": 0, "accuracy": 0.25},
-        {"kind": "instance_failed", "instance": "i1"},
-        {"kind": "instance_restarted", "instance": "i2", "replaces": "i1"},
-        {"kind": "masked", "group": "g1", "samples": 2, "reasons": {"reward": 2}},
-        {"kind": "serve_start", "serve_start": 2, "unix_time": 1050.0},
-        {"kind": "eval", "version": 4, "accuracy": 0.5},
-        {"kind": "instance_failed", "instance": "i1"},
-        {"kind": "masked", "group": "g9", "samples": 1, "reasons": {"reset raised KeyError": 1}},
+    records: list[Record] = [
+        ServeStart(serve_start=1, unix_time=1000.0),
+        _eval(0, 0.25),
+        InstanceFailed(instance="i1"),
+        WeightLoad(instance="i2", version=1, seconds=0.1),
+        InstanceRestarted(instance="i2", replaces="i1"),
+        Masked(group="g1", samples=2, reasons={"reward": 2}),
+        ServeStart(serve_start=2, unix_time=1050.0),
+        _eval(4, 0.5),
+        InstanceFailed(instance="i1"),
+        Masked(group="g9", samples=1, reasons={"reset raised KeyError": 1}),
     ]
-    text = "".join(json.dumps(r) + "\n" for r in records) + '{"kind": "instance_fai'
-    path.write_text(text)
+    log = MetricsLog(tmp_path)
+    for record in records:
+        log.write(record)
+    log.close()
+    path = tmp_path / "rollout.jsonl"
+    with path.open("a") as f:
+        f.write('{"kind": "tick", "step": 1}\n{"kind": "instance_fai')  # another kind; torn
     h = read_history(path)
     assert h.started_unix == 1000.0
     assert h.instances_failed == ["i1@serve1", "i1@serve2"] and h.instance_restarts == 1

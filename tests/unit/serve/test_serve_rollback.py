@@ -1,4 +1,4 @@
-"""Serve's side of a trainer restart (`Rollout._rollback`) in partial mode: a group whose first
+"""Serve's side of a trainer restart (`TrainerLink.rollback`) in partial mode: a group whose first
 version is real but that holds tokens of a ghost version is rolled back with the ghosts, whether
 it still runs (its lease was resumed on the ghost) or has completed (a sample's token versions)."""
 
@@ -9,9 +9,17 @@ from pathlib import Path
 
 from dora.config import DoraConfig, LearnConfig, RolloutConfig
 from dora.core.groups import GroupState
+from dora.core.orchestrator import Mode, Orchestrator
 from dora.core.transfer_queue import Admitted
 from dora.protocol import Group, Hello, Sample
-from dora.serve.rollout import Rollout
+from dora.serve.journal import JournaledQueue
+from dora.serve.metrics import MetricsLog
+from dora.serve.placement import Placement
+from dora.serve.router import Router
+from dora.serve.spawn import Spawner
+from dora.serve.stats import ServeStats
+from dora.serve.trainer_link import TrainerLink
+from dora.serve.weights import WeightStore
 
 
 def sample(versions: list[int]) -> Sample:
@@ -31,24 +39,33 @@ async def test_partial_rollback_drops_groups_holding_ghost_tokens(tmp_path: Path
         rollout=RolloutConfig(mode="partial", batch_size=1, group_size=1, staleness=3),
         learn=LearnConfig(steps=10),
     )
-    r = Rollout(
+    q = JournaledQueue(tmp_path, groups_per_step=1, max_staleness=3, num_steps=10)
+    metrics = MetricsLog(tmp_path)
+    spawn = Spawner()
+    router = Router(kv_migration=True)
+    placement = Placement(Orchestrator(mode=Mode.PARTIAL), router, metrics=metrics, spawn=spawn)
+    store = WeightStore()
+    store.add_path(0, str(tmp_path))
+    r = TrainerLink(
         config,
-        instances=[],
         link=None,  # type: ignore[arg-type]  # a roll-back sends nothing
-        model_dir=str(tmp_path),
-        run_dir=tmp_path,
-        dispatcher_factory=lambda r: None,
+        queue=q,
+        placement=placement,
+        store=store,
+        metrics=metrics,
+        stats=ServeStats(),
+        spawn=spawn,
+        restored=q.restore(),
     )
-    q = r.queue
     q.on_version_loaded(0)
     for gid in ("A", "B", "C", "D"):
         assert isinstance(q.try_admit(gid), Admitted)
         q.start(gid)
     r.group_tasks = {gid: asyncio.create_task(asyncio.sleep(3600)) for gid in ("A", "B")}
     for gid in ("A", "B"):
-        r.router.open(f"{gid}/0", version=0, instance="i0")
-    r.router.resume("A/0", "i0", 1)  # real: the trainer restarts from step 0's checkpoint
-    r.router.resume("B/0", "i0", 2)  # B samples from version 2 now, a ghost
+        router.open(f"{gid}/0", version=0, instance="i0")
+    router.resume("A/0", "i0", 1)  # real: the trainer restarts from step 0's checkpoint
+    router.resume("B/0", "i0", 2)  # B samples from version 2 now, a ghost
     for gid, versions in (("C", [0, 1]), ("D", [0, 1, 2])):
         group = Group(id=gid, prompt_id=gid, version=0, samples=[sample(versions)])
         r.groups[gid] = group
@@ -56,15 +73,16 @@ async def test_partial_rollback_drops_groups_holding_ghost_tokens(tmp_path: Path
     q.on_step_done(0)
     tasks = dict(r.group_tasks)
     try:
-        r._rollback(Hello(role="learn", incarnation=1, step=1))
+        r.rollback(Hello(role="learn", incarnation=1, step=1))
         await asyncio.sleep(0)
         states = q.group_states()
         assert "B" not in states and "D" not in states  # ghost tokens: rolled back
         assert states["A"] is GroupState.STARTED  # C: trained at step 0, released
-        assert "B/0" not in r.router.leases and "B" not in r.group_tasks
+        assert "B/0" not in router.leases and "B" not in r.group_tasks
         assert tasks["B"].cancelled() and not tasks["A"].done()
         assert "D" not in r.groups and "C" in r.groups
     finally:
         for task in tasks.values():
             task.cancel()
-        r.metrics.close()
+        metrics.close()
+        q.close()

@@ -133,7 +133,11 @@ async def test_move_in_flight_resubmits_tokens_so_far() -> None:
     assert done.versions == [0] * 5
     (_, prompt, max_tokens) = b.calls[0]
     assert prompt == [*PROMPT, 4, 5, 6] and max_tokens == 10 - 3
-    assert router.resubmissions == 1 and router.migrations == 1 and router.kv_migrations == 0
+    assert (
+        router.stats.resubmissions == 1
+        and router.stats.migrations == 1
+        and router.stats.kv_migrations == 0
+    )
     assert router.instances["a"].inflight == router.instances["b"].inflight == 0
 
 
@@ -150,7 +154,7 @@ async def test_move_in_flight_with_kv_imports_the_request() -> None:
     assert done.token_ids == [4, 5, 6, 7, 8] and done.finish_reason == "stop"
     assert done.logprobs == [-0.5, -0.5, -0.5, -0.25, -0.25]
     assert len(b.imports) == 1 and b.imports[0].token_ids == [4, 5, 6] and not b.calls
-    assert router.kv_migrations == 1 and router.resubmissions == 0
+    assert router.stats.kv_migrations == 1 and router.stats.resubmissions == 0
 
 
 async def test_park_then_resume_on_a_newer_version_records_token_versions() -> None:
@@ -182,7 +186,7 @@ async def test_interrupt_that_misses_does_not_hang() -> None:
     await router.interrupt("g0/0", export=False)
     done = await call
     assert done.finish_reason == "stop" and len(done.token_ids) == 5
-    assert router.missed_interrupts == 1 and not b.calls
+    assert router.stats.missed_interrupts == 1 and not b.calls
     # the next turn goes to the lease's new instance
     b.release.set()
     await router.sampler("g0/0").generate(PROMPT, PARAMS)
@@ -200,7 +204,7 @@ async def test_wait_idle_and_versions_serving() -> None:
     ]
     await a.blocked.wait()
     await b.blocked.wait()
-    assert router.versions_serving() == {0: 1, 1: 1} and router.max_versions_serving == 2
+    assert router.versions_serving() == {0: 1, 1: 1} and router.stats.max_versions_serving == 2
     idle = asyncio.ensure_future(router.wait_idle("a"))
     await asyncio.sleep(0.01)
     assert not idle.done()
@@ -233,7 +237,7 @@ async def test_an_unreachable_instance_is_reported_and_the_call_resubmitted() ->
 
     router.on_failure = on_failure
     done = await router.sampler("g0/0").generate(PROMPT, PARAMS)
-    assert failed == ["a"] and done.token_ids == [4, 5] and router.failed_calls == 1
+    assert failed == ["a"] and done.token_ids == [4, 5] and router.stats.failed_calls == 1
 
 
 async def test_a_cut_instance_ends_its_calls_at_once_and_they_resubmit() -> None:
@@ -261,7 +265,7 @@ async def test_a_cut_instance_ends_its_calls_at_once_and_they_resubmit() -> None
     assert router.cut("a") == 2
     done = await asyncio.gather(*calls)
     assert [d.token_ids for d in done] == [[4, 5], [4, 5]] and failed == ["a", "a"]
-    assert router.failed_calls == 2 and router.instances["a"].inflight == 0
+    assert router.stats.failed_calls == 2 and router.instances["a"].inflight == 0
     router.open("g1/0", version=0, instance="a")  # a call placed on it after the cut ends too
     assert (await router.sampler("g1/0").generate(PROMPT, PARAMS)).token_ids == [4, 5]
     assert failed == ["a", "a", "a"]

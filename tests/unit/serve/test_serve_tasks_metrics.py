@@ -11,23 +11,31 @@ import pytest
 from dora.config import load_config
 from dora.errors import ConfigError
 from dora.serve.metrics import MetricsLog, Ticker
+from dora.serve.records import Record
 
 
 async def test_metrics_log_and_ticker(tmp_path: Path) -> None:
     log = MetricsLog(tmp_path)
     seen: list[float] = []
 
-    def snapshot(lag_ms: float) -> dict[str, object]:
-        seen.append(lag_ms)
-        return {"n": len(seen)}
+    class FakeTick(Record, tag="tick"):
+        n: int
 
-    ticker = Ticker(log, snapshot, every_s=0.01)
+    def snapshot(lag_ms: float) -> FakeTick:
+        seen.append(lag_ms)
+        return FakeTick(n=len(seen))
+
+    ticker = Ticker(log, snapshot, every_s=0.01)  # type: ignore[arg-type]
     task = asyncio.ensure_future(ticker.run())
     await asyncio.sleep(0.08)
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
-    log.write("summary", {"ok": True})
+
+    class FakeSummary(Record, tag="summary"):
+        ok: bool
+
+    log.write(FakeSummary(ok=True))
     log.close()
     lines = [json.loads(x) for x in (tmp_path / "rollout.jsonl").read_text().splitlines()]
     assert len(lines) >= 3 and lines[0]["kind"] == "tick" and lines[0]["n"] == 1
