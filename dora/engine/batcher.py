@@ -519,17 +519,16 @@ class Batcher:
     @torch.inference_mode()
     def load_adapter(self, version: int, tensors: dict[str, torch.Tensor], *, keep: bool) -> None:
         """Hold adapter `tensors` as `version`, the newest. Running rows keep their version,
-        except unpinned ones under `keep` (partial rollout: their next tokens are `version`'s)."""
+        unless `keep` (partial rollout, as with full weights: every running row's next tokens are
+        `version`'s; a pin is checked at admission only)."""
         if version == self.base_version:
             raise ValueError(f"version {version} is the base weights' version")
         self.adapters.add(version, tensors)
         self.version = version
         if keep:
             slot = self.adapters.slot_of[version]
-            for seq in self.running:
-                if seq.version is None:
-                    self._ints[seq.row, _VER] = version
-                    self._ints[seq.row, _SLOT] = slot
+            self._ints[: len(self.running), _VER] = version
+            self._ints[: len(self.running), _SLOT] = slot
 
     @torch.inference_mode()
     def unload_adapter(self, version: int) -> None:

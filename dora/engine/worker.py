@@ -89,7 +89,7 @@ class EngineWorker:
     ) -> Future[dict[str, object]]:
         """Load the weights `tensors()` returns as `version`, with the given in-flight semantics.
         A LoRA adapter (lora.py) is added beside the versions held: running sequences keep
-        theirs, so "drain" need not wait (and "keep" moves the unpinned ones to `version`)."""
+        theirs, so "drain" need not wait (and "keep" moves them all to `version`)."""
         result: Future[dict[str, object]] = Future()
         aborted: list[str] = []
 

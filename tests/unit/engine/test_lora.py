@@ -164,36 +164,43 @@ def test_load_keep_moves_unpinned_rows_and_unload_is_refused_while_needed() -> N
     params = SamplingParams(max_tokens=8, seed=0, ignore_eos=True)
     free = b.new_sequence("free", [3, 4, 5], params)
     pinned = b.new_sequence("pinned", [3, 4, 5], params, version=1)
-    b.add_all([free, pinned])
+    stays = b.new_sequence("stays", [3, 4, 5], params, version=0)
+    b.add_all([free, pinned, stays])
     b.step()
     b.step()
     with pytest.raises(ValueError, match="newest"):
         b.unload_adapter(1)
     before = len(free.token_ids)
     assert before >= 2
-    b.load_adapter(2, versions.published[2], keep=True)
+    b.load_adapter(2, versions.published[2], keep=False)
     with pytest.raises(ValueError, match="still used"):
         b.unload_adapter(1)
+    b.step()
+    assert free.versions == pinned.versions == [1] * (before + 1)  # a load leaves rows alone
+    assert stays.versions == [0] * (before + 1)
+    b.load_adapter(3, versions.published[3], keep=True)
     while b.has_work():
         b.step()
-    # partial rollout: the unpinned request samples the newest version from the load on
-    assert free.versions == [1] * before + [2] * (8 - before)
-    assert pinned.versions == [1] * 8  # a pinned request stays on its version
+    # partial rollout, as with full weights: every running row samples the newest from then on
+    for seq in (free, pinned):
+        assert seq.versions == [1] * (before + 1) + [3] * (7 - before)
+    assert stays.versions == [0] * (before + 1) + [3] * (7 - before)
     b.unload_adapter(1)
-    assert b.held_versions() == [0, 2]
+    b.unload_adapter(2)
+    assert b.held_versions() == [0, 3]
     with pytest.raises(KeyError):
         b.unload_adapter(1)
     late = b.new_sequence("late", [3, 4], params, version=1)
     b.add(late)
     b.step()
-    assert late.error_status == 409 and "holds 0, 2" in (late.error or "")
-    # the slot is reused, and an adapter of another shape is refused without changing anything
-    b.load_adapter(3, versions.published[3], keep=False)
-    assert b.adapters.slot_of == {2: 2, 3: 1}
+    assert late.error_status == 409 and "holds 0, 3" in (late.error or "")
+    # a freed slot is reused, and an adapter of another shape is refused, changing nothing
+    b.load_adapter(4, versions.published[1], keep=False)
+    assert b.adapters.slot_of == {3: 3, 4: 1}
     wrong = {k: v for k, v in versions.published[3].items() if "v_proj" not in k}
     with pytest.raises(ValueError, match="same"):
-        b.load_adapter(4, wrong, keep=False)
-    assert b.held_versions() == [0, 2, 3] and b.version == 3
+        b.load_adapter(5, wrong, keep=False)
+    assert b.held_versions() == [0, 3, 4] and b.version == 4
 
 
 def test_a_full_weight_load_drops_the_adapters() -> None:
