@@ -67,6 +67,8 @@ class BatcherConfig:
     """Longest sequence (prompt + output); defaults to the model's max_position_embeddings."""
     fused_decode: bool = True
     """Decode Llama-style models with the fused step (fused.py) where the model supports it."""
+    max_adapters: int = 8
+    """Most LoRA adapter versions held: a load beyond it drops the oldest ones no request uses."""
 
 
 @dataclass(eq=False, kw_only=True)
@@ -525,6 +527,10 @@ class Batcher:
             raise ValueError(f"version {version} is the base weights' version")
         self.adapters.add(version, tensors)
         self.version = version
+        used = {self.version_of(s) for s in [*self.running, *self.waiting]}
+        spare = [v for v in self.adapters.versions if v != version and v not in used]
+        for old in spare[: max(len(self.adapters.slot_of) - self.config.max_adapters, 0)]:
+            self.adapters.remove(old)
         if keep:
             slot = self.adapters.slot_of[version]
             self._ints[: len(self.running), _VER] = version

@@ -209,3 +209,27 @@ def test_a_full_weight_load_drops_the_adapters() -> None:
     b = _batcher(base, versions, fused=True)
     b.load_base(7)
     assert b.held_versions() == [7] and b.version == 7 and not b.adapters.slot_of
+
+
+def test_beyond_max_adapters_the_oldest_unused_versions_are_dropped() -> None:
+    base = _model("llama")
+    versions = Versions(base, ["q_proj"])
+    b = Batcher(
+        base,
+        eos_token_ids=[EOS],
+        decode=lambda ids: "".join(chr(65 + i % 26) for i in ids),
+        config=BatcherConfig(max_running=8, max_adapters=2),
+    )
+    params = SamplingParams(max_tokens=20, seed=0, ignore_eos=True)
+    b.load_adapter(1, versions.published[1], keep=False)
+    busy = b.new_sequence("busy", [3, 4, 5], params, version=1)
+    b.add(busy)
+    b.step()
+    b.load_adapter(2, versions.published[2], keep=False)
+    b.load_adapter(3, versions.published[3], keep=False)
+    assert b.held_versions() == [0, 1, 3]  # 2 dropped; 1 is still decoding
+    while b.has_work():
+        b.step()
+    assert busy.versions == [1] * 20
+    b.load_adapter(4, versions.published[1], keep=False)
+    assert b.held_versions() == [0, 3, 4]
