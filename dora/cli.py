@@ -23,6 +23,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "simulate": ("dora.sim.cli", "main", "plan a cluster run: modes compared on a cost model"),
     "report": ("dora.report", "main", "plots and tables of a finished or running run"),
     "config": ("dora.cli", "config_main", "show the resolved config, or write docs/config.md"),
+    "export": ("dora.learn.export", "main", "merge a LoRA run's adapter into a Hugging Face model"),
     "init-model": ("dora.cli", "init_model_main", "build a tiny model folder, offline"),
     "bench": ("dora.cli", "bench_main", "benchmarks: protocol, core, engine, modes, cluster"),
 }
@@ -83,6 +84,11 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_args(show)
     docs = csub.add_parser("docs", help="print (or --write) docs/config.md")
     docs.add_argument("--write", default=None, metavar="PATH", help="write to this file")
+
+    p = sub.add_parser("export", help=helps["export"], description=helps["export"])
+    p.add_argument("source", help="run directory, checkpoint, or adapter folder")
+    p.add_argument("out", help="output folder (a Hugging Face model folder)")
+    p.add_argument("--base", default=None, help="base model folder (default: the adapter's)")
 
     p = sub.add_parser("init-model", help=helps["init-model"], description=helps["init-model"])
     p.add_argument("kind", choices=["tiny"], help="which model to build")

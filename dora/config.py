@@ -35,6 +35,40 @@ class _Section(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """Base of every config section."""
 
 
+class LoraSettings(_Section):
+    """LoRA adapters: the trainer trains only them and every published version is one."""
+
+    rank: Annotated[
+        int, M(ge=0, description="LoRA rank r; 0 trains every weight (no adapters)")
+    ] = 0
+    alpha: Annotated[
+        int, M(ge=1, description="LoRA alpha: the adapter's update is scaled by alpha / rank")
+    ] = 16
+    dropout: Annotated[
+        float,
+        M(
+            ge=0,
+            lt=1,
+            description="Dropout on the adapters' input while training (the engine samples "
+            "without it, so keep 0 for exact behaviour logprobs)",
+        ),
+    ] = 0.0
+    target_modules: Annotated[
+        list[str],
+        M(description="Names of the linear layers that get adapters (peft's target_modules)"),
+    ] = msgspec.field(
+        default_factory=lambda: [
+            "q_proj",
+            "k_proj",
+            "v_proj",
+            "o_proj",
+            "gate_proj",
+            "up_proj",
+            "down_proj",
+        ]
+    )
+
+
 class ModelConfig(_Section):
     """The policy model."""
 
@@ -64,6 +98,7 @@ class ModelConfig(_Section):
     ] = 0
     warmup_lr: Annotated[float, M(gt=0, description="Learning rate of the warm-up")] = 3e-3
     warmup_batch_size: Annotated[int, M(ge=1, description="Sequences per warm-up step")] = 32
+    lora: LoraSettings = msgspec.field(default_factory=LoraSettings)
 
 
 class ServeConfig(_Section):
@@ -611,22 +646,34 @@ def field_docs() -> list[tuple[str, str, str, str]]:
     for section in msgspec.structs.fields(DoraConfig):
         struct = _struct_type(section.type)
         assert struct is not None
-        hints = get_type_hints(struct, include_extras=True)
         section_defaults = defaults[section.name]
         assert isinstance(section_defaults, dict)
-        for field in msgspec.structs.fields(struct):
-            tp, *extras = get_args(hints[field.name])
-            meta = next(e for e in extras if isinstance(e, msgspec.Meta))
-            bounds = [
-                f"{op} {getattr(meta, name)}"
-                for name, op in (("ge", ">="), ("gt", ">"), ("le", "<="), ("lt", "<"))
-                if getattr(meta, name) is not None
-            ]
-            type_name = _type_name(tp) + (f" ({', '.join(bounds)})" if bounds else "")
-            default = _toml_value(section_defaults[field.name])
-            rows.append(
-                (f"{section.name}.{field.name}", type_name, default, meta.description or "")
-            )
+        rows += _struct_docs(struct, section.name, section_defaults)
+    return rows
+
+
+def _struct_docs(
+    struct: type, prefix: str, defaults: Mapping[str, object]
+) -> list[tuple[str, str, str, str]]:
+    rows: list[tuple[str, str, str, str]] = []
+    hints = get_type_hints(struct, include_extras=True)
+    for field in msgspec.structs.fields(struct):
+        sub = _struct_type(hints[field.name])
+        if sub is not None:  # a table inside the section: `model.lora.rank`
+            sub_defaults = defaults[field.name]
+            assert isinstance(sub_defaults, dict)
+            rows += _struct_docs(sub, f"{prefix}.{field.name}", sub_defaults)
+            continue
+        tp, *extras = get_args(hints[field.name])
+        meta = next(e for e in extras if isinstance(e, msgspec.Meta))
+        bounds = [
+            f"{op} {getattr(meta, name)}"
+            for name, op in (("ge", ">="), ("gt", ">"), ("le", "<="), ("lt", "<"))
+            if getattr(meta, name) is not None
+        ]
+        type_name = _type_name(tp) + (f" ({', '.join(bounds)})" if bounds else "")
+        default = _toml_value(defaults[field.name])
+        rows.append((f"{prefix}.{field.name}", type_name, default, meta.description or ""))
     return rows
 
 

@@ -146,6 +146,12 @@ class LoadWeightsRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=Tru
     data: list[bytes] = msgspec.field(default_factory=list)
 
 
+class VersionBody(msgspec.Struct, forbid_unknown_fields=True):
+    """POST /control/unload_weights: the LoRA adapter version to drop."""
+
+    version: int
+
+
 class RequestIdBody(msgspec.Struct, forbid_unknown_fields=True):
     """POST /control/abort and /control/export."""
 

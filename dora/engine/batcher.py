@@ -16,6 +16,11 @@ modules (fused.py: a few tensor calls per layer on the model's own weights); pre
 distinct prompt of a step once and copies its KV into the rows of every sequence that has it, so
 a group's G samples share one prefill.
 
+LoRA versions (lora.py): the batcher holds the base weights as one version (`base_version`) and
+any number of adapter versions; each row decodes under its own version (a pinned request's, else
+the newest at admission), through a per-row low-rank delta on the shared base matmuls, so one
+step serves rows of every version it holds.
+
 KV memory is bounded by reservation. The cache is dense (rows x columns), so what a batch can come
 to hold is `rows x the longest prompt + max_tokens among them`; a sequence is admitted only if that
 stays within `max_kv_tokens` (by default `max_kv_bytes` worth), so nothing ever needs preemption.
@@ -34,11 +39,13 @@ import torch
 
 from dora.engine.fused import FusedDecoder, supported
 from dora.engine.kvcache import SlotCache
+from dora.engine.lora import AdapterSet
 from dora.engine.sampling import SamplingBatch, sample, sequence_key
 from dora.protocol import Completion, FinishReason, SamplingParams
 
 # columns of Batcher._ints
-_LEN, _LAST, _GEN, _MAX, _MIN, _TOPK, _KEY = range(7)
+_LEN, _LAST, _GEN, _MAX, _MIN, _TOPK, _KEY, _VER, _SLOT = range(9)
+_INTS = 9
 # columns of Batcher._floats
 _TEMP, _TOPP = range(2)
 
@@ -60,6 +67,8 @@ class BatcherConfig:
     """Longest sequence (prompt + output); defaults to the model's max_position_embeddings."""
     fused_decode: bool = True
     """Decode Llama-style models with the fused step (fused.py) where the model supports it."""
+    max_adapters: int = 8
+    """Most LoRA adapter versions held: a load beyond it drops the oldest ones no request uses."""
 
 
 @dataclass(eq=False, kw_only=True)
@@ -117,6 +126,10 @@ class Batcher:
         self.eos_token_ids = list(eos_token_ids)
         self.decode = decode
         self.version = version
+        """The version unpinned requests get: the newest loaded."""
+        self.base_version = version
+        """The version of the model's own weights (adapter slot 0)."""
+        self.adapters = AdapterSet(model)
         self.admission_paused = False
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -147,12 +160,12 @@ class Batcher:
         self._cache_kw = "cache" if "cache" in forward_params else "past_key_values"
         self._float_mask = getattr(hf_config, "_attn_implementation", "sdpa") == "eager"
         self._rng = random.Random()
-        self._ints = torch.zeros(0, 7, dtype=torch.int64)
+        self._ints = torch.zeros(0, _INTS, dtype=torch.int64)
         self._floats = torch.zeros(0, 2, dtype=torch.float32)
         self._stop_mask = torch.zeros(0, self.vocab_size, dtype=torch.bool)
         self._stop_rows = 0  # running sequences with stop strings
         self._fused = (
-            FusedDecoder(model, self.max_model_len + 1)
+            FusedDecoder(model, self.max_model_len + 1, self.adapters)
             if self.config.fused_decode and supported(model) is None and not self._float_mask
             else None
         )
@@ -240,12 +253,11 @@ class Batcher:
             self.waiting and len(self.running) + len(new) + len(imported) < self.config.max_running
         ):
             seq = self.waiting[0]
-            if seq.version is not None and seq.version != self.version:
+            if seq.version is not None and seq.version not in self.held_versions():
                 self.waiting.popleft()
+                held = ", ".join(map(str, self.held_versions()))
                 self._fail(
-                    seq,
-                    f"request pinned to version {seq.version}, engine holds {self.version}",
-                    409,
+                    seq, f"request pinned to version {seq.version}, engine holds {held}", 409
                 )
                 continue
             total = len(seq.prompt_ids) + len(seq.token_ids)
@@ -265,7 +277,7 @@ class Batcher:
                 break
             if seq.kv_import is None:
                 wider = max(width, len(seq.prompt_ids))
-                key = tuple(seq.prompt_ids)
+                key = (self._slot(seq), *seq.prompt_ids)
                 distinct = len(prompts) + (key not in prompts)
                 if new and wider * distinct > self.config.max_prefill_tokens:
                     break
@@ -284,11 +296,13 @@ class Batcher:
 
     def _prefill(self, new: list[Sequence]) -> None:
         """Prefill each distinct prompt once (a group's G samples share theirs), then copy its
-        keys and values into the row of every sequence that has it."""
+        keys and values into the row of every sequence that has it. Prompts of different
+        versions are distinct."""
         b, start = len(new), len(self.running)
         first: dict[tuple[int, ...], int] = {}
-        source = [first.setdefault(tuple(s.prompt_ids), len(first)) for s in new]
+        source = [first.setdefault((self._slot(s), *s.prompt_ids), len(first)) for s in new]
         prompts = [new[source.index(u)].prompt_ids for u in range(len(first))]
+        slots = torch.tensor([self._slot(new[source.index(u)]) for u in range(len(first))])
         u = len(prompts)
         lengths = [len(p) for p in prompts]
         width = max(lengths)
@@ -301,7 +315,8 @@ class Batcher:
             cols[None, None, :] < plen[:, None, None]
         )
         self._cache.begin_prefill()
-        hidden = self._forward(ids, mask[:, None], cols.expand(u, width))
+        with self.adapters.rows(slots):
+            hidden = self._forward(ids, mask[:, None], cols.expand(u, width))
         last = hidden[torch.arange(u), plen - 1]
         logits = self._lm_head(last)
         rows_of = torch.tensor(source)
@@ -329,12 +344,18 @@ class Batcher:
         self._cache.ensure(n, kv_len)
         if self._fused is not None:
             logits = self._fused.decode(
-                self._ints[:n, _LAST], lens.clone(), self._cache.k, self._cache.v, kv_len
+                self._ints[:n, _LAST],
+                lens.clone(),
+                self._cache.k,
+                self._cache.v,
+                kv_len,
+                self._ints[:n, _SLOT],
             )
         else:
             mask = (torch.arange(kv_len)[None, :] <= lens[:, None])[:, None, None, :]
             self._cache.begin_decode(n, lens.clone(), kv_len)
-            hidden = self._forward(self._ints[:n, _LAST, None], mask, lens[:, None])
+            with self.adapters.rows(self._ints[:n, _SLOT]):
+                hidden = self._forward(self._ints[:n, _LAST, None], mask, lens[:, None])
             logits = self._lm_head(hidden[:, 0])
         self._ints[:n, _LEN] += 1
         self._sample_rows(0, n, logits)
@@ -342,6 +363,7 @@ class Batcher:
     def _forward(
         self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor
     ) -> torch.Tensor:
+        """Hidden states through HF's modules (under the adapters of `adapters.row_slots`)."""
         attn: torch.Tensor = mask
         if self._float_mask:
             attn = torch.zeros(mask.shape).masked_fill(~mask, torch.finfo(torch.float32).min)
@@ -373,13 +395,13 @@ class Batcher:
         stopped = self._stop_mask[start:end].gather(1, tokens[:, None])[:, 0]
         full = (ints[:, _GEN] >= ints[:, _MAX]) | (ints[:, _LEN] + 1 >= self.max_model_len)
         done = (stopped | full).nonzero()[:, 0].tolist()
-        version = self.version
         seqs = self.running[start:end]
         lps = logprobs.tolist()
-        for seq, tok, lp in zip(seqs, tokens.tolist(), lps, strict=True):
+        versions = ints[:, _VER].tolist()
+        for seq, tok, lp, v in zip(seqs, tokens.tolist(), lps, versions, strict=True):
             seq.token_ids.append(tok)
             seq.logprobs.append(lp)
-            seq.versions.append(version)
+            seq.versions.append(v)
         self.generated_tokens += end - start
         finished: dict[int, FinishReason] = {}
         for i in done:
@@ -402,7 +424,7 @@ class Batcher:
             if row in broken:
                 seq.error_status = 500
                 seq.error = (
-                    f"version {version} of the model gave a non-finite logprob "
+                    f"version {seq.versions[-1]} of the model gave a non-finite logprob "
                     f"({seq.logprobs[-1]}) at token {len(seq.token_ids) - 1}: "
                     "its weights are broken"
                 )
@@ -420,7 +442,7 @@ class Batcher:
         if rows <= self._ints.shape[0]:
             return
         cap = max(2 * self._ints.shape[0], rows, 16)
-        ints = torch.zeros(cap, 7, dtype=torch.int64)
+        ints = torch.zeros(cap, _INTS, dtype=torch.int64)
         floats = torch.zeros(cap, 2, dtype=torch.float32)
         stop_mask = torch.zeros(cap, self.vocab_size, dtype=torch.bool)
         n = self._ints.shape[0]
@@ -438,6 +460,8 @@ class Batcher:
                 p.min_tokens,
                 p.top_k,
                 seq.key,
+                self.version_of(seq),
+                self._slot(seq),
             ]
         )
         self._floats[row] = torch.tensor([p.temperature, p.top_p])
@@ -468,6 +492,62 @@ class Batcher:
         self.reserved_tokens = len(self.running) * self._longest
         if seq.params.stop:
             self._stop_rows -= 1
+
+    # -- versions ----------------------------------------------------------------------------------
+
+    def held_versions(self) -> list[int]:
+        """Every version a request may be pinned to: the base weights' and each adapter's."""
+        return sorted({self.base_version, *self.adapters.slot_of})
+
+    def version_of(self, seq: Sequence) -> int:
+        """The version a sequence decodes under: its pin, else the newest (a running row keeps
+        the version it has, see `load_adapter`)."""
+        if seq.row >= 0:
+            return int(self._ints[seq.row, _VER])
+        return self.version if seq.version is None else seq.version
+
+    def _slot(self, seq: Sequence) -> int:
+        return self.adapters.slot_of.get(self.version_of(seq), 0)
+
+    @torch.inference_mode()  # the row state is made of inference tensors
+    def load_base(self, version: int) -> None:
+        """The model's own weights are now `version`: adapters (trained on the old base) are
+        dropped, and rows still running (mode keep) go on under the new weights."""
+        self.adapters.clear()
+        self.base_version = self.version = version
+        self._ints[: len(self.running), _VER] = version
+        self._ints[: len(self.running), _SLOT] = 0
+
+    @torch.inference_mode()
+    def load_adapter(self, version: int, tensors: dict[str, torch.Tensor], *, keep: bool) -> None:
+        """Hold adapter `tensors` as `version`, the newest. Running rows keep their version,
+        unless `keep` (partial rollout, as with full weights: every running row's next tokens are
+        `version`'s; a pin is checked at admission only)."""
+        if version == self.base_version:
+            raise ValueError(f"version {version} is the base weights' version")
+        self.adapters.add(version, tensors)
+        self.version = version
+        used = {self.version_of(s) for s in [*self.running, *self.waiting]}
+        spare = [v for v in self.adapters.versions if v != version and v not in used]
+        for old in spare[: max(len(self.adapters.slot_of) - self.config.max_adapters, 0)]:
+            self.adapters.remove(old)
+        if keep:
+            slot = self.adapters.slot_of[version]
+            self._ints[: len(self.running), _VER] = version
+            self._ints[: len(self.running), _SLOT] = slot
+
+    @torch.inference_mode()
+    def unload_adapter(self, version: int) -> None:
+        """Drop adapter `version`; refused (ValueError) while it is the newest or a sequence
+        still needs it."""
+        if version not in self.adapters.slot_of:
+            raise KeyError(f"version {version} is not an adapter held here")
+        if version == self.version:
+            raise ValueError(f"version {version} is the newest: unpinned requests get it")
+        users = [s.id for s in [*self.running, *self.waiting] if self.version_of(s) == version]
+        if users:
+            raise ValueError(f"version {version} is still used by {users[:5]}")
+        self.adapters.remove(version)
 
     def kv_layout_problem(self, shape: list[int], dtype: str, tokens: int) -> str | None:
         """Why an exported KV tensor cannot continue here (None if it can)."""

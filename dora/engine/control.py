@@ -45,6 +45,7 @@ class ControlRoutes:
     def routes(self) -> list[web.RouteDef]:
         return [
             web.post("/control/load_weights", self._load_weights),
+            web.post("/control/unload_weights", self._unload_weights),
             web.post("/control/pause", self._pause),
             web.post("/control/resume", self._resume),
             web.post("/control/abort", self._abort),
@@ -102,6 +103,18 @@ class ControlRoutes:
             return self.server.error(400, f"weights not loaded: {exc}")
         return web.json_response(result)
 
+    async def _unload_weights(self, request: web.Request) -> web.Response:
+        req = await self._control_body(request, api.VersionBody)
+        if isinstance(req, web.Response):
+            return req
+        try:
+            result = await asyncio.wrap_future(self.server.worker.unload_weights(req.version))
+        except KeyError as exc:
+            return self.server.error(404, str(exc.args[0]))
+        except ValueError as exc:
+            return self.server.error(409, f"version not unloaded: {exc}")
+        return web.json_response(result)
+
     async def _pause(self, request: web.Request) -> web.Response:
         return await self._set_paused(request, True)
 
@@ -150,7 +163,7 @@ class ControlRoutes:
         def detach(b: Batcher) -> ExportedRequest | None:
             if seq.finish_reason is not None:
                 return None
-            version = b.version
+            version = b.version_of(seq)
             kv = b.detach(seq)
             return _exported(seq, version, kv)
 
@@ -165,9 +178,10 @@ class ControlRoutes:
         req = await self._control_body(request, ExportedRequest)
         if isinstance(req, web.Response):
             return req
-        if req.version != self.server.version:
+        held = self.server.worker.batcher.held_versions()
+        if req.version not in held:
             return self.server.error(
-                409, f"request holds version {req.version}, engine holds {self.server.version}"
+                409, f"request holds version {req.version}, engine holds {held}"
             )
         if req.request_id in self.server.inflight:
             return self.server.error(400, f"request_id {req.request_id!r} is already in flight")

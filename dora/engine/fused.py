@@ -18,6 +18,9 @@ Invariants:
   every step compares the parameters' in-place version counters with those they were built from
   (weight loads copy into the parameters in place, which bumps them), so a new version can never
   decode with the old one's weights.
+- LoRA versions (lora.py): with an `AdapterSet` and each row's slot, every fused matmul adds the
+  rows' low-rank deltas (the group's adapters concatenated as its weights are), two batched
+  matmuls per group, so rows of different versions decode in the same step.
 - Only architectures whose layers are exactly this (`supported()`) take the path: Llama and Qwen2
   with SiLU MLPs, no sliding window, and a rotary embedding whose frequencies do not depend on the
   sequence (no dynamic scaling). Everything else decodes through Hugging Face's modules.
@@ -30,7 +33,16 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from dora.engine.lora import AdapterSet, delta
+
 _STATIC_ROPE = {"default", "linear", "llama3", "yarn"}
+_GROUPS = (
+    ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    ("self_attn.o_proj",),
+    ("mlp.gate_proj", "mlp.up_proj"),
+    ("mlp.down_proj",),
+)
+"""The linear layers of a decoder layer whose weights each fused matmul concatenates."""
 
 
 def supported(model: torch.nn.Module) -> str | None:
@@ -54,8 +66,11 @@ def supported(model: torch.nn.Module) -> str | None:
 class FusedDecoder:
     """Decode logits for rows `[0, n)` of a slotted cache, from a Llama-style HF model."""
 
-    def __init__(self, model: torch.nn.Module, max_positions: int) -> None:
+    def __init__(
+        self, model: torch.nn.Module, max_positions: int, adapters: AdapterSet | None = None
+    ) -> None:
         hf: Any = model
+        self.adapters = adapters
         self.model = model
         self.base: Any = hf.base_model
         self.lm_head: Any = hf.get_output_embeddings()
@@ -74,6 +89,7 @@ class FusedDecoder:
     def refresh(self) -> None:
         """Rebuild the concatenated weights and the rotary tables from the model as it is now."""
         with torch.inference_mode():
+            prefix = {id(module): name for name, module in self.model.named_modules()}
             layers = []
             for layer in self.base.layers:
                 att, mlp = layer.self_attn, layer.mlp
@@ -81,8 +97,12 @@ class FusedDecoder:
                 biases = [att.q_proj.bias, att.k_proj.bias, att.v_proj.bias]
                 qkv_b = torch.cat(biases) if all(b is not None for b in biases) else None
                 gate_up = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])
+                names = tuple(
+                    tuple(f"{prefix[id(layer)]}.{part}" for part in group) for group in _GROUPS
+                )
                 layers.append(
                     (
+                        names,
                         layer.input_layernorm.weight,
                         qkv_w,
                         qkv_b if qkv_b is not None else torch.zeros(0),
@@ -109,12 +129,30 @@ class FusedDecoder:
         k_cache: list[torch.Tensor],
         v_cache: list[torch.Tensor],
         kv_len: int,
+        slots: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Logits `[n, vocab]` for one new token per row: `ids[i]` at `positions[i]`, written into
         column `positions[i]` of row i of every layer's cache; attends over columns `[0, kv_len)`
-        (columns past a row's position are masked)."""
+        (columns past a row's position are masked). `slots[i]`: row i's adapter slot (lora.py);
+        None or all zeros: the base weights only."""
         if self._versions() != self._stamp:
             self.refresh()
+        adapters = self.adapters
+        if adapters is None or slots is None or not bool(slots.any()):
+            adapters = None
+
+        def linear(
+            h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, group: tuple[str, ...]
+        ) -> torch.Tensor:
+            out = F.linear(h, w, b)
+            if adapters is None:
+                return out
+            stacks = adapters.group_stacks(group)
+            if stacks is None:
+                return out
+            assert slots is not None
+            return out + delta(h, stacks[0], stacks[1], slots)
+
         n = ids.shape[0]
         rows = torch.arange(n)
         mask = (torch.arange(kv_len)[None, :] <= positions[:, None])[:, None, None, :]
@@ -124,9 +162,10 @@ class FusedDecoder:
         gqa = self.heads != self.kv_heads
         x = self.base.embed_tokens.weight[ids]  # [n, hidden]
         hidden = x.shape[-1]
-        for i, (w_in, qkv_w, qkv_b, o_w, w_post, gate_up, down) in enumerate(self._weights):
+        for i, layer in enumerate(self._weights):
+            names, w_in, qkv_w, qkv_b, o_w, w_post, gate_up, down = layer
             h = F.rms_norm(x, (hidden,), w_in, self.eps)
-            qkv = F.linear(h, qkv_w, qkv_b if qkv_b.numel() else None)
+            qkv = linear(h, qkv_w, qkv_b if qkv_b.numel() else None, names[0])
             # q and k heads side by side, so that one rotary expression turns both
             qk = qkv[:, : q_size + kv_size].view(n, self.heads + self.kv_heads, self.head_dim)
             qk = qk * cos + torch.cat((-qk[..., half:], qk[..., :half]), -1) * sin
@@ -142,10 +181,10 @@ class FusedDecoder:
                 attn_mask=mask,
                 enable_gqa=gqa,
             )
-            x = x + F.linear(att.reshape(n, q_size), o_w)
+            x = x + linear(att.reshape(n, q_size), o_w, None, names[1])
             h = F.rms_norm(x, (hidden,), w_post, self.eps)
-            gate, up = F.linear(h, gate_up).chunk(2, dim=-1)
-            x = x + F.linear(F.silu(gate) * up, down)
+            gate, up = linear(h, gate_up, None, names[2]).chunk(2, dim=-1)
+            x = x + linear(F.silu(gate) * up, down, None, names[3])
         x = F.rms_norm(x, (hidden,), self.base.norm.weight, self.base.norm.variance_epsilon)
         logits: torch.Tensor = self.lm_head(x)
         return logits

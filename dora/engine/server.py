@@ -395,12 +395,22 @@ class EngineServer:
 
     async def _health(self, request: web.Request) -> web.Response:
         return web.json_response(
-            {"status": "ok", "version": self.version, "paused": self.worker.paused}
+            {
+                "status": "ok",
+                "version": self.version,
+                "versions": self.worker.batcher.held_versions(),
+                "paused": self.worker.paused,
+            }
         )
 
     async def _metrics(self, request: web.Request) -> web.Response:
         stats = await asyncio.wrap_future(self.worker.call(lambda b: b.stats()))
-        out: dict[str, object] = {"version": self.version, "paused": self.worker.paused, **stats}
+        out: dict[str, object] = {
+            "version": self.version,
+            "versions": self.worker.batcher.held_versions(),
+            "paused": self.worker.paused,
+            **stats,
+        }
         out["tokens_per_s"] = self.worker.rate()
         return web.json_response(out)
 

@@ -12,6 +12,9 @@ Weight loads have three modes:
 - "keep": load between two steps; running sequences go on under the new weights (partial rollout),
   and each token's version says which weights sampled it.
 
+A LoRA adapter is a version beside the others (the base model is held once): loading one never
+waits for running sequences, which keep the version they run under.
+
 Pausing stops stepping (commands still run), so a paused engine can still export or abort requests.
 """
 
@@ -30,6 +33,7 @@ from typing import Literal, TypeVar
 import torch
 
 from dora.engine.batcher import Batcher
+from dora.engine.lora import is_adapter
 
 T = TypeVar("T")
 LoadMode = Literal["drain", "abort", "keep"]
@@ -83,20 +87,24 @@ class EngineWorker:
     def load_weights(
         self, tensors: Callable[[], dict[str, torch.Tensor]], *, version: int, mode: LoadMode
     ) -> Future[dict[str, object]]:
-        """Load the weights `tensors()` returns as `version`, with the given in-flight semantics."""
+        """Load the weights `tensors()` returns as `version`, with the given in-flight semantics.
+        A LoRA adapter (lora.py) is added beside the versions held: running sequences keep
+        theirs, so "drain" need not wait (and "keep" moves them all to `version`)."""
         result: Future[dict[str, object]] = Future()
         aborted: list[str] = []
 
-        def do_load() -> None:
-            started = time.perf_counter()
+        def do_load(loaded: dict[str, torch.Tensor], started: float) -> None:
             previous = self.batcher.version
             try:
-                _copy_weights(self.batcher.model, tensors())
+                if is_adapter(loaded):
+                    self.batcher.load_adapter(version, loaded, keep=mode == "keep")
+                else:
+                    _copy_weights(self.batcher.model, loaded)
+                    self.batcher.load_base(version)
             except BaseException as exc:
                 self.batcher.admission_paused = bool(self._pending_loads)
                 result.set_exception(exc)
                 return
-            self.batcher.version = version
             self.batcher.admission_paused = bool(self._pending_loads)
             result.set_result(
                 {
@@ -104,20 +112,36 @@ class EngineWorker:
                     "previous_version": previous,
                     "aborted": aborted,
                     "load_s": time.perf_counter() - started,
+                    "versions": self.batcher.held_versions(),
                 }
             )
 
         def begin() -> None:
+            started = time.perf_counter()
+            try:
+                loaded = tensors()
+            except BaseException as exc:
+                result.set_exception(exc)
+                return
             if mode == "abort":
                 aborted.extend(c.request_id for c in self.batcher.abort_all())
-            if mode == "drain" and self.batcher.running:
+            if mode == "drain" and self.batcher.running and not is_adapter(loaded):
                 self.batcher.admission_paused = True
-                self._pending_loads.append((do_load, result))
+                self._pending_loads.append((lambda: do_load(loaded, started), result))
             else:
-                do_load()
+                do_load(loaded, started)
 
         self._commands.put(begin)
         return result
+
+    def unload_weights(self, version: int) -> Future[dict[str, object]]:
+        """Drop adapter `version` (refused while it is the newest or still used)."""
+
+        def unload(b: Batcher) -> dict[str, object]:
+            b.unload_adapter(version)
+            return {"version": b.version, "unloaded": version, "versions": b.held_versions()}
+
+        return self.call(unload)
 
     def rate(self) -> float:
         """Generated tokens per second over the last ~10 s."""

@@ -121,7 +121,8 @@ class EngineClient:
         timeout_s: float | None = None,
     ) -> Json:
         """Load `version` from a safetensors folder `path`, or from raw `tensors` (name -> dtype,
-        shape, bytes). Returns {"version", "previous_version", "aborted", "load_s"}."""
+        shape, bytes). Returns {"version", "previous_version", "aborted", "load_s"} (the embedded
+        engine adds "versions": every version it holds; a LoRA adapter is held beside them)."""
         body: Json = {"version": version, "mode": mode}
         if path is not None:
             body["path"] = path
@@ -134,6 +135,17 @@ class EngineClient:
             )
         return await self._post(
             "/control/load_weights", body, timeout_s or self.control_timeout_s, "load", msgpack=True
+        )
+
+    async def unload_weights(self, version: int, *, timeout_s: float | None = None) -> Json:
+        """Drop LoRA adapter `version` (embedded engine). Returns {"version", "unloaded",
+        "versions"}; `VersionMismatch` (409) while it is the newest or a request still uses it,
+        `RequestError` if it is not held."""
+        return await self._post(
+            "/control/unload_weights",
+            {"version": version},
+            timeout_s or self.control_timeout_s,
+            "unload",
         )
 
     async def abort(self, request_id: str, *, timeout_s: float | None = None) -> Completion:

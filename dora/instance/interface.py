@@ -10,6 +10,10 @@ A backend without that capability raises `RequestError` from `export_request`/`i
 and serve falls back to abort plus resubmission of the prompt and the tokens so far; serve's tests
 pass with `kv_migration = false` too.
 
+An adapter-capable backend (the embedded engine with LoRA versions) holds several versions at
+once and reports them as `versions` in its `health()` answer; `held_versions` reads that answer
+for any backend (one that reports only `version` holds that one).
+
 This module and its package import neither torch nor any backend: the vLLM client and serve use it
 without loading the embedded engine.
 """
@@ -24,7 +28,7 @@ import msgspec
 
 from dora.protocol import Completion, SamplingParams
 
-__all__ = ["ExportedRequest", "InstanceClient", "InstanceHandle"]
+__all__ = ["ExportedRequest", "InstanceClient", "InstanceHandle", "held_versions"]
 
 
 class ExportedRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -109,3 +113,15 @@ class InstanceHandle:
     url: str
     client: InstanceClient
     stop: Callable[[], Awaitable[None]]
+
+
+def held_versions(health: Mapping[str, object]) -> list[int]:
+    """The versions an instance may be pinned to, from its `health()` answer: `versions` where
+    the backend reports several (LoRA adapters beside the base), else its one `version`."""
+    versions = health.get("versions")
+    if isinstance(versions, list) and all(isinstance(v, int) for v in versions) and versions:
+        return sorted(versions)
+    version = health.get("version")
+    if not isinstance(version, int):
+        raise ValueError(f"health answer without an integer version: {dict(health)!r}")
+    return [version]

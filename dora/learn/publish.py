@@ -4,7 +4,8 @@ Two transports (`learn.weight_transport`):
 - `filesystem` (the reference): a Hugging Face folder per version,
   `{run_dir}/weights/v{version:06d}` (config.json + model.safetensors, loadable by transformers
   and vLLM), written to a temporary name and renamed, so a reader never sees half a version.
-  `WeightsReady.path` is its absolute path.
+  `WeightsReady.path` is its absolute path. With LoRA (`model.lora.rank > 0`) a version is its
+  adapter only (`dora.learn.lora`): a peft adapter folder, or chunks of the adapter tensors.
   Folders older than `version - K - 2` are pruned: serve copies a version into its host-memory
   weight store when `WeightsReady` arrives, and no group older than `t - K` can still be assigned.
 - `inline` (CPU default): the tensors themselves, as `WeightChunk` messages of raw little-endian
@@ -39,13 +40,21 @@ def publish_filesystem(
     run_dir: Path,
     version: int,
     keep_from: int,
+    adapter_of: str | None = None,
 ) -> Path:
-    """Write version `version` as a HF folder (atomically) and prune versions below `keep_from`."""
+    """Write version `version` as a HF folder (atomically) and prune versions below `keep_from`.
+    With `adapter_of` (the base model's path), `state_dict` holds a LoRA version's published
+    tensors (`dora.learn.lora.adapter_tensors`) and the folder is a peft adapter folder."""
     final = version_dir(run_dir, version)
     tmp = final.with_name(f".{final.name}.tmp")
     if tmp.exists():
         shutil.rmtree(tmp)
-    model.save_pretrained(tmp, state_dict=dict(state_dict))  # type: ignore[operator]
+    if adapter_of is not None:
+        from dora.learn.lora import save_published_adapter
+
+        save_published_adapter(tmp, state_dict, base_model=adapter_of)
+    else:
+        model.save_pretrained(tmp, state_dict=dict(state_dict))  # type: ignore[operator]
     if final.exists():  # a restarted trainer re-publishes a version number: the new one wins
         shutil.rmtree(final)
     os.replace(tmp, final)

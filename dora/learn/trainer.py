@@ -55,6 +55,7 @@ from dora.learn.checkpoint import (
     staging_dir,
     start_incarnation,
 )
+from dora.learn.lora import adapter_tensors, apply_lora, enabled, resume_lora
 from dora.learn.loss import LossSettings, policy_loss, token_entropy, token_logprobs
 from dora.learn.metrics import SUMS, step_metrics
 from dora.learn.parallel import make_parallel, refuse_accelerate_plugins
@@ -158,7 +159,18 @@ class Trainer:
         init_path = prepare_model(config, log=self.rank == 0)
         model_path = checkpoint.model_dir if checkpoint else init_path
         dtype = getattr(torch, config.model.dtype)
-        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
+        lora = config.model.lora
+        self.init_path = str(init_path)
+        model: torch.nn.Module
+        if enabled(lora):  # the base is always the initial model; a checkpoint holds the adapter
+            model = AutoModelForCausalLM.from_pretrained(init_path, dtype=dtype)
+            if checkpoint is not None:
+                model = resume_lora(model, checkpoint.model_dir, lora)
+            else:
+                model = apply_lora(model, lora)
+        else:
+            model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
+        self.lora = enabled(lora)
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.pad_id = int(self.tokenizer.pad_token_id or 0)
         self.ref: torch.nn.Module | None = None
@@ -169,7 +181,9 @@ class Trainer:
         self.model, self.optimizer, self.raw = self.parallel.prepare(
             model,
             lambda params: torch.optim.AdamW(
-                params, lr=self.cfg.lr, weight_decay=self.cfg.weight_decay
+                [p for p in params if p.requires_grad],  # with LoRA: the adapters only
+                lr=self.cfg.lr,
+                weight_decay=self.cfg.weight_decay,
             ),
             checkpoint.path if checkpoint else None,
         )
@@ -375,6 +389,8 @@ class Trainer:
         started = time.perf_counter()
         state = self.parallel.full_state_dict(self.model)
         if self.rank == 0:
+            if self.lora:  # a version is its adapter (dora.learn.lora)
+                state = adapter_tensors(self.raw, state)
             if self.cfg.weight_transport == "filesystem":
                 path = publish_filesystem(
                     self.raw,
@@ -382,6 +398,7 @@ class Trainer:
                     run_dir=self.run_dir,
                     version=version,
                     keep_from=version - self.config.rollout.staleness - 2,
+                    adapter_of=self.init_path if self.lora else None,
                 )
                 ready = WeightsReady(version=version, incarnation=self.incarnation, path=str(path))
             else:

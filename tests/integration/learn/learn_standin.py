@@ -111,6 +111,8 @@ class StandIn:
         self.model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.version = 0
+        self.base = {k: v.clone() for k, v in self.model.state_dict().items()}
+        self.published: dict[int, dict[str, torch.Tensor]] = {}
         self.on_policy = on_policy
         self.record = Record()
 
@@ -147,19 +149,34 @@ class StandIn:
                 # step + 1 is the step's publication; step itself is a resumed trainer's start
                 assert message.version in (step, step + 1)
                 if message.path:
-                    from safetensors.torch import load_file
+                    from dora.engine.worker import read_safetensors
 
-                    state = load_file(Path(message.path) / "model.safetensors")
-                    state.setdefault("lm_head.weight", state["model.embed_tokens.weight"])
+                    state = read_safetensors(message.path)
+                    if "model.embed_tokens.weight" in state:
+                        state.setdefault("lm_head.weight", state["model.embed_tokens.weight"])
                 else:
                     assert len(chunks) == message.num_chunks
                     state = state_dict_from_chunks(chunks)
+                self.published[message.version] = state
                 if self.on_policy:
-                    self.model.load_state_dict(state)
+                    self.model.load_state_dict(self._full(state))
                 self.version = message.version
             elif isinstance(message, StepDone):
                 assert message.step == step
                 return
+
+    def _full(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The model's weights for a published version: as they are, or, for a LoRA adapter
+        (B already scaled), the base plus `B @ A` merged into each targeted weight."""
+        if not all(".lora_" in name for name in state):
+            return state
+        full = {k: v.clone() for k, v in self.base.items()}
+        for name, a in state.items():
+            if ".lora_A." in name:
+                module = name.removeprefix("base_model.model.").split(".lora_A.")[0]
+                b = state[name.replace(".lora_A.", ".lora_B.")]
+                full[f"{module}.weight"] += b @ a
+        return full
 
     async def drain(self) -> None:
         """After the trainer exited: collect what it sent last (Durable, Shutdown)."""
