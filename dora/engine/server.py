@@ -34,7 +34,7 @@ import msgspec
 import torch
 from aiohttp import web
 
-from dora.engine import api, render
+from dora.engine import api, render, wire
 from dora.engine.batcher import Batcher, BatcherConfig, Sequence
 from dora.engine.control import ControlRoutes
 from dora.engine.worker import EngineWorker
@@ -194,14 +194,7 @@ class EngineServer:
         return response
 
     def error(self, status: int, message: str) -> web.Response:
-        kind = {400: "invalid_request_error", 404: "not_found", 409: "version_mismatch"}.get(
-            status, "error"
-        )
-        body = {
-            "error": {"message": message, "type": kind, "code": status},
-            "version": self.version,
-        }
-        return web.json_response(body, status=status)
+        return web.json_response(wire.error_body(status, message, self.version), status=status)
 
     async def read_body(
         self, request: web.Request, limit: int, *, timeout_s: float | None = None
