@@ -15,7 +15,7 @@ import asyncio
 import io
 from collections.abc import Callable, Mapping
 from types import TracebackType
-from typing import Literal, TypeVar
+from typing import TYPE_CHECKING, Literal, TypedDict, TypeVar
 
 import aiohttp
 import msgspec
@@ -31,9 +31,21 @@ from dora.errors import (
 from dora.instance.interface import ExportedRequest
 from dora.protocol import Completion, SamplingParams
 
+if TYPE_CHECKING:
+    pass
+
 Json = dict[str, object]
 T = TypeVar("T")
 _completion = msgspec.json.Decoder(Completion)
+
+
+class ClientOptions(TypedDict, total=False):
+    """`EngineClient`'s keyword arguments, for a subclass that passes them on unchanged."""
+
+    timeout_s: float
+    control_timeout_s: float
+    token: str | None
+    session: aiohttp.ClientSession | None
 
 
 class EngineClient:
@@ -83,13 +95,7 @@ class EngineClient:
         timeout_s: float | None = None,
     ) -> Completion:
         """Sample one completion of `prompt_ids`; `version` pins it (else VersionMismatch)."""
-        body: Json = {
-            "prompt": prompt_ids,
-            "request_id": request_id,
-            **msgspec.structs.asdict(params),  # the server's sampling fields, same names
-            "logprobs": 0,
-            "return_token_ids": True,
-        }
+        body = generate_body(prompt_ids, params, request_id)
         if version is not None:
             body["version"] = version
         out = await self._post("/v1/completions", body, timeout_s or self.timeout_s, "generate")
@@ -265,6 +271,18 @@ class EngineClient:
         if 400 <= status < 500:
             raise RequestError(f"{what}: HTTP {status}: {message}")
         raise ServerError(f"{what}: HTTP {status}: {message}")
+
+
+def generate_body(prompt_ids: list[int], params: SamplingParams, request_id: str) -> Json:
+    """The body of `POST /v1/completions` that every backend of this API takes: token ids in;
+    token ids and the sampled tokens' logprobs out."""
+    return {
+        "prompt": prompt_ids,
+        "request_id": request_id,
+        **msgspec.structs.asdict(params),  # the server's sampling fields, same names
+        "logprobs": 0,
+        "return_token_ids": True,
+    }
 
 
 def _json_object(raw: bytes) -> Json:
