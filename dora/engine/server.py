@@ -39,6 +39,7 @@ from dora.engine.batcher import Batcher, BatcherConfig, Sequence
 from dora.engine.control import ControlRoutes
 from dora.engine.worker import EngineWorker
 from dora.errors import ConfigError
+from dora.instance.client import SERVER_KEEPALIVE_S
 from dora.net import is_loopback
 from dora.protocol import Completion, SamplingParams
 
@@ -160,7 +161,12 @@ class EngineServer:
             max_control_bytes=max_control_bytes,
             body_timeout_s=body_timeout_s,
         )
-        runner = web.AppRunner(server.app, access_log=None, handle_signals=False)
+        runner = web.AppRunner(
+            server.app,
+            access_log=None,
+            handle_signals=False,
+            keepalive_timeout=SERVER_KEEPALIVE_S,  # aiohttp's 75 s is shorter than the client's
+        )
         worker.start()
         try:
             await runner.setup()

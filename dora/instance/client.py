@@ -38,6 +38,13 @@ Json = dict[str, object]
 T = TypeVar("T")
 _completion = msgspec.json.Decoder(Completion)
 
+KEEPALIVE_S = 120.0
+"""How long a client keeps an idle connection for its next call to the same instance."""
+SERVER_KEEPALIVE_S = 300
+"""How long the servers dora starts keep an idle connection open: longer than `KEEPALIVE_S`, so
+that the client, not the server, closes it. A server that closes first races the client's next
+call on that connection, which then fails with "Server disconnected"."""
+
 
 class ClientOptions(TypedDict, total=False):
     """`EngineClient`'s keyword arguments, for a subclass that passes them on unchanged."""
@@ -239,7 +246,7 @@ class EngineClient:
             # and a health probe must never queue behind long calls. Idle connections are kept
             # through a training phase, so the next step's calls do not reconnect. Every call has
             # its own deadline (asyncio.timeout below): no second timer per call.
-            connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=120.0)
+            connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=KEEPALIVE_S)
             self._session = aiohttp.ClientSession(
                 connector=connector, timeout=aiohttp.ClientTimeout(total=None)
             )
