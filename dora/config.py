@@ -444,7 +444,7 @@ def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> DoraC
     """Load a TOML or YAML file, apply `key=value` overrides, validate, resolve mode presets."""
     raw: dict[str, object] = {}
     if path is not None:
-        raw = _read_file(Path(path))
+        raw = read_config_file(Path(path))
     for item in overrides:
         key, value = _parse_override(item)
         _set_dotted(raw, key, value, origin=item)
@@ -456,7 +456,9 @@ def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> DoraC
     return _resolve(config)
 
 
-def _read_file(path: Path) -> dict[str, object]:
+def read_config_file(path: Path) -> dict[str, object]:
+    """The sections of a TOML or YAML config file as written: no overrides, defaults or checks
+    (what a caller needs to tell a key the file sets from one left at its default)."""
     if not path.is_file():
         raise ConfigError(f"config file not found: {path}")
     text = path.read_text()

@@ -107,10 +107,10 @@ def main(args: argparse.Namespace) -> int:
 
 def _thread_overrides(path: str | None, overrides: list[str], config: DoraConfig) -> list[str]:
     """Threads per instance and trainer threads for this mode on this machine, where unset."""
-    from dora.config import _read_file
+    from dora.config import read_config_file
     from dora.placement import given_keys, run_threads
 
-    raw = _read_file(Path(path)) if path else {}
+    raw = read_config_file(Path(path)) if path else {}
     return run_threads(
         config.rollout.mode,
         len(os.sched_getaffinity(0)),

@@ -14,7 +14,8 @@ What must hold (docs/architecture.md, the three guarantees), and where it is rea
   group: its staleness, counted from the group's version, is then an upper bound).
 
 `check_run` returns the problems found (empty when the run is sound); it never raises on a
-sound run directory.
+sound run directory. `check_accounting` checks all but C1, so it holds for a run of any trainer
+(the chaos tests read real runs with it).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["RunCheck", "check_run"]
+__all__ = ["RunCheck", "check_accounting", "check_run"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -32,6 +33,8 @@ class RunCheck:
 
     groups_checked: int
     problems: list[str]
+    extra: dict[str, int]
+    """Serve's counters from `summary.json` (empty when it is missing)."""
 
     @property
     def ok(self) -> bool:
@@ -44,15 +47,32 @@ def _records(path: Path) -> list[dict[str, object]]:
     return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
 
 
+def check_accounting(run_dir: Path, *, steps: int, batch_size: int, staleness: int) -> RunCheck:
+    """The accounting, the steps and the trainer's record of any finished run (everything of the
+    module docstring but C1, which needs the emulated trainer's `consumed.jsonl`)."""
+    problems, version_of, extra = _accounting(run_dir, steps, batch_size, staleness)
+    return RunCheck(groups_checked=len(version_of), problems=problems[:50], extra=extra)
+
+
 def check_run(
     run_dir: Path, *, steps: int, batch_size: int, staleness: int, spans_versions: bool = False
 ) -> RunCheck:
     """Check the run in `run_dir` (see the module docstring); `spans_versions` for partial."""
+    problems, version_of, extra = _accounting(run_dir, steps, batch_size, staleness)
+    if extra:
+        problems += _c1(run_dir, version_of, spans_versions)
+    return RunCheck(groups_checked=len(version_of), problems=problems[:50], extra=extra)
+
+
+def _accounting(
+    run_dir: Path, steps: int, batch_size: int, staleness: int
+) -> tuple[list[str], dict[str, int], dict[str, int]]:
+    """(problems, the version of each group trained, serve's counters)."""
     problems: list[str] = []
     summary_path = run_dir / "summary.json"
     if not summary_path.is_file():
-        return RunCheck(groups_checked=0, problems=[f"{summary_path}: missing (run unfinished?)"])
-    extra = json.loads(summary_path.read_text())["extra"]
+        return [f"{summary_path}: missing (run unfinished?)"], {}, {}
+    extra: dict[str, int] = json.loads(summary_path.read_text())["extra"]
     if extra["unassigned"] != 0:
         problems.append(f"{extra['unassigned']} admitted groups left unassigned")
     if extra["admitted"] != extra["consumed"] + extra["filtered"] + extra["rolled_back"]:
@@ -95,8 +115,12 @@ def check_run(
                 f"the trainer trained step {step} on {rec['groups']} groups "
                 f"({rec['duplicate_groups']} duplicates)"
             )
+    return problems, version_of, extra
 
-    # C1: the last consumption of each group (a resumed trainer consumes a step again)
+
+def _c1(run_dir: Path, version_of: dict[str, int], spans_versions: bool) -> list[str]:
+    """C1 on the last consumption of each group (a resumed trainer consumes a step again)."""
+    problems: list[str] = []
     consumed: dict[str, dict[str, object]] = {}
     for r in _records(run_dir / "consumed.jsonl"):
         consumed[str(r["group"])] = r
@@ -115,4 +139,4 @@ def check_run(
                 problems.append(f"group {gid} of version {v} holds tokens of {min(tokens)}")
         elif tokens and tokens != [v]:
             problems.append(f"C1: group {gid} of version {v} holds tokens of versions {tokens}")
-    return RunCheck(groups_checked=len(version_of), problems=problems[:50])
+    return problems

@@ -22,6 +22,7 @@ import sys
 import time
 from pathlib import Path
 
+from dora.instance.client import SERVER_KEEPALIVE_S
 from dora.sim.costs import apply_overrides, preset
 
 __all__ = ["main"]
@@ -66,7 +67,7 @@ async def _serve(args: argparse.Namespace) -> dict[str, object]:
                 EmulatedServer(inst).app,
                 access_log=None,
                 handle_signals=False,
-                keepalive_timeout=300.0,  # the client (120 s) closes idle connections first
+                keepalive_timeout=SERVER_KEEPALIVE_S,  # the client closes idle connections first
             )
             await runner.setup()
             runners.append(runner)

@@ -17,14 +17,13 @@ Responses are encoded with msgspec (the engine's JSON responses are the same sha
 from __future__ import annotations
 
 import asyncio
-import ipaddress
 from collections import OrderedDict
 
 import msgspec
 from aiohttp import web
 
 from dora.emulated.engine import EmulatedInstance, Sequence
-from dora.engine import api
+from dora.engine import api, wire
 from dora.protocol import Completion, SamplingParams
 
 __all__ = ["EmulatedServer"]
@@ -47,12 +46,7 @@ class EmulatedServer:
                 web.get("/v1/models", self._models),
                 web.get("/health", self._health),
                 web.get("/metrics", self._metrics),
-                web.post("/control/load_weights", self._load_weights),
-                web.post("/control/pause", self._pause),
-                web.post("/control/resume", self._resume),
-                web.post("/control/abort", self._abort),
-                web.post("/control/export", self._export),
-                web.post("/control/import", self._import),
+                *wire.control_routes(self),
             ]
         )
 
@@ -67,26 +61,14 @@ class EmulatedServer:
         )
 
     def _error(self, status: int, message: str) -> web.Response:
-        kind = {400: "invalid_request_error", 404: "not_found", 409: "version_mismatch"}
-        body = {"message": message, "type": kind.get(status, "error"), "code": status}
-        return self._json({"error": body, "version": self.instance.version}, status)
-
-    @staticmethod
-    def _loopback(request: web.Request) -> bool:
-        try:
-            return ipaddress.ip_address(request.remote or "").is_loopback
-        except ValueError:
-            return False
+        return self._json(wire.error_body(status, message, self.instance.version), status)
 
     async def _control(self, request: web.Request, cls: type[api.S]) -> api.S | web.Response:
-        if not self._loopback(request):
+        if not wire.loopback_caller(request):
             return self._error(403, "control endpoints answer loopback callers only")
-        body = await request.read()
         try:
-            if request.content_type == "application/msgpack":
-                return msgspec.msgpack.decode(body, type=cls)
-            return api.decode_strict(body or b"{}", cls)
-        except (ValueError, msgspec.DecodeError) as exc:
+            return wire.decode_control(await request.read(), request.content_type, cls)
+        except ValueError as exc:
             return self._error(400, str(exc))
 
     def _remember(self, out: Completion) -> None:
@@ -176,7 +158,7 @@ class EmulatedServer:
 
     # --- control -----------------------------------------------------------------------------
 
-    async def _load_weights(self, request: web.Request) -> web.Response:
+    async def on_load_weights(self, request: web.Request) -> web.Response:
         req = await self._control(request, api.LoadWeightsRequest)
         if isinstance(req, web.Response):
             return req
@@ -201,19 +183,29 @@ class EmulatedServer:
             }
         )
 
-    async def _pause(self, request: web.Request) -> web.Response:
+    async def on_unload_weights(self, request: web.Request) -> web.Response:
+        """An emulated instance holds one full-weight version and no adapters: it answers as an
+        engine without adapters does."""
+        req = await self._control(request, api.VersionBody)
+        if isinstance(req, web.Response):
+            return req
+        if req.version == self.instance.version:
+            return self._error(409, f"version not unloaded: version {req.version} is the newest")
+        return self._error(404, f"version {req.version} is not an adapter held here")
+
+    async def on_pause(self, request: web.Request) -> web.Response:
         return await self._set_paused(request, True)
 
-    async def _resume(self, request: web.Request) -> web.Response:
+    async def on_resume(self, request: web.Request) -> web.Response:
         return await self._set_paused(request, False)
 
     async def _set_paused(self, request: web.Request, paused: bool) -> web.Response:
-        if not self._loopback(request):
+        if not wire.loopback_caller(request):
             return self._error(403, "control endpoints answer loopback callers only")
         self.instance.set_paused(paused)
         return self._json({"paused": paused, "version": self.instance.version})
 
-    async def _abort(self, request: web.Request) -> web.Response:
+    async def on_abort(self, request: web.Request) -> web.Response:
         req = await self._control(request, api.RequestIdBody)
         if isinstance(req, web.Response):
             return req
@@ -224,9 +216,10 @@ class EmulatedServer:
             out = self.recent[req.request_id]
         else:
             return self._error(404, f"unknown request_id {req.request_id!r}")
-        return self._json({"request_id": req.request_id, "completions": [_as_dict(out)]})
+        completions = [wire.completion_dict(out)]
+        return self._json({"request_id": req.request_id, "completions": completions})
 
-    async def _export(self, request: web.Request) -> web.Response:
+    async def on_export(self, request: web.Request) -> web.Response:
         req = await self._control(request, api.RequestIdBody)
         if isinstance(req, web.Response):
             return req
@@ -253,7 +246,7 @@ class EmulatedServer:
             body=msgspec.msgpack.encode(exported), content_type="application/msgpack"
         )
 
-    async def _import(self, request: web.Request) -> web.Response:
+    async def on_import(self, request: web.Request) -> web.Response:
         req = await self._control(request, api.ExportedRequest)
         if isinstance(req, web.Response):
             return req
@@ -286,19 +279,7 @@ class EmulatedServer:
             stall = moved * inst.s.kv_bytes_per_token / (inst.s.kv_transfer_gbps * 1e9)
         inst.submit(seq, stall_s=stall)
         out = await self._wait(seq)
-        return self._json(_as_dict(out))
-
-
-def _as_dict(c: Completion) -> dict[str, object]:
-    return {
-        "request_id": c.request_id,
-        "token_ids": c.token_ids,
-        "logprobs": c.logprobs,
-        "versions": c.versions,
-        "finish_reason": c.finish_reason,
-        "prompt_tokens": c.prompt_tokens,
-        "version": c.version,
-    }
+        return self._json(wire.completion_dict(out))
 
 
 def _params(seq: Sequence) -> SamplingParams:

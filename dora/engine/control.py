@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import ipaddress
 from typing import TYPE_CHECKING
 
 import msgspec
 import torch
 from aiohttp import web
 
-from dora.engine import api, render
+from dora.engine import api, render, wire
 from dora.engine.batcher import Batcher, Sequence
 from dora.engine.worker import read_safetensors
 from dora.instance.interface import ExportedRequest
@@ -43,15 +42,7 @@ class ControlRoutes:
         self.server = server
 
     def routes(self) -> list[web.RouteDef]:
-        return [
-            web.post("/control/load_weights", self._load_weights),
-            web.post("/control/unload_weights", self._unload_weights),
-            web.post("/control/pause", self._pause),
-            web.post("/control/resume", self._resume),
-            web.post("/control/abort", self._abort),
-            web.post("/control/export", self._export),
-            web.post("/control/import", self._import),
-        ]
+        return wire.control_routes(self)
 
     def _allowed(self, request: web.Request) -> web.Response | None:
         if self.server.control_token:
@@ -59,15 +50,9 @@ class ControlRoutes:
             if hmac.compare_digest(given.encode(), f"Bearer {self.server.control_token}".encode()):
                 return None
             return self.server.error(401, "control endpoints need a valid bearer token")
-        try:
-            loopback = ipaddress.ip_address(request.remote or "").is_loopback
-        except ValueError:
-            loopback = False
-        return (
-            None
-            if loopback
-            else self.server.error(403, "control endpoints answer loopback callers only")
-        )
+        if wire.loopback_caller(request):
+            return None
+        return self.server.error(403, "control endpoints answer loopback callers only")
 
     async def _control_body(self, request: web.Request, cls: type[api.S]) -> api.S | web.Response:
         denied = self._allowed(request)
@@ -79,15 +64,11 @@ class ControlRoutes:
         if isinstance(body, web.Response):
             return body
         try:
-            if request.content_type == "application/msgpack":
-                return msgspec.msgpack.decode(body, type=cls)
-            return api.decode_strict(body or b"{}", cls)
-        except (ValueError, msgspec.DecodeError) as exc:
+            return wire.decode_control(body, request.content_type, cls)
+        except ValueError as exc:
             return self.server.error(400, str(exc))
-        except RecursionError:
-            return self.server.error(400, "body is nested too deeply to decode")
 
-    async def _load_weights(self, request: web.Request) -> web.Response:
+    async def on_load_weights(self, request: web.Request) -> web.Response:
         req = await self._control_body(request, api.LoadWeightsRequest)
         if isinstance(req, web.Response):
             return req
@@ -103,7 +84,7 @@ class ControlRoutes:
             return self.server.error(400, f"weights not loaded: {exc}")
         return web.json_response(result)
 
-    async def _unload_weights(self, request: web.Request) -> web.Response:
+    async def on_unload_weights(self, request: web.Request) -> web.Response:
         req = await self._control_body(request, api.VersionBody)
         if isinstance(req, web.Response):
             return req
@@ -115,10 +96,10 @@ class ControlRoutes:
             return self.server.error(409, f"version not unloaded: {exc}")
         return web.json_response(result)
 
-    async def _pause(self, request: web.Request) -> web.Response:
+    async def on_pause(self, request: web.Request) -> web.Response:
         return await self._set_paused(request, True)
 
-    async def _resume(self, request: web.Request) -> web.Response:
+    async def on_resume(self, request: web.Request) -> web.Response:
         return await self._set_paused(request, False)
 
     async def _set_paused(self, request: web.Request, paused: bool) -> web.Response:
@@ -128,7 +109,7 @@ class ControlRoutes:
         await asyncio.wrap_future(self.server.worker.set_paused(paused))
         return web.json_response({"paused": paused, "version": self.server.version})
 
-    async def _abort(self, request: web.Request) -> web.Response:
+    async def on_abort(self, request: web.Request) -> web.Response:
         req = await self._control_body(request, api.RequestIdBody)
         if isinstance(req, web.Response):
             return req
@@ -146,10 +127,10 @@ class ControlRoutes:
         else:
             return self.server.error(404, f"unknown request_id {req.request_id!r}")
         return web.json_response(
-            {"request_id": req.request_id, "completions": [render.completion_dict(c) for c in done]}
+            {"request_id": req.request_id, "completions": [wire.completion_dict(c) for c in done]}
         )
 
-    async def _export(self, request: web.Request) -> web.Response:
+    async def on_export(self, request: web.Request) -> web.Response:
         req = await self._control_body(request, api.RequestIdBody)
         if isinstance(req, web.Response):
             return req
@@ -174,7 +155,7 @@ class ControlRoutes:
             body=msgspec.msgpack.encode(exported), content_type="application/msgpack"
         )
 
-    async def _import(self, request: web.Request) -> web.Response:
+    async def on_import(self, request: web.Request) -> web.Response:
         req = await self._control_body(request, ExportedRequest)
         if isinstance(req, web.Response):
             return req
@@ -211,7 +192,7 @@ class ControlRoutes:
         await self.server.wait(req.request_id, [watch])
         if seq.error:
             return self.server.error(seq.error_status, seq.error)
-        return web.json_response(render.completion_dict(seq.completion()))
+        return web.json_response(wire.completion_dict(seq.completion()))
 
 
 def _exported(seq: Sequence, version: int, kv: torch.Tensor | None) -> ExportedRequest:

@@ -17,7 +17,6 @@ import torch
 
 from dora.engine import api
 from dora.engine.batcher import Sequence
-from dora.protocol import Completion
 from dora.tool_calls import parse_tool_calls
 
 TensorSource = Callable[[], dict[str, torch.Tensor]]
@@ -30,18 +29,6 @@ class Meta:
     model: str
     created: int
     prompt_tokens: int
-
-
-def completion_dict(c: Completion) -> Json:
-    return {
-        "request_id": c.request_id,
-        "token_ids": c.token_ids,
-        "logprobs": c.logprobs,
-        "versions": c.versions,
-        "finish_reason": c.finish_reason,
-        "prompt_tokens": c.prompt_tokens,
-        "version": c.version,
-    }
 
 
 class Renderer:

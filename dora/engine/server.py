@@ -34,11 +34,12 @@ import msgspec
 import torch
 from aiohttp import web
 
-from dora.engine import api, render
+from dora.engine import api, render, wire
 from dora.engine.batcher import Batcher, BatcherConfig, Sequence
 from dora.engine.control import ControlRoutes
 from dora.engine.worker import EngineWorker
 from dora.errors import ConfigError
+from dora.instance.client import SERVER_KEEPALIVE_S
 from dora.net import is_loopback
 from dora.protocol import Completion, SamplingParams
 
@@ -160,7 +161,12 @@ class EngineServer:
             max_control_bytes=max_control_bytes,
             body_timeout_s=body_timeout_s,
         )
-        runner = web.AppRunner(server.app, access_log=None, handle_signals=False)
+        runner = web.AppRunner(
+            server.app,
+            access_log=None,
+            handle_signals=False,
+            keepalive_timeout=SERVER_KEEPALIVE_S,  # aiohttp's 75 s is shorter than the client's
+        )
         worker.start()
         try:
             await runner.setup()
@@ -194,14 +200,7 @@ class EngineServer:
         return response
 
     def error(self, status: int, message: str) -> web.Response:
-        kind = {400: "invalid_request_error", 404: "not_found", 409: "version_mismatch"}.get(
-            status, "error"
-        )
-        body = {
-            "error": {"message": message, "type": kind, "code": status},
-            "version": self.version,
-        }
-        return web.json_response(body, status=status)
+        return web.json_response(wire.error_body(status, message, self.version), status=status)
 
     async def read_body(
         self, request: web.Request, limit: int, *, timeout_s: float | None = None

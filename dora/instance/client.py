@@ -15,7 +15,7 @@ import asyncio
 import io
 from collections.abc import Callable, Mapping
 from types import TracebackType
-from typing import Literal, TypeVar
+from typing import TYPE_CHECKING, Literal, TypedDict, TypeVar
 
 import aiohttp
 import msgspec
@@ -31,9 +31,28 @@ from dora.errors import (
 from dora.instance.interface import ExportedRequest
 from dora.protocol import Completion, SamplingParams
 
+if TYPE_CHECKING:
+    pass
+
 Json = dict[str, object]
 T = TypeVar("T")
 _completion = msgspec.json.Decoder(Completion)
+
+KEEPALIVE_S = 120.0
+"""How long a client keeps an idle connection for its next call to the same instance."""
+SERVER_KEEPALIVE_S = 300
+"""How long the servers dora starts keep an idle connection open: longer than `KEEPALIVE_S`, so
+that the client, not the server, closes it. A server that closes first races the client's next
+call on that connection, which then fails with "Server disconnected"."""
+
+
+class ClientOptions(TypedDict, total=False):
+    """`EngineClient`'s keyword arguments, for a subclass that passes them on unchanged."""
+
+    timeout_s: float
+    control_timeout_s: float
+    token: str | None
+    session: aiohttp.ClientSession | None
 
 
 class EngineClient:
@@ -83,13 +102,7 @@ class EngineClient:
         timeout_s: float | None = None,
     ) -> Completion:
         """Sample one completion of `prompt_ids`; `version` pins it (else VersionMismatch)."""
-        body: Json = {
-            "prompt": prompt_ids,
-            "request_id": request_id,
-            **msgspec.structs.asdict(params),  # the server's sampling fields, same names
-            "logprobs": 0,
-            "return_token_ids": True,
-        }
+        body = generate_body(prompt_ids, params, request_id)
         if version is not None:
             body["version"] = version
         out = await self._post("/v1/completions", body, timeout_s or self.timeout_s, "generate")
@@ -245,7 +258,7 @@ class EngineClient:
             # and a health probe must never queue behind long calls. Idle connections are kept
             # through a training phase, so the next step's calls do not reconnect. Every call has
             # its own deadline (asyncio.timeout below): no second timer per call.
-            connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=120.0)
+            connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=KEEPALIVE_S)
             self._session = aiohttp.ClientSession(
                 connector=connector, timeout=aiohttp.ClientTimeout(total=None)
             )
@@ -277,6 +290,18 @@ class EngineClient:
         if 400 <= status < 500:
             raise RequestError(f"{what}: HTTP {status}: {message}")
         raise ServerError(f"{what}: HTTP {status}: {message}")
+
+
+def generate_body(prompt_ids: list[int], params: SamplingParams, request_id: str) -> Json:
+    """The body of `POST /v1/completions` that every backend of this API takes: token ids in;
+    token ids and the sampled tokens' logprobs out."""
+    return {
+        "prompt": prompt_ids,
+        "request_id": request_id,
+        **msgspec.structs.asdict(params),  # the server's sampling fields, same names
+        "logprobs": 0,
+        "return_token_ids": True,
+    }
 
 
 def _json_object(raw: bytes) -> Json:

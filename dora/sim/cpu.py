@@ -25,16 +25,20 @@ runs), with nothing taken from a benchmark run, so every mode's numbers are pred
 
 It also prints the best serve side one core can give this workload: every measured group decoded
 by one engine with continuous batching (`serve.max_running` rows), the fitted decode and prefill
-costs replayed step by step. Split modes run serve on one core, so none of them can beat that
-rate, however well it schedules.
+costs replayed step by step. Under the split placement serve runs on one core, so no asynchronous
+mode placed so can beat that rate, however well it schedules.
 
-On the cost model a GPU is a core: `gpus` = the cores this process may use, `rollout_gpus` = the
-cores `dora bench modes` pins serve to (the rest train), `gpus_per_instance` = threads per
-instance, `pool_instances` = `serve.instances`, and `shared_cores` on (the instances are processes
-time-slicing their cores). The decode coefficients are mapped onto the model's formulas (weight
-read and KV read at the fitted bandwidth, `decode_overhead_ms` the rest of `t0`). The simulator
-counts prompt and response tokens as trained tokens; the benchmark counts loss (response) tokens
-only, so compare ratios, not tokens/s.
+The prediction is of the split placement (`dora bench modes --placement split`), because the cost
+model gives rollout and training disjoint pools; the benchmark's default for the asynchronous modes
+is `shared` (dora/placement.py: serve, its instances and the trainer unpinned on every core at
+once), which the model does not represent. On the cost model a GPU is a core: `gpus` = the cores
+this process may use, `rollout_gpus` = the cores the split placement pins serve to (the rest
+train), `gpus_per_instance` = threads per instance, `pool_instances` = `serve.instances`, and
+`shared_cores` on (the instances are processes time-slicing their cores). The decode
+coefficients are mapped onto the model's formulas (weight read and KV read at the fitted
+bandwidth, `decode_overhead_ms` the rest of `t0`). The simulator counts prompt and response tokens
+as trained tokens; the benchmark counts loss (response) tokens only, so compare ratios, not
+tokens/s.
 """
 
 from __future__ import annotations
@@ -406,8 +410,9 @@ def setup_for(
     trainer_cores: int | None = None,
     lengths_file: str | Path = "",
 ) -> Setup:
-    """The cost model of `dora bench modes CONFIG` on this machine (see the module docstring);
-    `lengths_file` (from `write_lengths`) gives the measured groups' response lengths."""
+    """The cost model of `dora bench modes CONFIG --placement split` on this machine (see the
+    module docstring); `lengths_file` (from `write_lengths`) gives the measured groups' response
+    lengths."""
     serve_cores = costs.cores - (trainer_cores or max(1, costs.cores // 2))
     tp = config.serve.threads_per_instance
     params_b = costs.params / 1e9
@@ -455,7 +460,7 @@ def setup_for(
         weight_sync_s=costs.weight_sync_s,
         kv_transfer_gbps=1.0,
         migrate_kv=config.serve.kv_migration,
-        partial_colocated=False,  # the benchmark runs partial split, as dora
+        partial_colocated=False,  # as `--placement split` runs partial, and dora
         pool_instances=config.serve.instances,
         shared_cores=True,
         train_parallel_efficiency=min(1.0, max(0.0, (costs.train_speedup - 1) / (costs.cores - 1))),

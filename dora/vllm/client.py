@@ -35,14 +35,17 @@ import os
 import struct
 import uuid
 from collections.abc import Mapping
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
-import aiohttp
 import msgspec
 
 from dora.errors import RequestError, ServerError, ServerTimeout, VersionMismatch
 from dora.instance import EngineClient, ExportedRequest
+from dora.instance.client import ClientOptions, generate_body
 from dora.protocol import Completion, FinishReason, SamplingParams
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 __all__ = ["VllmClient"]
 
@@ -67,22 +70,14 @@ class VllmClient(EngineClient):
         base_url: str,
         *,
         version: int = 0,
-        timeout_s: float = 600.0,
-        control_timeout_s: float = 120.0,
-        token: str | None = None,
-        session: aiohttp.ClientSession | None = None,
         stage_dir: str | None = None,
+        **options: Unpack[ClientOptions],
     ) -> None:
         """`stage_dir`: a folder this process writes and the server reads (the same host, or a
         shared file system); raw tensors are loaded through a safetensors file there instead of
-        base64 JSON over HTTP (which costs a third more bytes and a JSON parse)."""
-        super().__init__(
-            base_url,
-            timeout_s=timeout_s,
-            control_timeout_s=control_timeout_s,
-            token=token,
-            session=session,
-        )
+        base64 JSON over HTTP (which costs a third more bytes and a JSON parse). `options`:
+        `EngineClient`'s (timeouts, token, session), with its defaults."""
+        super().__init__(base_url, **options)
         self.version = version
         self.stage_dir = stage_dir
         self.loads = 0
@@ -112,11 +107,7 @@ class VllmClient(EngineClient):
                 f"generate: {self.base_url} holds version {held}, the request needs {version}"
             )
         body: Json = {
-            "prompt": prompt_ids,
-            "request_id": request_id,
-            **msgspec.structs.asdict(params),  # its fields are vLLM's sampling fields, same names
-            "logprobs": 0,
-            "return_token_ids": True,
+            **generate_body(prompt_ids, params, request_id),  # SamplingParams' names are vLLM's
             # Without it, ids whose text is empty collide in top_logprobs (research note §1).
             "return_tokens_as_token_ids": True,
             "skip_special_tokens": False,

@@ -47,6 +47,7 @@ import aiohttp
 
 from dora.errors import ConfigError, ServerTimeout, ServerUnavailable
 from dora.instance import InstanceHandle
+from dora.instance.client import SERVER_KEEPALIVE_S
 from dora.net import free_port, is_loopback
 from dora.vllm.client import VllmClient
 
@@ -168,6 +169,8 @@ def server_env(spec: VllmSpec, index: int = 0) -> dict[str, str]:
         VLLM_SERVER_DEV_MODE="1",
         VLLM_CPU_KVCACHE_SPACE=str(spec.cpu_kvcache_gib),
         HF_HUB_OFFLINE="1",
+        # vLLM closes idle connections after 5 s by default, the client keeps them 120 s
+        VLLM_HTTP_TIMEOUT_KEEP_ALIVE=str(SERVER_KEEPALIVE_S),
         PYTHONPATH=os.pathsep.join(python_path),  # the worker extension, without installing dora
         PYTHONUNBUFFERED="1",
     )

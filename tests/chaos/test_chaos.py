@@ -25,6 +25,8 @@ from pathlib import Path
 
 import pytest
 
+from dora.emulated.checks import check_accounting as read_accounting
+
 pytestmark = [pytest.mark.chaos, pytest.mark.timeout(240)]
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -259,28 +261,9 @@ def check_accounting(
     run_dir: Path, *, steps: int, batch_size: int, staleness: int
 ) -> dict[str, int]:
     """Nothing lost, nothing trained twice, staleness within K; serve's summary's `extra`."""
-    extra: dict[str, int] = json.loads((run_dir / "summary.json").read_text())["extra"]
-    assert extra["unassigned"] == 0
-    assert extra["admitted"] == extra["consumed"] + extra["filtered"] + extra["rolled_back"]
-    assert extra["consumed"] == steps * batch_size
-
-    sent: dict[int, list[str]] = {}
-    lags: dict[int, list[int]] = {}
-    for r in _records(run_dir / "rollout.jsonl"):
-        if r["kind"] == "step":  # a step sent again after a roll-back: the last sending counts
-            sent[int(r["step"])] = list(r["groups"])  # type: ignore[call-overload]
-            lags[int(r["step"])] = list(r["staleness"])  # type: ignore[call-overload]
-    assert sorted(sent) == list(range(steps))
-    groups = [g for s in range(steps) for g in sent[s]]
-    assert all(len(sent[s]) == batch_size for s in sent)
-    assert len(groups) == len(set(groups)), "no group trained in two steps"
-    assert all(0 <= x <= staleness for s in lags for x in lags[s]), lags
-
-    trained = {int(r["step"]): r for r in _records(run_dir / "learn-metrics.jsonl")}
-    assert sorted(trained) == list(range(steps))
-    for step, r in trained.items():  # the last training of each step: B groups, none twice
-        assert r["groups"] == batch_size and r["duplicate_groups"] == 0, (step, r)
-    return extra
+    check = read_accounting(run_dir, steps=steps, batch_size=batch_size, staleness=staleness)
+    assert check.ok, check.problems
+    return check.extra
 
 
 def check_final_checkpoint(run_dir: Path, *, steps: int) -> Path:

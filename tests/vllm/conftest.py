@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import pytest_asyncio
-from vllm_helpers import perturbed
+from vllm_helpers import MAX_MODEL_LEN, perturbed
 
 from dora.models.tiny import TinyModelSpec, build_tiny_model
 from dora.serve.instances import InstanceHandle
@@ -40,7 +40,7 @@ async def vllm_servers(
 ) -> AsyncIterator[list[InstanceHandle]]:
     spec = VllmSpec(
         model_dir=str(tiny_model),
-        max_model_len=512,
+        max_model_len=MAX_MODEL_LEN,
         max_num_seqs=16,
         log_dir=str(tmp_path_factory.mktemp("vllm-logs")),
         start_timeout_s=180,

@@ -14,6 +14,10 @@ import torch
 
 from dora.vllm.launcher import vllm_python
 
+MAX_MODEL_LEN = 2048
+"""The shared servers' context: the tiny model's whole (`max_position_embeddings`), so that the
+abort test's request is long enough to be aborted mid-way on a loaded machine."""
+
 needs_vllm = [
     pytest.mark.vllm,
     pytest.mark.skipif(

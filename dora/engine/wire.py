@@ -1,0 +1,96 @@
+"""What the engine's HTTP API looks like apart from the model: the control route table, who may
+call it, how its bodies decode, the error body, and a completion as JSON.
+
+Torch-free, so that another backend speaking the same API (the emulated instance,
+dora/emulated/server.py) answers exactly as the engine does: `EngineClient` then cannot tell them
+apart. The engine's control routes (control.py) and the emulated server both build their control
+table with `control_routes`, decode with `decode_control` and describe errors with `error_body`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import Protocol
+
+import msgspec
+from aiohttp import web
+
+from dora.engine import api
+from dora.net import is_loopback
+from dora.protocol import Completion
+
+__all__ = [
+    "ControlHandlers",
+    "completion_dict",
+    "control_routes",
+    "decode_control",
+    "error_body",
+    "loopback_caller",
+]
+
+Json = dict[str, object]
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+_KINDS = {400: "invalid_request_error", 404: "not_found", 409: "version_mismatch"}
+
+
+class ControlHandlers(Protocol):
+    """The handlers of the `/control/...` routes (docs/engine.md, "Control")."""
+
+    async def on_load_weights(self, request: web.Request) -> web.StreamResponse: ...
+    async def on_unload_weights(self, request: web.Request) -> web.StreamResponse: ...
+    async def on_pause(self, request: web.Request) -> web.StreamResponse: ...
+    async def on_resume(self, request: web.Request) -> web.StreamResponse: ...
+    async def on_abort(self, request: web.Request) -> web.StreamResponse: ...
+    async def on_export(self, request: web.Request) -> web.StreamResponse: ...
+    async def on_import(self, request: web.Request) -> web.StreamResponse: ...
+
+
+def control_routes(handlers: ControlHandlers) -> list[web.RouteDef]:
+    """The control route table, every route a POST."""
+    table: list[tuple[str, Handler]] = [
+        ("load_weights", handlers.on_load_weights),
+        ("unload_weights", handlers.on_unload_weights),
+        ("pause", handlers.on_pause),
+        ("resume", handlers.on_resume),
+        ("abort", handlers.on_abort),
+        ("export", handlers.on_export),
+        ("import", handlers.on_import),
+    ]
+    return [web.post(f"/control/{name}", handler) for name, handler in table]
+
+
+def loopback_caller(request: web.Request) -> bool:
+    """Whether the caller is on this host (control answers only such callers without a token)."""
+    return is_loopback(request.remote or "")
+
+
+def decode_control(body: bytes, content_type: str, cls: type[api.S]) -> api.S:
+    """A control body: msgpack when sent as `application/msgpack`, strict JSON otherwise (an
+    empty body is `{}`). Raises ValueError with a message for the caller."""
+    try:
+        if content_type == "application/msgpack":
+            return msgspec.msgpack.decode(body, type=cls)
+        return api.decode_strict(body or b"{}", cls)
+    except msgspec.DecodeError as exc:
+        raise ValueError(str(exc)) from exc
+    except RecursionError:
+        raise ValueError("body is nested too deeply to decode") from None
+
+
+def error_body(status: int, message: str, version: int) -> Json:
+    """The JSON of an error answer: OpenAI's `error` object and the version the instance holds."""
+    kind = _KINDS.get(status, "error")
+    return {"error": {"message": message, "type": kind, "code": status}, "version": version}
+
+
+def completion_dict(c: Completion) -> Json:
+    """A completion as the abort and import routes answer it (what `EngineClient` decodes)."""
+    return {
+        "request_id": c.request_id,
+        "token_ids": c.token_ids,
+        "logprobs": c.logprobs,
+        "versions": c.versions,
+        "finish_reason": c.finish_reason,
+        "prompt_tokens": c.prompt_tokens,
+        "version": c.version,
+    }
