@@ -474,14 +474,15 @@ def _check_keys(raw: Mapping[str, object], struct: type, *, prefix: str) -> None
             hint = f"; did you mean {prefix}{near[0]}?" if near else ""
             valid = ", ".join(sorted(fields))
             raise ConfigError(f"unknown key {path!r}{hint} (valid keys here: {valid})")
-        sub = _struct_type(hints[key])
+        sub = struct_type(hints[key])
         if sub is not None:
             if not isinstance(value, dict):
                 raise ConfigError(f"{path} is a section: expected a table, got {value!r}")
             _check_keys(value, sub, prefix=f"{path}.")
 
 
-def _struct_type(tp: object) -> type | None:
+def struct_type(tp: object) -> type | None:
+    """The msgspec Struct an annotation names (through `Annotated`), or None."""
     if get_origin(tp) is Annotated:
         tp = get_args(tp)[0]
     if isinstance(tp, type) and issubclass(tp, msgspec.Struct):
@@ -516,7 +517,7 @@ def _literal_choices(path: str) -> tuple[object, ...]:
         if part not in hints:
             return ()
         tp = hints[part]
-        struct = _struct_type(tp)
+        struct = struct_type(tp)
     if get_origin(tp) is Annotated:
         tp = get_args(tp)[0]
     return get_args(tp) if get_origin(tp) is Literal else ()
@@ -566,114 +567,3 @@ def _resolve(config: DoraConfig) -> DoraConfig:
             "serve.link_server_key and serve.link_client_key)"
         )
     return config
-
-
-def to_toml_dict(config: DoraConfig) -> dict[str, object]:
-    """The config as plain data, in section order (for `dora config show` and run directories)."""
-    data = msgspec.to_builtins(config)
-    assert isinstance(data, dict)
-    return data
-
-
-def render_toml(config: DoraConfig) -> str:
-    """Render a resolved config as TOML text that `load_config` reads back unchanged."""
-    lines: list[str] = []
-    for section, values in to_toml_dict(config).items():
-        lines.append(f"[{section}]")
-        assert isinstance(values, dict)
-        tables: list[tuple[str, dict[str, object]]] = []
-        for key, value in values.items():
-            if isinstance(value, dict):
-                tables.append((key, value))
-            else:
-                lines.append(f"{key} = {_toml_value(value)}")
-        for key, table in tables:
-            lines.append(f"[{section}.{key}]")
-            lines.extend(f"{k} = {_toml_value(v)}" for k, v in table.items())
-        lines.append("")
-    return "\n".join(lines)
-
-
-def _toml_value(value: object) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, str):
-        return msgspec.json.encode(value).decode()
-    if isinstance(value, list):
-        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
-    return repr(value)
-
-
-def field_docs() -> list[tuple[str, str, str, str]]:
-    """(key path, type, default, description) for every setting, in declaration order."""
-    rows: list[tuple[str, str, str, str]] = []
-    defaults = to_toml_dict(DoraConfig())
-    for section in msgspec.structs.fields(DoraConfig):
-        struct = _struct_type(section.type)
-        assert struct is not None
-        hints = get_type_hints(struct, include_extras=True)
-        section_defaults = defaults[section.name]
-        assert isinstance(section_defaults, dict)
-        for field in msgspec.structs.fields(struct):
-            tp, *extras = get_args(hints[field.name])
-            meta = next(e for e in extras if isinstance(e, msgspec.Meta))
-            bounds = [
-                f"{op} {getattr(meta, name)}"
-                for name, op in (("ge", ">="), ("gt", ">"), ("le", "<="), ("lt", "<"))
-                if getattr(meta, name) is not None
-            ]
-            type_name = _type_name(tp) + (f" ({', '.join(bounds)})" if bounds else "")
-            default = _toml_value(section_defaults[field.name])
-            rows.append(
-                (f"{section.name}.{field.name}", type_name, default, meta.description or "")
-            )
-    return rows
-
-
-def _type_name(tp: object) -> str:
-    if get_origin(tp) is Literal:
-        return " or ".join(repr(a) for a in get_args(tp))
-    if get_origin(tp) is not None:
-        return str(tp).replace("typing.", "").replace("|", "or")
-    return getattr(tp, "__name__", None) or str(tp)
-
-
-def config_markdown() -> str:
-    """docs/config.md, generated from the Structs (a test fails if the file drifts)."""
-    out = [
-        "# Configuration reference",
-        "",
-        "Generated from `dora/config.py` by `dora config docs`; do not edit by hand.",
-        "Set any key in the config file's section, or on the command line as `section.key=value`",
-        "(`dora run examples/math/config.toml learn.lr=1e-6 rollout.staleness=2`).",
-        "`rollout.mode = sync` forces `rollout.staleness = 0`; `one_step_off` forces 1.",
-        "",
-        "Paths and modules. A relative path (`model.path`, a `data.source` file, `log.run_dir`)",
-        "is taken from the working directory dora runs in, not from the config file's folder.",
-        "The modules named by `env.cls` and `data.source` (`module:Name`) are imported from the",
-        "working directory first (the `dora` command puts it on `sys.path`, as `python -m`",
-        "does), then from `PYTHONPATH` and the installed packages; `dora run` starts both sides",
-        "in that same working directory. An existing Hugging Face model folder is used as it is",
-        "(`model.path`, `model.warmup_steps = 0`); its tokenizer needs a chat template only for",
-        "chat prompts.",
-        "",
-        "The optimiser is AdamW (`learn.lr`, `learn.weight_decay`, torch's betas 0.9 and 0.999",
-        "and eps 1e-8) at a constant learning rate, gradients clipped to `learn.grad_clip`.",
-        "`learn.max_minutes` ends the run at the first step boundary after the budget, on the",
-        "clock of `rollout.jsonl`'s `time_s` (seconds since `dora serve` started its rollout).",
-        "",
-    ]
-    current = ""
-    for key, type_name, default, description in field_docs():
-        section = key.split(".")[0]
-        if section != current:
-            current = section
-            out += [
-                f"## `[{section}]`",
-                "",
-                "| key | type | default | meaning |",
-                "|---|---|---|---|",
-            ]
-        out.append(f"| `{key}` | {type_name} | `{default}` | {description} |")
-    out.append("")
-    return "\n".join(out).replace("|\n## ", "|\n\n## ")

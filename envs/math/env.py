@@ -15,8 +15,7 @@ from __future__ import annotations
 import logging
 from typing import Literal
 
-from dora.env import Reward, ScorerPool, SingleTurnEnv, Task
-from dora.errors import ConfigError
+from dora import ConfigError, Reward, ScorerPool, SingleTurnEnv, Task
 from envs.math.answers import exact_match, math_verify_available, math_verify_match
 
 log = logging.getLogger("dora.env.math")

@@ -44,9 +44,19 @@ from typing import TYPE_CHECKING, Literal
 
 import aiohttp
 
-from dora.env import Env, Episode, Message, Reply, Reward, Task
-from dora.errors import ConfigError, EnvError
-from dora.tools import Tool, ToolBox, ToolCall
+from dora import (
+    ConfigError,
+    Env,
+    EnvError,
+    Episode,
+    Message,
+    Reply,
+    Reward,
+    Task,
+    Tool,
+    ToolBox,
+    ToolCall,
+)
 from envs.tau2.chat import JSON, ChatEndpoint
 from envs.tau2.judge import judge_nl_assertions
 from envs.tau2.scoring import (

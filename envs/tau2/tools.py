@@ -21,7 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from dora.tools import CallId, Tool
+from dora import CallId, Tool
 
 if TYPE_CHECKING:
     from tau2.data_model.message import ToolCall as Tau2ToolCall
