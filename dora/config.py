@@ -283,13 +283,16 @@ class DataConfig(_Section):
     source: Annotated[
         str,
         M(
-            description="Tasks: a .jsonl/.json/.parquet file (relative to the working directory), "
-            "or 'module:function' (imported like env.cls)"
+            description="Tasks: 'env' (the environment's own, Env.tasks), a .jsonl/.json/.parquet "
+            "file (relative to the working directory), or 'module:function' (imported like env.cls)"
         ),
-    ] = "envs.math:chain_arithmetic_tasks"
+    ] = "env"
+    split: Annotated[
+        str, M(description="The environment's task split to train on, when source is 'env'")
+    ] = "train"
     kwargs: Annotated[
         dict[str, str | int | float | bool | list[str | int | float]],
-        M(description="Keyword arguments when source is a function"),
+        M(description="Keyword arguments of the task function (source 'env' or a function)"),
     ] = msgspec.field(default_factory=dict)
     seed: Annotated[int, M(description="Seed of the prompt stream (reshuffled every epoch)")] = 0
     shuffle: Annotated[
@@ -298,9 +301,12 @@ class DataConfig(_Section):
     eval_source: Annotated[
         str, M(description="Held-out tasks, like source; '' turns evaluation off")
     ] = ""
+    eval_split: Annotated[
+        str, M(description="The environment's held-out split, when eval_source is 'env'")
+    ] = "test"
     eval_kwargs: Annotated[
         dict[str, str | int | float | bool | list[str | int | float]],
-        M(description="Keyword arguments when eval_source is a function"),
+        M(description="Keyword arguments of the held-out task function"),
     ] = msgspec.field(default_factory=dict)
     eval_size: Annotated[int, M(ge=0, description="Held-out tasks per evaluation; 0 is off")] = 64
     eval_every: Annotated[

@@ -26,7 +26,12 @@ Invariants (docs/environments.md, "How an episode becomes a training sample"):
   a failing `close` is logged and does not change the sample (its data is complete by then).
 - Tool calls are parsed only when the env offers tools (a single-turn env stays single-turn whatever
   the model writes). Tool calls of one turn run one after another, in the order written (tools may
-  share state on the env object); malformed calls are answered after them.
+  share state on the env object); malformed calls are answered after them. A tool that returns
+  `EndEpisode` ends the episode after its call ("stop"); the calls after it do not run.
+- `step` receives the messages new since the environment last spoke (reset's prompt or its last
+  reply): the model's turns with their tool calls and tool results, ending with the turn that
+  called no tool; in a plain-text episode, the model's turn. `Episode.messages` is the whole
+  conversation.
 """
 
 from __future__ import annotations
@@ -46,7 +51,7 @@ from dora.errors import ChatTemplateMissing, EnvError
 from dora.instance.interface import InstanceClient
 from dora.protocol import Completion, FinishReason, Sample, SamplingParams
 from dora.render import ChatRenderer
-from dora.tools import ParsedTurn, ToolBox, ToolCall, parse_tool_calls
+from dora.tools import ParsedTurn, ToolBox, ToolResult, parse_tool_calls
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -233,6 +238,15 @@ class _Trajectory:
         )
 
 
+@dataclass
+class _Counts:
+    """What an episode has done so far, for the sample (also when it fails half way)."""
+
+    turns: int = 0
+    tool_calls: int = 0
+    tool_errors: int = 0
+
+
 def masked_sample(task: Task, error: str) -> Sample:
     """The empty, masked sample of an episode that could not start (e.g. the env factory raised)."""
     return _Trajectory().to_sample(
@@ -289,7 +303,7 @@ async def _run_episode(
     renderer = tokenizer if isinstance(tokenizer, ChatRenderer) else ChatRenderer(tokenizer)
     traj = _Trajectory()
     prompt_len = 0
-    state = {"turns": 0, "tool_calls": 0, "tool_errors": 0}
+    counts = _Counts()
     try:
         prompt = await _env_call("reset", env.reset, task)
         tools = cast("Sequence[Callable[..., object]]", await _env_call("tools", env.tools))
@@ -319,7 +333,7 @@ async def _run_episode(
             )
         try:
             episode = await _loop(
-                sampler, renderer, env, task, params, limits, prompt, toolbox, traj, state
+                sampler, renderer, env, task, params, limits, prompt, toolbox, traj, counts
             )
         finally:
             toolbox.close()
@@ -335,8 +349,8 @@ async def _run_episode(
             reward=0.0,
             finish_reason=failure.finish_reason,
             masked=True,
-            num_turns=state["turns"],
-            num_tool_calls=state["tool_calls"],
+            num_turns=counts.turns,
+            num_tool_calls=counts.tool_calls,
             metadata={"prompt_id": task.prompt_id, "error": str(failure)},
         )
     return traj.to_sample(
@@ -360,11 +374,15 @@ async def _loop(
     prompt: list[Message] | str,
     toolbox: ToolBox,
     traj: _Trajectory,
-    state: dict[str, int],
+    counts: _Counts,
 ) -> Episode:
-    """The turns of one episode; fills `traj` and `state`, returns the Episode for `reward`."""
+    """The turns of one episode; fills `traj` and `counts`, returns the Episode for `reward`.
+
+    `step` gets the messages new since the environment last spoke (`since`): the model's turns,
+    their tool calls and tool results, ending with the turn that called no tool."""
     chat = not isinstance(prompt, str)
     messages: list[Message] | str = prompt if isinstance(prompt, str) else list(prompt)
+    since = len(messages) if chat else 0
     sampled = 0
     completion_text = ""
     finish: FinishReason = "stop"
@@ -384,7 +402,7 @@ async def _loop(
             )
         traj.add_sampled(completion)
         sampled += len(completion.token_ids)
-        state["turns"] += 1
+        counts.turns += 1
         text = renderer.decode(completion.token_ids)
         if completion.finish_reason == "length":
             completion_text = renderer.split_turn_end(text)[0] if chat else text
@@ -400,26 +418,26 @@ async def _loop(
             parsed = _parse(completion_text, toolbox)
             _record_turn(messages, parsed)
             if parsed.calls or parsed.errors:
-                replies = await _run_tools(toolbox, parsed.calls, parsed.errors, limits, state)
-                done = False
+                replies, done = await _run_tools(toolbox, parsed, limits, counts)
+                messages.extend(replies)
             else:
-                raw = await _env_call("step", env.step, list(messages))
+                raw = await _env_call("step", env.step, messages[since:])
                 replies, done = _check_reply(raw, list)
-            messages.extend(replies)
-            if not done and state["turns"] < limits.max_turns:
+                messages.extend(replies)
+                since = len(messages)
+            if not done and counts.turns < limits.max_turns:
                 rendered = await _env_call("rendering", renderer.new_message_ids, replies)
                 new_ids = renderer.encode(turn_end) + cast("list[int]", rendered)
         else:
             completion_text = text
-            messages = cast(str, messages) + text
-            raw = await _env_call("step", env.step, messages)
+            raw = await _env_call("step", env.step, text)
             reply_text, done = _check_reply(raw, str)
-            messages += reply_text
+            messages = cast(str, messages) + text + reply_text
             new_ids = renderer.encode(reply_text)
         if done:
             finish = "stop"
             break
-        if state["turns"] >= limits.max_turns:
+        if counts.turns >= limits.max_turns:
             finish = "tool_limit"
             break
         if len(traj.ids) + len(new_ids) >= limits.context_limit:
@@ -431,9 +449,9 @@ async def _loop(
         messages=messages,
         completion=completion_text,
         finish_reason=finish,
-        num_turns=state["turns"],
-        num_tool_calls=state["tool_calls"],
-        num_tool_errors=state["tool_errors"],
+        num_turns=counts.turns,
+        num_tool_calls=counts.tool_calls,
+        num_tool_errors=counts.tool_errors,
     )
 
 
@@ -452,33 +470,30 @@ def _record_turn(messages: list[Message] | str, parsed: ParsedTurn | None) -> No
 
 
 async def _run_tools(
-    toolbox: ToolBox,
-    calls: Sequence[ToolCall],
-    errors: Sequence[str],
-    limits: EpisodeLimits,
-    state: dict[str, int],
-) -> list[Message]:
-    """Tool messages answering one turn's calls, in order; malformed calls get error messages."""
+    toolbox: ToolBox, parsed: ParsedTurn, limits: EpisodeLimits, counts: _Counts
+) -> tuple[list[Message], bool]:
+    """Tool messages answering one turn's calls, in order, then its malformed calls' errors; and
+    whether a tool ended the episode (`EndEpisode`: the calls after it do not run)."""
     replies: list[Message] = []
-    for i, call in enumerate(calls):
-        state["tool_calls"] += 1
-        name = call["function"]["name"]
+    for i, call in enumerate(parsed.calls):
+        counts.tool_calls += 1
         if i >= limits.max_tool_calls_per_turn:
-            content, ok = (
-                f"Error: more than {limits.max_tool_calls_per_turn} tool calls in one turn",
-                False,
-            )
+            limit = limits.max_tool_calls_per_turn
+            result = ToolResult(f"Error: more than {limit} tool calls in one turn", False)
         else:
-            content, ok = await toolbox.call(call)
-        state["tool_errors"] += not ok
+            result = await toolbox.call(call)
+        counts.tool_errors += not result.ok
+        name = call["function"]["name"]
         replies.append(
-            {"role": "tool", "content": content, "tool_call_id": call["id"], "name": name}
+            {"role": "tool", "content": result.content, "tool_call_id": call["id"], "name": name}
         )
-    for error in errors:
-        state["tool_calls"] += 1
-        state["tool_errors"] += 1
+        if result.end:
+            return replies, True
+    for error in parsed.errors:
+        counts.tool_calls += 1
+        counts.tool_errors += 1
         replies.append({"role": "tool", "content": f"Error: malformed tool call: {error}"})
-    return replies
+    return replies, False
 
 
 async def run_group(

@@ -42,7 +42,7 @@ def test_load_env_binds_kwargs_and_makes_fresh_objects() -> None:
         ("no_colon", {}, "is not of the form 'package.module:Name'"),
         ("no_such_module_xyz:Env", {}, "cannot import module 'no_such_module_xyz'"),
         ("dora.env:Nope", {}, "has no attribute 'Nope'; it has: "),
-        ("dora.env:load_env", {}, "not a subclass of dora.env.Env"),
+        ("dora.env:load_env", {}, "not a subclass of dora.Env"),
         (f"{__name__}:NeedsArgs", {"difficulty": 1, "colour": "red"}, "cannot build"),
         (f"{__name__}:NeedsArgs", {}, "difficulty"),
     ],
