@@ -186,7 +186,7 @@ def _read_jsonl(path: Path) -> list[Task]:
 
 
 class PromptRenderer(Protocol):
-    """How prompts become tokens (dora.episode.ChatRenderer)."""
+    """How prompts become tokens (dora.render.ChatRenderer)."""
 
     def prompt_ids(self, prompt: Sequence[Message] | str, tools: Sequence[JSON]) -> list[int]: ...
 
