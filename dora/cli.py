@@ -167,7 +167,8 @@ def _leaves(group: BaseExceptionGroup[BaseException]) -> list[BaseException]:
 
 
 def config_main(args: argparse.Namespace) -> int:
-    from dora.config import config_markdown, load_config, render_toml
+    from dora.config import load_config
+    from dora.config_text import config_markdown, render_toml
 
     if args.action == "show":
         print(render_toml(load_config(args.config, args.overrides)), end="")

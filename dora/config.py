@@ -5,8 +5,9 @@ One top-level `DoraConfig` per file, with the sections `model`, `serve`, `rollou
 `msgspec.Meta`, so the same source feeds validation, `dora config show` and docs/config.md (a test
 regenerates the doc and fails if it drifted).
 
-Errors are for people: an unknown key names its path and suggests the nearest valid key; a wrong
-type names the key, the value and the expected type; cross-field rules say what would be valid.
+Errors are for people (dora/config_check.py): an unknown key names its path and suggests the
+nearest valid key; a wrong type names the key, the value and the expected type; cross-field rules
+say what would be valid.
 
 Modes are presets: `sync` forces `rollout.staleness = 0` and `one_step_off` forces 1.
 The resolved config (what `dora config show` prints) is what runs.
@@ -14,15 +15,14 @@ The resolved config (what `dora config show` prints) is what runs.
 
 from __future__ import annotations
 
-import difflib
-import math
 import tomllib
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Annotated, Literal, get_args, get_origin, get_type_hints
+from typing import Annotated, Literal
 
 import msgspec
 
+from dora.config_check import check_finite, check_keys, explain
 from dora.errors import ConfigError
 from dora.net import is_loopback
 from dora.protocol import MIN_TEMPERATURE
@@ -33,6 +33,9 @@ M = msgspec.Meta
 
 class _Section(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """Base of every config section."""
+
+
+_LLAMA_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 class LoraSettings(_Section):
@@ -56,17 +59,7 @@ class LoraSettings(_Section):
     target_modules: Annotated[
         list[str],
         M(description="Names of the linear layers that get adapters (peft's target_modules)"),
-    ] = msgspec.field(
-        default_factory=lambda: [
-            "q_proj",
-            "k_proj",
-            "v_proj",
-            "o_proj",
-            "gate_proj",
-            "up_proj",
-            "down_proj",
-        ]
-    )
+    ] = msgspec.field(default_factory=lambda: list(_LLAMA_LINEARS))
 
 
 class ModelConfig(_Section):
@@ -318,13 +311,16 @@ class DataConfig(_Section):
     source: Annotated[
         str,
         M(
-            description="Tasks: a .jsonl/.json/.parquet file (relative to the working directory), "
-            "or 'module:function' (imported like env.cls)"
+            description="Tasks: 'env' (the environment's own, Env.tasks), a .jsonl/.json/.parquet "
+            "file (relative to the working directory), or 'module:function' (imported like env.cls)"
         ),
-    ] = "envs.math:chain_arithmetic_tasks"
+    ] = "env"
+    split: Annotated[
+        str, M(description="The environment's task split to train on, when source is 'env'")
+    ] = "train"
     kwargs: Annotated[
         dict[str, str | int | float | bool | list[str | int | float]],
-        M(description="Keyword arguments when source is a function"),
+        M(description="Keyword arguments of the task function (source 'env' or a function)"),
     ] = msgspec.field(default_factory=dict)
     seed: Annotated[int, M(description="Seed of the prompt stream (reshuffled every epoch)")] = 0
     shuffle: Annotated[
@@ -333,9 +329,12 @@ class DataConfig(_Section):
     eval_source: Annotated[
         str, M(description="Held-out tasks, like source; '' turns evaluation off")
     ] = ""
+    eval_split: Annotated[
+        str, M(description="The environment's held-out split, when eval_source is 'env'")
+    ] = "test"
     eval_kwargs: Annotated[
         dict[str, str | int | float | bool | list[str | int | float]],
-        M(description="Keyword arguments when eval_source is a function"),
+        M(description="Keyword arguments of the held-out task function"),
     ] = msgspec.field(default_factory=dict)
     eval_size: Annotated[int, M(ge=0, description="Held-out tasks per evaluation; 0 is off")] = 64
     eval_every: Annotated[
@@ -448,11 +447,11 @@ def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> DoraC
     for item in overrides:
         key, value = _parse_override(item)
         _set_dotted(raw, key, value, origin=item)
-    _check_keys(raw, DoraConfig, prefix="")
+    check_keys(raw, DoraConfig, prefix="")
     try:
         config = msgspec.convert(raw, DoraConfig, strict=False)
     except msgspec.ValidationError as exc:
-        raise ConfigError(_explain(exc, raw)) from None
+        raise ConfigError(explain(exc, raw, DoraConfig)) from None
     return _resolve(config)
 
 
@@ -500,82 +499,9 @@ def _set_dotted(raw: dict[str, object], key: str, value: object, *, origin: str)
     node[parts[-1]] = value
 
 
-def _check_keys(raw: Mapping[str, object], struct: type, *, prefix: str) -> None:
-    """Unknown keys are errors that name the key path and suggest the nearest valid key."""
-    fields = {f.name: f.type for f in msgspec.structs.fields(struct)}
-    hints = get_type_hints(struct, include_extras=True)
-    for key, value in raw.items():
-        path = f"{prefix}{key}"
-        if key not in fields:
-            near = difflib.get_close_matches(key, list(fields), n=1, cutoff=0.6)
-            hint = f"; did you mean {prefix}{near[0]}?" if near else ""
-            valid = ", ".join(sorted(fields))
-            raise ConfigError(f"unknown key {path!r}{hint} (valid keys here: {valid})")
-        sub = _struct_type(hints[key])
-        if sub is not None:
-            if not isinstance(value, dict):
-                raise ConfigError(f"{path} is a section: expected a table, got {value!r}")
-            _check_keys(value, sub, prefix=f"{path}.")
-
-
-def _struct_type(tp: object) -> type | None:
-    if get_origin(tp) is Annotated:
-        tp = get_args(tp)[0]
-    if isinstance(tp, type) and issubclass(tp, msgspec.Struct):
-        return tp
-    return None
-
-
-def _explain(exc: msgspec.ValidationError, raw: Mapping[str, object]) -> str:
-    """Turn msgspec's `Expected ... - at `$.learn.lr`` into a message naming key, value, type."""
-    message = str(exc)
-    text, _, where = message.rpartition(" - at ")
-    if not text:
-        return f"invalid config: {message}"
-    path = where.strip("`").removeprefix("$.").removeprefix("$")
-    value: object = raw
-    for part in path.split("."):
-        value = value.get(part, "<missing>") if isinstance(value, Mapping) else "<missing>"
-    expected = f"{text[0].lower()}{text[1:]}"
-    choices = _literal_choices(path)
-    if choices:
-        expected = f"expected one of {', '.join(repr(c) for c in choices)}"
-    return f"{path} = {value!r} is invalid: {expected}"
-
-
-def _literal_choices(path: str) -> tuple[object, ...]:
-    struct: type | None = DoraConfig
-    tp: object = None
-    for part in path.split("."):
-        if struct is None:
-            return ()
-        hints = get_type_hints(struct, include_extras=True)
-        if part not in hints:
-            return ()
-        tp = hints[part]
-        struct = _struct_type(tp)
-    if get_origin(tp) is Annotated:
-        tp = get_args(tp)[0]
-    return get_args(tp) if get_origin(tp) is Literal else ()
-
-
-def _check_finite(struct: msgspec.Struct, *, prefix: str) -> None:
-    """No setting may be NaN or infinite: `learn.lr = inf` would train NaN weights, and a deadline
-    of `inf` is a wait forever (every network wait has a deadline)."""
-    for name in struct.__struct_fields__:
-        value = getattr(struct, name)
-        if isinstance(value, msgspec.Struct):
-            _check_finite(value, prefix=f"{prefix}{name}.")
-        elif isinstance(value, float) and not math.isfinite(value):
-            raise ConfigError(
-                f"{prefix}{name} = {value!r} is invalid: expected a finite number "
-                "(NaN and infinities are never valid settings)"
-            )
-
-
 def _resolve(config: DoraConfig) -> DoraConfig:
     """Apply mode presets and check rules that span fields."""
-    _check_finite(config, prefix="")
+    check_finite(config, prefix="")
     rollout = config.rollout
     if rollout.mode in MODE_STALENESS:
         rollout = msgspec.structs.replace(rollout, staleness=MODE_STALENESS[rollout.mode])
@@ -603,126 +529,3 @@ def _resolve(config: DoraConfig) -> DoraConfig:
             "serve.link_server_key and serve.link_client_key)"
         )
     return config
-
-
-def to_toml_dict(config: DoraConfig) -> dict[str, object]:
-    """The config as plain data, in section order (for `dora config show` and run directories)."""
-    data = msgspec.to_builtins(config)
-    assert isinstance(data, dict)
-    return data
-
-
-def render_toml(config: DoraConfig) -> str:
-    """Render a resolved config as TOML text that `load_config` reads back unchanged."""
-    lines: list[str] = []
-    for section, values in to_toml_dict(config).items():
-        lines.append(f"[{section}]")
-        assert isinstance(values, dict)
-        tables: list[tuple[str, dict[str, object]]] = []
-        for key, value in values.items():
-            if isinstance(value, dict):
-                tables.append((key, value))
-            else:
-                lines.append(f"{key} = {_toml_value(value)}")
-        for key, table in tables:
-            lines.append(f"[{section}.{key}]")
-            lines.extend(f"{k} = {_toml_value(v)}" for k, v in table.items())
-        lines.append("")
-    return "\n".join(lines)
-
-
-def _toml_value(value: object) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, str):
-        return msgspec.json.encode(value).decode()
-    if isinstance(value, list):
-        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
-    return repr(value)
-
-
-def field_docs() -> list[tuple[str, str, str, str]]:
-    """(key path, type, default, description) for every setting, in declaration order."""
-    rows: list[tuple[str, str, str, str]] = []
-    defaults = to_toml_dict(DoraConfig())
-    for section in msgspec.structs.fields(DoraConfig):
-        struct = _struct_type(section.type)
-        assert struct is not None
-        section_defaults = defaults[section.name]
-        assert isinstance(section_defaults, dict)
-        rows += _struct_docs(struct, section.name, section_defaults)
-    return rows
-
-
-def _struct_docs(
-    struct: type, prefix: str, defaults: Mapping[str, object]
-) -> list[tuple[str, str, str, str]]:
-    rows: list[tuple[str, str, str, str]] = []
-    hints = get_type_hints(struct, include_extras=True)
-    for field in msgspec.structs.fields(struct):
-        sub = _struct_type(hints[field.name])
-        if sub is not None:  # a table inside the section: `model.lora.rank`
-            sub_defaults = defaults[field.name]
-            assert isinstance(sub_defaults, dict)
-            rows += _struct_docs(sub, f"{prefix}.{field.name}", sub_defaults)
-            continue
-        tp, *extras = get_args(hints[field.name])
-        meta = next(e for e in extras if isinstance(e, msgspec.Meta))
-        bounds = [
-            f"{op} {getattr(meta, name)}"
-            for name, op in (("ge", ">="), ("gt", ">"), ("le", "<="), ("lt", "<"))
-            if getattr(meta, name) is not None
-        ]
-        type_name = _type_name(tp) + (f" ({', '.join(bounds)})" if bounds else "")
-        default = _toml_value(defaults[field.name])
-        rows.append((f"{prefix}.{field.name}", type_name, default, meta.description or ""))
-    return rows
-
-
-def _type_name(tp: object) -> str:
-    if get_origin(tp) is Literal:
-        return " or ".join(repr(a) for a in get_args(tp))
-    if get_origin(tp) is not None:
-        return str(tp).replace("typing.", "").replace("|", "or")
-    return getattr(tp, "__name__", None) or str(tp)
-
-
-def config_markdown() -> str:
-    """docs/config.md, generated from the Structs (a test fails if the file drifts)."""
-    out = [
-        "# Configuration reference",
-        "",
-        "Generated from `dora/config.py` by `dora config docs`; do not edit by hand.",
-        "Set any key in the config file's section, or on the command line as `section.key=value`",
-        "(`dora run examples/math/config.toml learn.lr=1e-6 rollout.staleness=2`).",
-        "`rollout.mode = sync` forces `rollout.staleness = 0`; `one_step_off` forces 1.",
-        "",
-        "Paths and modules. A relative path (`model.path`, a `data.source` file, `log.run_dir`)",
-        "is taken from the working directory dora runs in, not from the config file's folder.",
-        "The modules named by `env.cls` and `data.source` (`module:Name`) are imported from the",
-        "working directory first (the `dora` command puts it on `sys.path`, as `python -m`",
-        "does), then from `PYTHONPATH` and the installed packages; `dora run` starts both sides",
-        "in that same working directory. An existing Hugging Face model folder is used as it is",
-        "(`model.path`, `model.warmup_steps = 0`); its tokenizer needs a chat template only for",
-        "chat prompts.",
-        "",
-        "The optimiser is AdamW (`learn.lr`, `learn.weight_decay`, torch's betas 0.9 and 0.999",
-        "and eps 1e-8) at a constant learning rate, gradients clipped to `learn.grad_clip`.",
-        "`learn.max_minutes` ends the run at the first step boundary after the budget, on the",
-        "clock of `rollout.jsonl`'s `time_s` (seconds since `dora serve` started its rollout).",
-        "",
-    ]
-    current = ""
-    for key, type_name, default, description in field_docs():
-        section = key.split(".")[0]
-        if section != current:
-            current = section
-            out += [
-                f"## `[{section}]`",
-                "",
-                "| key | type | default | meaning |",
-                "|---|---|---|---|",
-            ]
-        out.append(f"| `{key}` | {type_name} | `{default}` | {description} |")
-    out.append("")
-    return "\n".join(out).replace("|\n## ", "|\n\n## ")

@@ -1,10 +1,13 @@
-"""Where a run's tasks come from: a dataset file, or a function that generates them.
+"""Where a run's tasks come from: the environment itself, a dataset file, or a function.
 
-`data.source` is either a file (`.jsonl`, `.json` or `.parquet`, read with `datasets`; each row
-becomes a `Task` whose `prompt_id` is the row's `id` field or `<file stem>-<row number>`), or
-`"module:function"`: a function returning tasks, called with `data.kwargs` and, when it accepts
-one, `seed=data.seed` (e.g. `envs.math:chain_arithmetic_tasks` with `kwargs = {n = 2000}`).
-The held-out set for evaluation comes the same way from `data.eval_source` and
+`data.source` is one of
+- `"env"` (the default): the environment's own tasks, `env.tasks(data.split, **data.kwargs)` on an
+  object built from `env.cls` and `env.kwargs` (tau2's domains, generated chain arithmetic);
+- a file (`.jsonl`, `.json` or `.parquet`, read with `datasets`; each row becomes a `Task` whose
+  `prompt_id` is the row's `id` field or `<file stem>-<row number>`);
+- `"module:function"`: a function returning tasks, called with `data.kwargs`.
+A task function or `env.tasks` gets `seed=data.seed` too when it takes a `seed`. The held-out set
+for evaluation comes the same way from `data.eval_source`, `data.eval_split` and
 `data.eval_kwargs`. A bad row is an error naming the file and the row.
 
 A task whose opening prompt (its `reset()` rendered with the chat template and the tool schemas)
@@ -18,21 +21,29 @@ have them) would stop a run that is otherwise fine. The skipped rows are named, 
 from __future__ import annotations
 
 import asyncio
+import functools
 import inspect
 import json
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol, cast
+from typing import TYPE_CHECKING, Protocol, cast
 
 from dora.env import Env, Message, Prompt, Task, call_maybe_async, load_object
 from dora.errors import ChatTemplateMissing, ConfigError, DataError
 from dora.tools import JSON, tool_schema
 
+if TYPE_CHECKING:
+    from dora.config import DataConfig
+
 log = logging.getLogger("dora.data")
 
 FILE_SUFFIXES = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
+
+
+ENV_SOURCE = "env"
+"""The `data.source` that names the environment's own tasks (`Env.tasks`)."""
 
 
 def load_tasks(
@@ -41,38 +52,90 @@ def load_tasks(
     kwargs: Mapping[str, object] | None = None,
     seed: int = 0,
     key: str = "data.source",
+    env_factory: Callable[[], Env] | None = None,
+    split: str = "train",
 ) -> list[Task]:
-    """The tasks `source` names; `key` is the config key quoted in errors."""
+    """The tasks `source` names; `key` is the config key quoted in errors. `source = "env"` reads
+    `env_factory()`'s own tasks of `split`."""
     if not source:
         raise ConfigError(
-            f"{key} is empty: set it to a dataset file (.jsonl/.json/.parquet) or to "
-            "'module:function' returning tasks, e.g. 'envs.math:chain_arithmetic_tasks'"
+            f"{key} is empty: set it to 'env' (the environment's own tasks), a dataset file "
+            "(.jsonl/.json/.parquet) or 'module:function' returning tasks, e.g. "
+            "'envs.math:chain_arithmetic_tasks'"
         )
+    if source == ENV_SOURCE:
+        if env_factory is None:
+            raise ConfigError(f"{key} = 'env' names the environment's tasks, but there is no env")
+        env = env_factory()
+        name = f"{type(env).__module__}:{type(env).__qualname__}"
+        what = f"{key} = 'env' ({name}.tasks, split {split!r})"
+        tasks = _call(what, functools.partial(env.tasks, split), kwargs, seed)
+        if tasks is None:
+            raise ConfigError(
+                f"{key} = 'env', but {name} has no tasks of its own (its tasks() returns None): "
+                "set it to a dataset file or to 'module:function' returning tasks"
+            )
+        return _checked(what, tasks)
     path = Path(source)
     if path.suffix in FILE_SUFFIXES:
         if kwargs:
             raise ConfigError(f"{key} is a file; its kwargs {dict(kwargs)} would be ignored")
         return _read_file(path, key=key)
     if ":" not in source:
-        raise ConfigError(f"{key} = {source!r} is neither a dataset file nor 'module:function'")
+        raise ConfigError(
+            f"{key} = {source!r} is neither 'env', a dataset file nor 'module:function'"
+        )
     fn = load_object(source)
     if not callable(fn):
         raise ConfigError(f"{key} = {source!r} is not callable")
+    what = f"{key} = {source!r}"
+    return _checked(what, _call(what, fn, kwargs, seed))
+
+
+def config_tasks(
+    data: DataConfig, env_factory: Callable[[], Env], *, held_out: bool = False
+) -> list[Task]:
+    """The training tasks of a config's `data` section, or with `held_out` its first `eval_size`
+    held-out tasks (from `eval_source`, `eval_split`, `eval_kwargs`)."""
+    if held_out:
+        return load_tasks(
+            data.eval_source,
+            kwargs=data.eval_kwargs,
+            seed=data.seed,
+            key="data.eval_source",
+            env_factory=env_factory,
+            split=data.eval_split,
+        )[: data.eval_size]
+    return load_tasks(
+        data.source,
+        kwargs=data.kwargs,
+        seed=data.seed,
+        env_factory=env_factory,
+        split=data.split,
+    )
+
+
+def _call(
+    what: str, fn: Callable[..., object], kwargs: Mapping[str, object] | None, seed: int
+) -> Sequence[Task] | None:
+    """`fn(**kwargs)`, with `seed` when it takes one; a TypeError names the arguments."""
     call_kwargs = dict(kwargs or {})
     if "seed" in inspect.signature(fn).parameters:
         call_kwargs.setdefault("seed", seed)
     try:
-        tasks = list(fn(**call_kwargs))
+        result = fn(**call_kwargs)
     except TypeError as exc:
-        raise ConfigError(
-            f"{key} = {source!r} rejected its arguments {call_kwargs}: {exc}"
-        ) from None
+        raise ConfigError(f"{what} rejected its arguments {call_kwargs}: {exc}") from None
+    return None if result is None else list(cast("Sequence[Task]", result))
+
+
+def _checked(what: str, tasks: Sequence[Task] | None) -> list[Task]:
+    if not tasks:
+        raise ConfigError(f"{what} returned no tasks")
     bad = next((t for t in tasks if not isinstance(t, Task)), None)
     if bad is not None:
-        raise ConfigError(f"{key} = {source!r} returned {type(bad).__name__}, not dora.env.Task")
-    if not tasks:
-        raise ConfigError(f"{key} = {source!r} returned no tasks")
-    return tasks
+        raise ConfigError(f"{what} returned {type(bad).__name__}, not dora.Task")
+    return list(tasks)
 
 
 def _read_file(path: Path, *, key: str) -> list[Task]:
@@ -123,7 +186,7 @@ def _read_jsonl(path: Path) -> list[Task]:
 
 
 class PromptRenderer(Protocol):
-    """How prompts become tokens (dora.episode.ChatRenderer)."""
+    """How prompts become tokens (dora.render.ChatRenderer)."""
 
     def prompt_ids(self, prompt: Sequence[Message] | str, tools: Sequence[JSON]) -> list[int]: ...
 

@@ -5,10 +5,14 @@ An environment is a class. One object is made **per episode** by a factory (the 
 shopping cart, the number of guesses so far. The reason: the G episodes of a group, and hundreds of
 episodes in one event loop, run concurrently; an object per episode means tools and `step` can keep
 state without locks, without leaking between episodes and without stringly typed state dicts. What
-is shared and expensive (a dataset, a database snapshot, a process pool for scoring) is passed to
-the constructor and shared by reference.
+is shared and expensive (a dataset, a database snapshot, a process pool for scoring) is made once
+per process by the class's `setup(**kwargs)` and passed to every episode's constructor: `load_env`
+calls it once and binds what it returns, next to the config's kwargs, into the factory.
 
-The life of an episode (the runner is `dora.serve.episode.run_episode`):
+An environment may bring its own tasks: `tasks(split)` lists them (tau2's domains ship theirs), so
+`env.cls` alone names a runnable task (`data.source = "env"`, the default, reads them).
+
+The life of an episode (the runner is `dora.episode.run_episode`):
 
 1. `reset(task)` returns the opening messages (OpenAI chat format, rendered with the tokenizer's
    chat template) or a plain string, which needs no chat template (base models, completion-style
@@ -16,11 +20,15 @@ The life of an episode (the runner is `dora.serve.episode.run_episode`):
    `<bos>` included (`env.prompt_special_tokens = false` leaves them out).
 2. The model samples a turn. If it called tools (`tools()` lists plain typed functions, sync or
    async, whose signature and docstring become the OpenAI schema), the runner runs them and appends
-   the tool results; the model goes again.
+   the tool results; the model goes again. A tool that returns `EndEpisode(result)` ends the
+   episode there (a winning move, a submitted answer).
 3. A turn without tool calls goes to `step(messages)`, which returns the environment's reply and
-   whether the episode is over. The default ends the episode (for chat and for plain text): a
-   single-turn task or a ReAct-style tool loop needs no `step`. A simulated user or a game
-   overrides it.
+   whether the episode is over. `messages` are the ones new since the environment last spoke (its
+   prompt or its last reply): the model's turns since then, with their tool calls and results,
+   ending with the turn that called no tool; in plain text, the model's turn. An environment that
+   wants the whole conversation keeps it (`Episode.messages` has it for the reward). The default
+   ends the episode (for chat and for plain text): a single-turn task or a ReAct-style tool loop
+   needs no `step`. A simulated user or a game overrides it.
 4. `reward(episode)` scores the finished episode: a float, or a dict of named components whose sum
    is the reward. Any of `reset`, `step`, `reward` may be `async`; CPU-heavy scoring belongs in a
    `ScorerPool`.
@@ -57,9 +65,10 @@ from typing import NotRequired, ParamSpec, Required, TypedDict, TypeVar, cast
 
 from dora.errors import ConfigError
 from dora.protocol import FinishReason
-from dora.tools import ToolCall, ToolFunction
+from dora.tools import EndEpisode, ToolCall, ToolFunction
 
 __all__ = [
+    "EndEpisode",
     "Env",
     "Episode",
     "Message",
@@ -148,8 +157,11 @@ class Env:
     def step(self, messages: list[Message] | str) -> Reply | Awaitable[Reply]:
         """Answer a model turn that called no tool; the default ends the episode.
 
-        Reply messages returned with `done=True` are recorded in `Episode.messages` (for the reward)
-        but not tokenized: the model never answers them. A plain-text episode gets an empty text.
+        `messages` are the messages new since the environment last spoke (reset's prompt or its
+        last reply): the model's turns, their tool calls and tool results, ending with the turn
+        that called no tool; a plain-text episode gets the model's turn as text. Reply messages
+        returned with `done=True` are recorded in `Episode.messages` (for the reward) but not
+        tokenized: the model never answers them. A plain-text episode gets an empty text.
         """
         return ("" if isinstance(messages, str) else []), True
 
@@ -159,6 +171,28 @@ class Env:
 
     async def close(self) -> None:
         """Release what this episode holds; awaited once after every episode, however it ended."""
+
+    @classmethod
+    def setup(cls, **kwargs: object) -> Mapping[str, object]:
+        """Resources shared by every episode of this process, made once: the keyword arguments
+        that `load_env` adds to `kwargs` (the config's) for every episode's constructor.
+
+        Called with the config's kwargs by `load_env`, once per factory (dora's commands build one
+        per process). What it makes lives as long as the process (a scorer's process pool, a
+        dataset, a database snapshot); make it lazy if it is costly and not always used. The
+        default shares nothing.
+        """
+        return {}
+
+    def tasks(self, split: str, **kwargs: object) -> Sequence[Task] | None:
+        """The environment's own tasks of `split`, or None when it has none (the default).
+
+        `data.source = "env"` reads them: `split` is `data.split` ("train" by default) for
+        training and `data.eval_split` ("test") for evaluation, `kwargs` are `data.kwargs` (or
+        `data.eval_kwargs`), plus `seed=data.seed` when the method takes a `seed`. Called on an
+        object built with the config's kwargs (it can read its settings), which runs no episode.
+        """
+        return None
 
     def demonstration(self, task: Task) -> list[Message] | Awaitable[list[Message] | None] | None:
         """A reference continuation of `reset(task)`'s messages, for the supervised warm-up.
@@ -253,19 +287,27 @@ def load_object(spec: str) -> object:
 
 
 def load_env(spec: str, **kwargs: object) -> Callable[[], Env]:
-    """The env factory named by `"module:Class"`, bound to `kwargs`: call it once per episode.
+    """The env factory named by `"module:Class"`, bound to `kwargs` and to what the class's
+    `setup(**kwargs)` shares: call it once per episode.
 
     The class is instantiated once here to check the kwargs, so a bad config fails at load time with
     a ConfigError, not in the middle of a run.
     """
     cls = load_object(spec)
     if not (isinstance(cls, type) and issubclass(cls, Env)):
-        raise ConfigError(f"{spec!r} is {cls!r}, not a subclass of dora.env.Env")
+        raise ConfigError(f"{spec!r} is {cls!r}, not a subclass of dora.Env")
     try:
-        cls(**kwargs)
+        shared = dict(cls.setup(**kwargs))
+    except TypeError as exc:
+        raise ConfigError(f"{spec}.setup() rejected {sorted(kwargs)}: {exc}") from exc
+    clash = sorted(set(shared) & set(kwargs))
+    if clash:
+        raise ConfigError(f"{spec}.setup() returned {clash}, which the kwargs set already")
+    try:
+        cls(**kwargs, **shared)
     except TypeError as exc:
         raise ConfigError(f"cannot build {spec!r} with {sorted(kwargs)}: {exc}") from exc
-    return functools.partial(cls, **kwargs)
+    return functools.partial(cls, **kwargs, **shared)
 
 
 # --- tasks ----------------------------------------------------------------------------------------

@@ -6,19 +6,12 @@ Invariants (docs/environments.md, "How an episode becomes a training sample"):
   and never re-tokenized; re-rendering chat history and tokenizing it again silently changes tokens
   (merged BPE pieces, normalised JSON or whitespace in tool calls) and makes the behaviour log-probs
   belong to a different sequence.
-- A plain-text prompt becomes `tokenizer(prompt)`'s ids (special tokens included unless turned
-  off), with no chat template: a base model without one serves plain-text environments. Text
-  appended to it later (the environment's replies) is encoded without special tokens.
-- Only new environment messages (tool results, user replies) are rendered, like this: render a fixed
-  probe conversation `[user, assistant]`, render the probe followed by the new messages with the
-  generation prompt, and append the tokens of the difference. We render the new messages behind a
-  probe rather than behind the real history because the real history contains assistant turns whose
-  re-rendering need not equal what was sampled; the probe's last turn being an assistant makes
-  templates that depend on the previous role (tool results grouped after an assistant) render right.
-  The template's text between the end of an assistant message and the next message (ChatML: the
-  `\\n` after `<|im_end|>`) is appended too, minus whatever of it the model already sampled. With
-  this, the tokens equal the chat-template rendering of the whole conversation whenever the model
-  writes its turns in the template's own format (tests/unit/env/test_episode.py checks it).
+- Prompts and new messages are rendered by `dora.render.ChatRenderer`: a plain-text prompt is
+  `tokenizer(prompt)`'s ids; new environment messages are rendered behind a fixed probe
+  conversation, never behind the real history, and the template's end-of-turn text that the model
+  did not sample is appended. With this, the tokens equal the chat-template rendering of the whole
+  conversation whenever the model writes its turns in the template's own format
+  (tests/unit/env/test_env_episode.py checks it).
 - `loss_mask` is 1 exactly on sampled tokens, which carry their behaviour log-prob and version;
   every other token has mask 0, log-prob 0 and version -1.
 - Environment errors (`reset`, `tools`, `step`, `reward` raising) never propagate: the sample is
@@ -33,22 +26,23 @@ Invariants (docs/environments.md, "How an episode becomes a training sample"):
   a failing `close` is logged and does not change the sample (its data is complete by then).
 - Tool calls are parsed only when the env offers tools (a single-turn env stays single-turn whatever
   the model writes). Tool calls of one turn run one after another, in the order written (tools may
-  share state on the env object); malformed calls are answered after them.
+  share state on the env object); malformed calls are answered after them. A tool that returns
+  `EndEpisode` ends the episode after its call ("stop"); the calls after it do not run.
+- `step` receives the messages new since the environment last spoke (reset's prompt or its last
+  reply): the model's turns with their tool calls and tool results, ending with the turn that
+  called no tool; in a plain-text episode, the model's turn. `Episode.messages` is the whole
+  conversation.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import functools
-import json
 import logging
 import math
 import uuid
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeVar, cast
+from typing import TYPE_CHECKING, Literal, Protocol, TypeVar, cast
 
 import msgspec
 
@@ -56,7 +50,8 @@ from dora.env import Env, Episode, Message, Reward, Task, call_maybe_async
 from dora.errors import ChatTemplateMissing, EnvError
 from dora.instance.interface import InstanceClient
 from dora.protocol import Completion, FinishReason, Sample, SamplingParams
-from dora.tools import JSON, ParsedTurn, ToolBox, ToolCall, parse_tool_calls
+from dora.render import ChatRenderer
+from dora.tools import ParsedTurn, ToolBox, ToolResult, parse_tool_calls
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -124,139 +119,6 @@ class EpisodeLimits:
     """Calls beyond this in one turn get an error message instead of running."""
     close_timeout_s: float = 30.0
     """Deadline for the environment's `close()`."""
-
-
-_ENCODE_CACHE_SIZE = 1024
-_ENCODE_CACHE_CHARS = 1 << 16
-
-
-def _fused_pieces(backend: Any) -> list[str] | None:
-    """The token strings of a word-level tokenizer whose decoder only concatenates them (the
-    tiny character models): decoding is then a join, four times cheaper than the tokenizer's own
-    call. None for any other tokenizer."""
-    try:
-        spec = json.loads(backend.to_str())
-    except (AttributeError, TypeError, ValueError):
-        return None
-    decoder = spec.get("decoder") or {}
-    if spec.get("model", {}).get("type") != "WordLevel" or decoder.get("type") != "Fuse":
-        return None
-    vocab = dict(backend.get_vocab(with_added_tokens=True))
-    pieces = [""] * (max(vocab.values(), default=-1) + 1)
-    for piece, i in vocab.items():
-        pieces[i] = piece
-    return pieces
-
-
-class ChatRenderer:
-    """Renders prompts to token ids with a Hugging Face tokenizer (see the module doc).
-
-    A plain-text prompt becomes `tokenizer(prompt)`'s ids: what `model.generate` and other
-    trainers see, special tokens (a base model's `<bos>`) included; `add_special_tokens=False`
-    leaves them out. Everything appended later (sampled turns, replies) is encoded without them.
-    The chat template is probed only when a chat prompt needs it, so a base model without one
-    serves plain-text environments; a chat prompt on such a tokenizer raises `ChatTemplateMissing`
-    (a `ConfigError`) that names the model folder.
-    """
-
-    _PROBE_TEXT = "\x1fdora-probe\x1f"
-
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, *, add_special_tokens: bool = True):
-        self.tokenizer = tokenizer
-        self.add_special_tokens = add_special_tokens
-        self._encoded: OrderedDict[str, list[int]] = OrderedDict()
-        # Rust decoding gives transformers' text only when transformers would not clean it up.
-        backend = getattr(tokenizer, "backend_tokenizer", None)
-        cleans = bool(getattr(tokenizer, "clean_up_tokenization_spaces", True))
-        self._fast = backend if backend is not None and not cleans else None
-        self._pieces = _fused_pieces(self._fast) if self._fast is not None else None
-        self._probe: list[Message] = [
-            {"role": "user", "content": "u"},
-            {"role": "assistant", "content": self._PROBE_TEXT},
-        ]
-
-    @functools.cached_property
-    def _probe_text(self) -> str:
-        return self.render(self._probe, add_generation_prompt=False)
-
-    @functools.cached_property
-    def turn_end(self) -> str:
-        """Template text after an assistant message's content (ChatML: `<|im_end|>\\n`)."""
-        end = self._probe_text.rindex(self._PROBE_TEXT) + len(self._PROBE_TEXT)
-        return self._probe_text[end:]
-
-    def render(
-        self,
-        messages: Sequence[Message],
-        *,
-        tools: Sequence[JSON] | None = None,
-        add_generation_prompt: bool = True,
-    ) -> str:
-        if not getattr(self.tokenizer, "chat_template", None):
-            folder = getattr(self.tokenizer, "name_or_path", "") or "the model folder"
-            raise ChatTemplateMissing(
-                f"the tokenizer of {folder} has no chat template (tokenizer_config.json has no "
-                "'chat_template', and there is no chat_template.jinja), but the environment's "
-                "reset() returned chat messages: return a plain-text prompt (a str; "
-                "SingleTurnEnv: chat = False) for a base model, or use a model with a chat template"
-            )
-        schemas: list[dict[Any, Any] | Callable[..., Any]] = list(tools or ())
-        text = self.tokenizer.apply_chat_template(
-            cast("list[dict[str, str]]", list(messages)),
-            tools=schemas or None,
-            tokenize=False,
-            add_generation_prompt=add_generation_prompt,
-        )
-        if not isinstance(text, str):
-            raise TypeError(f"apply_chat_template returned {type(text).__name__}, expected str")
-        return text
-
-    def encode(self, text: str) -> list[int]:
-        """Text that continues a sequence: no special tokens. The G episodes of a group encode
-        the same prompt: recent texts are remembered."""
-        ids = self._encoded.get(text)
-        if ids is None:
-            ids = list(self.tokenizer.encode(text, add_special_tokens=False))
-            if len(text) <= _ENCODE_CACHE_CHARS:
-                self._encoded[text] = ids
-                while len(self._encoded) > _ENCODE_CACHE_SIZE:
-                    self._encoded.popitem(last=False)
-        return list(ids)
-
-    def decode(self, token_ids: Sequence[int]) -> str:
-        if self._pieces is not None:  # a fused word-level vocabulary: the text is the pieces
-            pieces = self._pieces
-            with contextlib.suppress(IndexError):  # an id past the vocabulary: the slow path
-                return "".join([pieces[t] for t in token_ids])
-        if self._fast is not None:  # the same text, without transformers' per-call overhead
-            return str(self._fast.decode(list(token_ids), skip_special_tokens=False))
-        return str(self.tokenizer.decode(list(token_ids), skip_special_tokens=False))
-
-    def prompt_ids(self, prompt: Sequence[Message] | str, tools: Sequence[JSON]) -> list[int]:
-        """The opening prompt: plain text as `tokenizer(prompt)` gives it (special tokens unless
-        `add_special_tokens` is off), messages with the chat template and the generation prompt."""
-        if isinstance(prompt, str):
-            encoded = self.tokenizer(prompt, add_special_tokens=self.add_special_tokens)
-            return list(encoded["input_ids"])
-        return self.encode(self.render(prompt, tools=tools))
-
-    def split_turn_end(self, sampled_text: str) -> tuple[str, str]:
-        """(the turn's text without its sampled end-of-turn, the end-of-turn text still to
-        append)."""
-        for k in range(len(self.turn_end), 0, -1):
-            if sampled_text.endswith(self.turn_end[:k]):
-                return sampled_text[:-k], self.turn_end[k:]
-        return sampled_text, self.turn_end
-
-    def new_message_ids(self, messages: Sequence[Message]) -> list[int]:
-        """New environment messages rendered after an assistant turn, with the generation prompt."""
-        full = self.render([*self._probe, *messages])
-        if not full.startswith(self._probe_text):
-            raise EnvError(
-                "the chat template renders the conversation differently once messages are added "
-                "after it, so turns cannot be appended as tokens; use a prefix-stable template"
-            )
-        return self.encode(full[len(self._probe_text) :])
 
 
 class GroupFailed(EnvError):
@@ -376,6 +238,15 @@ class _Trajectory:
         )
 
 
+@dataclass
+class _Counts:
+    """What an episode has done so far, for the sample (also when it fails half way)."""
+
+    turns: int = 0
+    tool_calls: int = 0
+    tool_errors: int = 0
+
+
 def masked_sample(task: Task, error: str) -> Sample:
     """The empty, masked sample of an episode that could not start (e.g. the env factory raised)."""
     return _Trajectory().to_sample(
@@ -432,7 +303,7 @@ async def _run_episode(
     renderer = tokenizer if isinstance(tokenizer, ChatRenderer) else ChatRenderer(tokenizer)
     traj = _Trajectory()
     prompt_len = 0
-    state = {"turns": 0, "tool_calls": 0, "tool_errors": 0}
+    counts = _Counts()
     try:
         prompt = await _env_call("reset", env.reset, task)
         tools = cast("Sequence[Callable[..., object]]", await _env_call("tools", env.tools))
@@ -462,7 +333,7 @@ async def _run_episode(
             )
         try:
             episode = await _loop(
-                sampler, renderer, env, task, params, limits, prompt, toolbox, traj, state
+                sampler, renderer, env, task, params, limits, prompt, toolbox, traj, counts
             )
         finally:
             toolbox.close()
@@ -478,8 +349,8 @@ async def _run_episode(
             reward=0.0,
             finish_reason=failure.finish_reason,
             masked=True,
-            num_turns=state["turns"],
-            num_tool_calls=state["tool_calls"],
+            num_turns=counts.turns,
+            num_tool_calls=counts.tool_calls,
             metadata={"prompt_id": task.prompt_id, "error": str(failure)},
         )
     return traj.to_sample(
@@ -503,11 +374,15 @@ async def _loop(
     prompt: list[Message] | str,
     toolbox: ToolBox,
     traj: _Trajectory,
-    state: dict[str, int],
+    counts: _Counts,
 ) -> Episode:
-    """The turns of one episode; fills `traj` and `state`, returns the Episode for `reward`."""
+    """The turns of one episode; fills `traj` and `counts`, returns the Episode for `reward`.
+
+    `step` gets the messages new since the environment last spoke (`since`): the model's turns,
+    their tool calls and tool results, ending with the turn that called no tool."""
     chat = not isinstance(prompt, str)
     messages: list[Message] | str = prompt if isinstance(prompt, str) else list(prompt)
+    since = len(messages) if chat else 0
     sampled = 0
     completion_text = ""
     finish: FinishReason = "stop"
@@ -527,7 +402,7 @@ async def _loop(
             )
         traj.add_sampled(completion)
         sampled += len(completion.token_ids)
-        state["turns"] += 1
+        counts.turns += 1
         text = renderer.decode(completion.token_ids)
         if completion.finish_reason == "length":
             completion_text = renderer.split_turn_end(text)[0] if chat else text
@@ -543,26 +418,26 @@ async def _loop(
             parsed = _parse(completion_text, toolbox)
             _record_turn(messages, parsed)
             if parsed.calls or parsed.errors:
-                replies = await _run_tools(toolbox, parsed.calls, parsed.errors, limits, state)
-                done = False
+                replies, done = await _run_tools(toolbox, parsed, limits, counts)
+                messages.extend(replies)
             else:
-                raw = await _env_call("step", env.step, list(messages))
+                raw = await _env_call("step", env.step, messages[since:])
                 replies, done = _check_reply(raw, list)
-            messages.extend(replies)
-            if not done and state["turns"] < limits.max_turns:
+                messages.extend(replies)
+                since = len(messages)
+            if not done and counts.turns < limits.max_turns:
                 rendered = await _env_call("rendering", renderer.new_message_ids, replies)
                 new_ids = renderer.encode(turn_end) + cast("list[int]", rendered)
         else:
             completion_text = text
-            messages = cast(str, messages) + text
-            raw = await _env_call("step", env.step, messages)
+            raw = await _env_call("step", env.step, text)
             reply_text, done = _check_reply(raw, str)
-            messages += reply_text
+            messages = cast(str, messages) + text + reply_text
             new_ids = renderer.encode(reply_text)
         if done:
             finish = "stop"
             break
-        if state["turns"] >= limits.max_turns:
+        if counts.turns >= limits.max_turns:
             finish = "tool_limit"
             break
         if len(traj.ids) + len(new_ids) >= limits.context_limit:
@@ -574,9 +449,9 @@ async def _loop(
         messages=messages,
         completion=completion_text,
         finish_reason=finish,
-        num_turns=state["turns"],
-        num_tool_calls=state["tool_calls"],
-        num_tool_errors=state["tool_errors"],
+        num_turns=counts.turns,
+        num_tool_calls=counts.tool_calls,
+        num_tool_errors=counts.tool_errors,
     )
 
 
@@ -595,33 +470,30 @@ def _record_turn(messages: list[Message] | str, parsed: ParsedTurn | None) -> No
 
 
 async def _run_tools(
-    toolbox: ToolBox,
-    calls: Sequence[ToolCall],
-    errors: Sequence[str],
-    limits: EpisodeLimits,
-    state: dict[str, int],
-) -> list[Message]:
-    """Tool messages answering one turn's calls, in order; malformed calls get error messages."""
+    toolbox: ToolBox, parsed: ParsedTurn, limits: EpisodeLimits, counts: _Counts
+) -> tuple[list[Message], bool]:
+    """Tool messages answering one turn's calls, in order, then its malformed calls' errors; and
+    whether a tool ended the episode (`EndEpisode`: the calls after it do not run)."""
     replies: list[Message] = []
-    for i, call in enumerate(calls):
-        state["tool_calls"] += 1
-        name = call["function"]["name"]
+    for i, call in enumerate(parsed.calls):
+        counts.tool_calls += 1
         if i >= limits.max_tool_calls_per_turn:
-            content, ok = (
-                f"Error: more than {limits.max_tool_calls_per_turn} tool calls in one turn",
-                False,
-            )
+            limit = limits.max_tool_calls_per_turn
+            result = ToolResult(f"Error: more than {limit} tool calls in one turn", False)
         else:
-            content, ok = await toolbox.call(call)
-        state["tool_errors"] += not ok
+            result = await toolbox.call(call)
+        counts.tool_errors += not result.ok
+        name = call["function"]["name"]
         replies.append(
-            {"role": "tool", "content": content, "tool_call_id": call["id"], "name": name}
+            {"role": "tool", "content": result.content, "tool_call_id": call["id"], "name": name}
         )
-    for error in errors:
-        state["tool_calls"] += 1
-        state["tool_errors"] += 1
+        if result.end:
+            return replies, True
+    for error in parsed.errors:
+        counts.tool_calls += 1
+        counts.tool_errors += 1
         replies.append({"role": "tool", "content": f"Error: malformed tool call: {error}"})
-    return replies
+    return replies, False
 
 
 async def run_group(

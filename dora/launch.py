@@ -42,7 +42,8 @@ import sys
 import time
 from pathlib import Path
 
-from dora.config import DoraConfig, load_config, render_toml
+from dora.config import DoraConfig, load_config
+from dora.config_text import render_toml
 from dora.errors import NotYetAvailable, RunAborted
 from dora.net import free_port
 from dora.rundir import resolve_run_dir

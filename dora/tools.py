@@ -16,6 +16,11 @@ ids.
 Tool calls are parsed from the sampled text by `dora.tool_calls.parse_tool_calls` (re-exported
 here), the parser the engine's chat endpoint uses too.
 
+A tool ends the episode by returning `EndEpisode(result)`: `result` becomes the tool message as any
+result would, the episode ends after that call ("stop"), and the calls written after it in the same
+turn are not run. A game's winning move, a submitted answer, a closed ticket end the episode where
+they happen, without a `step` to notice them.
+
 Everything that goes wrong on the model's side becomes a tool message the model reads, never an
 exception: malformed JSON, an unknown tool, bad arguments, a tool that raises, a tool that hangs (it
 is timed out). Sync tools run in the ToolBox's own worker threads, so they cannot block the event
@@ -36,7 +41,7 @@ import typing
 from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Literal, NewType
+from typing import Literal, NamedTuple, NewType
 
 import msgspec
 
@@ -45,12 +50,14 @@ from dora.tool_calls import FunctionCall, ParsedTurn, ToolCall, parse_tool_calls
 __all__ = [
     "JSON",
     "CallId",
+    "EndEpisode",
     "FunctionCall",
     "ParsedTurn",
     "Tool",
     "ToolBox",
     "ToolCall",
     "ToolFunction",
+    "ToolResult",
     "parse_tool_calls",
     "tool_schema",
 ]
@@ -77,6 +84,24 @@ class Tool:
 
 ToolFunction = Callable[..., object] | Tool
 """What `Env.tools()` lists: typed functions, or `Tool`s with a ready-made schema."""
+
+
+@dataclass(frozen=True)
+class EndEpisode:
+    """What a tool returns to end the episode: `result` is its tool message (rendered as any result
+    is: a string as it is, anything else as JSON), recorded in `Episode.messages` for the reward;
+    the model never answers it."""
+
+    result: object = ""
+
+
+class ToolResult(NamedTuple):
+    """One call's outcome: the tool message `content`, whether the call succeeded (`ok`), and
+    whether the tool ended the episode (`end`, from `EndEpisode`)."""
+
+    content: str
+    ok: bool
+    end: bool = False
 
 
 # --- schemas --------------------------------------------------------------------------------------
@@ -265,8 +290,9 @@ class ToolBox:
     def __len__(self) -> int:
         return len(self._tools)
 
-    async def call(self, call: ToolCall) -> tuple[str, bool]:
-        """Run one call; return (the tool message content, whether it succeeded).
+    async def call(self, call: ToolCall) -> ToolResult:
+        """Run one call; return its tool message content, whether it succeeded, and whether the
+        tool ended the episode.
 
         Failures are returned as text for the model ("Error: ..."), never raised; only cancellation
         propagates.
@@ -275,14 +301,14 @@ class ToolBox:
         entry = self._tools.get(name)
         if entry is None:
             known = ", ".join(sorted(self._tools)) or "none"
-            return f"Error: unknown tool {name!r}; available tools: {known}", False
+            return ToolResult(f"Error: unknown tool {name!r}; available tools: {known}", False)
         try:
             raw = json.loads(call["function"]["arguments"] or "{}")
             if not isinstance(raw, dict):
                 raise ValueError(f"arguments must be a JSON object, got {type(raw).__name__}")
             kwargs = entry.check(raw)
         except (json.JSONDecodeError, msgspec.ValidationError, ValueError) as exc:
-            return f"Error: bad arguments for {name!r}: {exc}", False
+            return ToolResult(f"Error: bad arguments for {name!r}: {exc}", False)
         if entry.call_id is not None:
             kwargs[entry.call_id] = CallId(call["id"])
         fn = entry.fn
@@ -297,10 +323,12 @@ class ToolBox:
                     loop = asyncio.get_running_loop()
                     result = await loop.run_in_executor(self._executor, call_fn)
         except TimeoutError:
-            return f"Error: tool {name!r} timed out after {self.timeout_s:g} s", False
+            return ToolResult(f"Error: tool {name!r} timed out after {self.timeout_s:g} s", False)
         except Exception as exc:  # the tool's own failure is the model's information, not ours
-            return f"Error: tool {name!r} raised {type(exc).__name__}: {exc}", False
-        return _render_result(result), True
+            return ToolResult(f"Error: tool {name!r} raised {type(exc).__name__}: {exc}", False)
+        if isinstance(result, EndEpisode):
+            return ToolResult(_render_result(result.result), True, end=True)
+        return ToolResult(_render_result(result), True)
 
 
 def _convert(struct: type[msgspec.Struct], raw: dict[str, object]) -> dict[str, object]:

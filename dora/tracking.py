@@ -159,7 +159,7 @@ class _WandB:
                 "log.wandb = true needs the wandb package, which is not installed: "
                 "pip install 'dora-rl[tracking]' (or pip install wandb), or set log.wandb = false"
             ) from exc
-        from dora.config import to_toml_dict
+        from dora.config_text import to_toml_dict
 
         (run_dir / "wandb").mkdir(parents=True, exist_ok=True)
         self._wandb = wandb

@@ -381,7 +381,8 @@ def run_mode(
     config_path: str, overrides: list[str], run_dir: Path, placement: Placement, *, steps: int
 ) -> int:
     """Run one mode to the end; write `bench-cpu.json` beside its records. Returns the exit code."""
-    from dora.config import load_config, render_toml
+    from dora.config import load_config
+    from dora.config_text import render_toml
     from dora.models.prepare import prepare_model
 
     run_dir.mkdir(parents=True, exist_ok=True)

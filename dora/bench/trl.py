@@ -77,18 +77,12 @@ def grpo_args(config: DoraConfig, out_dir: Path) -> dict[str, object]:
 
 def _rows(config: DoraConfig, *, held_out: bool) -> tuple[list[dict[str, Any]], list[Any]]:
     """The tasks as TRL rows: the environment's prompt messages, and the task for the reward."""
-    from dora.data import load_tasks
+    from dora.data import config_tasks
     from dora.env import load_env
 
-    data = config.data
-    tasks = (
-        load_tasks(
-            data.eval_source, kwargs=data.eval_kwargs, seed=data.seed, key="data.eval_source"
-        )[: data.eval_size]
-        if held_out
-        else load_tasks(data.source, kwargs=data.kwargs, seed=data.seed)
-    )
-    env = load_env(config.env.cls, **config.env.kwargs)()
+    env_factory = load_env(config.env.cls, **config.env.kwargs)
+    tasks = config_tasks(config.data, env_factory, held_out=held_out)
+    env = env_factory()
     return [{"prompt": env.reset(t), "task_index": i} for i, t in enumerate(tasks)], tasks
 
 

@@ -35,7 +35,8 @@ def model_key(config: DoraConfig) -> str:
     shaping = {
         "model": msgspec.to_builtins(config.model),
         "env": msgspec.to_builtins(config.env),
-        "data": [config.data.source, config.data.kwargs, config.data.seed],
+        "data": [config.data.source, config.data.kwargs, config.data.seed]
+        + ([config.data.split] if config.data.source == "env" else []),
         "code": [source_digest(config.env.cls), source_digest(config.data.source)],
         "version": 2,
     }
@@ -133,7 +134,7 @@ def _build(config: DoraConfig, scratch: Path, *, log: bool) -> Path:
 def _warmup(config: DoraConfig, base: Path, out: Path, *, log: bool) -> Path:
     from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
-    from dora.data import load_tasks
+    from dora.data import config_tasks
     from dora.env import load_env
     from dora.models.warmup import WarmupSettings, warmup
 
@@ -147,8 +148,8 @@ def _warmup(config: DoraConfig, base: Path, out: Path, *, log: bool) -> Path:
         threads=max(1, os.cpu_count() or 1),
         add_special_tokens=config.env.prompt_special_tokens,
     )
-    tasks = load_tasks(config.data.source, kwargs=config.data.kwargs, seed=config.data.seed)
     env_factory = load_env(config.env.cls, **config.env.kwargs)
+    tasks = config_tasks(config.data, env_factory)
     with Progress(
         TextColumn("warm-up"),
         BarColumn(),

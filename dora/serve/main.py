@@ -93,7 +93,7 @@ async def run_serve(
     """The whole rollout side; returns the `RolloutReport`."""
     from transformers import AutoTokenizer
 
-    from dora.data import fit_context, load_tasks
+    from dora.data import config_tasks, fit_context
     from dora.env import PromptStream, load_env
     from dora.episode import ChatRenderer
     from dora.link import ServeLink
@@ -110,7 +110,7 @@ async def run_serve(
     # Rows whose prompt cannot fit are left out before the prompt stream is built, so a restarted
     # serve (same data, same tokenizer) drops the same rows and its journaled position still holds.
     train = await fit_context(
-        load_tasks(config.data.source, kwargs=config.data.kwargs, seed=config.data.seed),
+        config_tasks(config.data, env_factory),
         env_factory=env_factory,
         renderer=renderer,
         context_limit=config.model.max_model_len,
@@ -120,12 +120,7 @@ async def run_serve(
     eval_skipped = 0
     if config.data.eval_source and config.data.eval_size > 0:
         held_out = await fit_context(
-            load_tasks(
-                config.data.eval_source,
-                kwargs=config.data.eval_kwargs,
-                seed=config.data.seed,
-                key="data.eval_source",
-            )[: config.data.eval_size],
+            config_tasks(config.data, env_factory, held_out=True),
             env_factory=env_factory,
             renderer=renderer,
             context_limit=config.model.max_model_len,

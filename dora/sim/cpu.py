@@ -200,11 +200,11 @@ def measure(config: DoraConfig, *, log: bool = True) -> tuple[Costs, list[tuple[
 
 
 def _prompts(config: DoraConfig, tok: Any) -> list[list[int]]:
-    from dora.data import load_tasks
+    from dora.data import config_tasks
     from dora.env import load_env
 
-    tasks = load_tasks(config.data.source, kwargs=config.data.kwargs, seed=config.data.seed)
     env_factory = load_env(config.env.cls, **config.env.kwargs)
+    tasks = config_tasks(config.data, env_factory)
     out = []
     for task in tasks[:_PROMPTS]:
         prompt = env_factory().reset(task)

@@ -84,23 +84,24 @@ class AgenticWorkloadEnv(Env):
         self.time_scale = time_scale
         self._rng: random.Random | None = None
         self._turns_left = 0
-        self._seen = 0
+        self._text = ""
+        """The episode's text so far (`step` gets only the model's new turn)."""
 
     def reset(self, task: Task) -> str:
-        self._seen = 0
-        return str(task["prompt"])
+        self._text = str(task["prompt"])
+        return self._text
 
     async def step(self, messages: list[object] | str) -> tuple[str, bool]:
         assert isinstance(messages, str)
-        answer = messages[self._seen :]
-        if self._rng is None:  # the first answer fixes the episode's draws
-            self._rng = random.Random(zlib.crc32(answer.encode()))
+        self._text += messages
+        if self._rng is None:  # the prompt and the first answer fix the episode's draws
+            self._rng = random.Random(zlib.crc32(self._text.encode()))
             extra = 0
             if self.turns > 1:
                 p = 1.0 / self.turns
                 extra = int(math.log(1.0 - self._rng.random()) / math.log(1.0 - p))
             self._turns_left = extra
-        if self._turns_left <= 0 or len(messages) + self.tool_tokens >= self.context_max:
+        if self._turns_left <= 0 or len(self._text) + self.tool_tokens >= self.context_max:
             return "", True
         self._turns_left -= 1
         await asyncio.sleep(
@@ -109,7 +110,7 @@ class AgenticWorkloadEnv(Env):
             else 0.0
         )
         reply = "".join(self._rng.choice(_LETTERS) for _ in range(self.tool_tokens))
-        self._seen = len(messages) + len(reply)
+        self._text += reply
         return reply, False
 
     def reward(self, episode: Episode) -> float:

@@ -18,7 +18,7 @@ from envs.math.answers import (
     normalize_answer,
 )
 from envs.math.chain import chain_arithmetic_tasks, chain_problem
-from envs.math.env import ChainArithmeticEnv, GSM8KEnv, MathEnv, shared_pool
+from envs.math.env import ChainArithmeticEnv, GSM8KEnv, MathEnv
 from envs.math.gsm8k import load_gsm8k
 
 __all__ = [
@@ -35,5 +35,4 @@ __all__ = [
     "math_verify_available",
     "math_verify_match",
     "normalize_answer",
-    "shared_pool",
 ]

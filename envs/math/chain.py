@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import random
 
-from dora.env import Task
+from dora import Task
 
 
 def _num_terms(rng: random.Random, *, alpha: float, min_terms: int, max_terms: int) -> int:

@@ -13,8 +13,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
-from dora.env import Task
-from dora.errors import DataError
+from dora import DataError, Task
 from envs.math.answers import extract_hash_answer
 
 _FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}

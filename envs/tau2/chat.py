@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import aiohttp
 
-from dora.errors import EnvError
+from dora import EnvError
 
 JSON = dict[str, object]
 _THINK = re.compile(r"<think>.*?</think>\s*", re.DOTALL)

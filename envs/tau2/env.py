@@ -11,9 +11,10 @@ is synchronous. One episode, in tau2's order (half duplex, a message is text or 
    database really changes); its text turns go to `step`, which asks the user simulator for the
    next user message. `###STOP###`, `###TRANSFER###` or `###OUT-OF-SCOPE###` from the user, or
    `###STOP###` from the agent, ends the episode as tau2's USER_STOP / AGENT_STOP.
-3. `reward` rebuilds tau2's trajectory (the task's history, every executed call with tau2's own
-   response, agent and user messages) and scores it with tau2's evaluator. An episode that ended
-   any other way (turn, token or context limit) scores 0, as tau2's max-steps ending does.
+3. `step` appends the policy's turns since the user last spoke to tau2's trajectory, each with its
+   calls that ran (tau2's own request and response), then the user's messages. `reward` scores
+   it with tau2's evaluator; an episode that ended another way (turn, token or context limit)
+   scores 0, as tau2's max-steps ending does.
 
 The user simulator is a frozen model behind an OpenAI-compatible endpoint (`user_url`), outside
 dora's instance pool; it sees the conversation with roles flipped (agent text as "user", its own as
@@ -26,8 +27,8 @@ deterministic user (the task's instructions, then "Please go on." and a stop aft
 NL assertions are judged only when `judge_url` is set; otherwise they are left out of the reward
 and a warning says so once per domain.
 
-Tasks: `tau2_tasks(domain, split)`; for a config's `data.source` / `data.eval_source`, which name a
-function without arguments, `envs.tau2:<domain>_<split>_tasks` (e.g. `airline_train_tasks`).
+Tasks: the domain's own (`data.source = "env"`, by `data.split`: train, test, base; telecom also
+small, full; mock has only base), or `tau2_tasks(domain, split)`.
 
 Reward: `{"task": tau2 reward}`, plus `{"partial": partial_credit * fraction of checks passed}`
 when `partial_credit > 0` (components sum to the reward).
@@ -44,9 +45,19 @@ from typing import TYPE_CHECKING, Literal
 
 import aiohttp
 
-from dora.env import Env, Episode, Message, Reply, Reward, Task
-from dora.errors import ConfigError, EnvError
-from dora.tools import Tool, ToolBox, ToolCall
+from dora import (
+    ConfigError,
+    Env,
+    EnvError,
+    Episode,
+    Message,
+    Reply,
+    Reward,
+    Task,
+    Tool,
+    ToolBox,
+    ToolCall,
+)
 from envs.tau2.chat import JSON, ChatEndpoint
 from envs.tau2.judge import judge_nl_assertions
 from envs.tau2.scoring import (
@@ -96,17 +107,6 @@ def tau2_tasks(domain: str = "mock", split: str | None = None) -> list[Task]:
         Task(f"{domain}/{t.id}", {"domain": domain, "task_id": t.id})
         for t in domain_tasks(domain, split)
     ]
-
-
-# Task lists a config can name as `data.source = "envs.tau2:airline_train_tasks"`.
-mock_tasks = functools.partial(tau2_tasks, "mock", None)
-airline_train_tasks = functools.partial(tau2_tasks, "airline", "train")
-airline_test_tasks = functools.partial(tau2_tasks, "airline", "test")
-retail_train_tasks = functools.partial(tau2_tasks, "retail", "train")
-retail_test_tasks = functools.partial(tau2_tasks, "retail", "test")
-telecom_train_tasks = functools.partial(tau2_tasks, "telecom", "train")
-telecom_test_tasks = functools.partial(tau2_tasks, "telecom", "test")
-telecom_small_tasks = functools.partial(tau2_tasks, "telecom", "small")
 
 
 @functools.cache
@@ -173,17 +173,19 @@ class Tau2Env(Env):
         self.termination: str | None = None
         """"user_stop" or "agent_stop" once the conversation ended as tau2 ends it."""
         self._task: Tau2Task | None = None
-        self._executed: dict[str, ExecutedCall] = {}
-        """Calls that ran on the environment, by the model's call id, until `_sync` takes them."""
+        self._ran: dict[str, ExecutedCall] = {}
+        """Calls that ran on the environment, by the model's call id, until their turn is added."""
         self._trajectory: list[Tau2Message] = []
-        self._seen = 0
         self._user_view: list[JSON] = []
         self._user_turns = 0
-        self._prompt: list[Message] = []
         self._session: aiohttp.ClientSession | None = None
         """The user simulator's connections, kept alive for the episode; closed by `close`."""
 
     # --- the episode ------------------------------------------------------------------------
+
+    def tasks(self, split: str) -> list[Task]:
+        """The domain's tasks of `split` (`data.split`, `data.eval_split`)."""
+        return tau2_tasks(self.domain, split)
 
     async def reset(self, task: Task) -> list[Message]:
         from tau2.data_model.message import AssistantMessage, UserMessage
@@ -226,23 +228,18 @@ class Tau2Env(Env):
                 raise EnvError(f"the user simulator stopped before the agent spoke: {text!r}")
         elif not isinstance(last, UserMessage):
             messages.append({"role": "user", "content": "(continue)"})
-        self._seen = len(messages)
-        self._prompt = list(messages)
         return messages
 
     def tools(self) -> list[Tool]:
         if self.environment is None:
             raise EnvError("tools() before reset()")
 
-        def record(executed: ExecutedCall) -> None:
-            self._executed[executed.call.id] = executed
-
-        return [tool_function(self.environment, t, record) for t in self.environment.get_tools()]
+        return [tool_function(self.environment, t, self._ran) for t in self.environment.get_tools()]
 
     async def step(self, messages: list[Message] | str) -> Reply:
         if isinstance(messages, str):
             raise EnvError("tau2 episodes are chat episodes")
-        self._sync(messages)
+        self._add_turns(messages)
         text = str(messages[-1].get("content", "")) if messages else ""
         if STOP in text:
             self.termination = "agent_stop"
@@ -255,8 +252,6 @@ class Tau2Env(Env):
 
     async def reward(self, episode: Episode) -> Reward:
         assert self._task is not None
-        if isinstance(episode.messages, list):
-            self._sync(episode.messages)
         if self.termination is None or episode.finish_reason != "stop":
             verdict = Tau2Score(reward=0.0, partial=0.0, breakdown={})
         else:
@@ -309,11 +304,11 @@ class Tau2Env(Env):
                     "function": {"name": action.name, "arguments": json.dumps(action.arguments)},
                 }
                 out.append({"role": "assistant", "content": "", "tool_calls": [call]})
-                content, _ = await box.call(call)
+                result = await box.call(call)
                 out.append(
                     {
                         "role": "tool",
-                        "content": content,
+                        "content": result.content,
                         "tool_call_id": call["id"],
                         "name": action.name,
                     }
@@ -322,14 +317,16 @@ class Tau2Env(Env):
             box.close()
         info = " ".join(criteria.communicate_info or [])
         text = f"{DONE} {info}".strip()
+        since = 0  # `step` gets the turns since the user last spoke, as in an episode
         for turn in range(DEMONSTRATION_TEXT_TURNS):
             out.append({"role": "assistant", "content": text})
             if turn + 1 == DEMONSTRATION_TEXT_TURNS:
                 break  # a demonstration ends with the agent's turn
-            reply, done = await self.step([*self._prompt, *out])
+            reply, done = await self.step(out[since:])
             if done or isinstance(reply, str):
                 break
             out += reply
+            since = len(out)
             text = ANYTHING_ELSE
         return out
 
@@ -345,28 +342,20 @@ class Tau2Env(Env):
         )
         return environment
 
-    def _sync(self, messages: Sequence[Message]) -> None:
-        """Append the policy's new turns (and the tool calls that ran) to tau2's trajectory."""
+    def _add_turns(self, messages: Sequence[Message]) -> None:
+        """The policy's new turns into tau2's trajectory, each with the calls of it that ran on the
+        environment (user turns were added when the simulator produced them)."""
         from tau2.data_model.message import AssistantMessage
 
-        new, self._seen = list(messages[self._seen :]), len(messages)
-        i = 0
-        while i < len(new):
-            message = new[i]
-            i += 1
+        for message in messages:
             if message["role"] != "assistant":
-                continue  # user turns were added when the simulator produced them
-            ran: list[ExecutedCall] = []
-            while i < len(new) and new[i]["role"] == "tool":
-                executed = self._executed.pop(new[i].get("tool_call_id", ""), None)
-                i += 1
-                if executed is not None:  # a call the ToolBox refused never reached tau2
-                    ran.append(executed)
+                continue
+            ids = [call["id"] for call in message.get("tool_calls", [])]
+            ran = [self._ran.pop(i) for i in ids if i in self._ran]
             content = message.get("content") or None
+            calls = [r.call for r in ran] or None
             self._trajectory.append(
-                AssistantMessage(
-                    role="assistant", content=content, tool_calls=[r.call for r in ran] or None
-                )
+                AssistantMessage(role="assistant", content=content, tool_calls=calls)
             )
             self._trajectory += [r.response for r in ran]
 

@@ -13,7 +13,7 @@ import re
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from dora.errors import EnvError
+from dora import EnvError
 from envs.tau2.chat import ChatEndpoint
 
 if TYPE_CHECKING:

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from types import ModuleType
 from typing import TYPE_CHECKING
 
-from dora.errors import ConfigError
+from dora import ConfigError
 
 if TYPE_CHECKING:
     from tau2.data_model.message import Message as Tau2Message

@@ -9,7 +9,7 @@ runs and answers a bad one with its own error text, as its orchestrator does.
 
 Every call goes through `Environment.get_response`, exactly as tau2's orchestrator does, so the
 model reads tau2's own result text (errors included: "Error: ..."), the database changes for real,
-and each executed call is recorded (`ExecutedCall`) under the id of the model's call, for the
+and each executed call is kept (`ExecutedCall`) under the id of the model's call, for the
 evaluator, which replays the trajectory and checks that the replay returns the same text. Calls
 the ToolBox rejects before they reach tau2 (unknown tool, missing or unknown argument names) are
 not recorded: they never touched the database.
@@ -17,11 +17,10 @@ not recorded: they never touched the database.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from dora.tools import CallId, Tool
+from dora import CallId, Tool
 
 if TYPE_CHECKING:
     from tau2.data_model.message import ToolCall as Tau2ToolCall
@@ -74,10 +73,9 @@ def tool_schema(tool: Tau2Tool) -> JSONSchema:
     }
 
 
-def tool_function(
-    environment: Environment, tool: Tau2Tool, record: Callable[[ExecutedCall], None]
-) -> Tool:
-    """A dora tool that runs `tool` on `environment` and passes each executed call to `record`."""
+def tool_function(environment: Environment, tool: Tau2Tool, ran: dict[str, ExecutedCall]) -> Tool:
+    """A dora tool that runs `tool` on `environment` and keeps each executed call in `ran`, under
+    the model's call id."""
     from tau2.data_model.message import ToolCall as Tau2ToolCall
 
     schema = tool_schema(tool)
@@ -86,7 +84,7 @@ def tool_function(
     def call(call_id: CallId, **arguments: object) -> str:
         request = Tau2ToolCall(id=call_id, name=name, arguments=arguments)
         response = environment.get_response(request)
-        record(ExecutedCall(request, response))
+        ran[call_id] = ExecutedCall(request, response)
         return response.content or ""
 
     return Tool(schema=schema, fn=call)

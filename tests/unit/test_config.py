@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from dora.config import DoraConfig, config_markdown, load_config, render_toml
+from dora.config import DoraConfig, load_config
+from dora.config_text import config_markdown, render_toml
 from dora.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -1,4 +1,5 @@
-"""Tasks load from files and generator functions; bad input names the key, file and row."""
+"""Tasks load from the environment, files and generator functions; bad input names the key, file
+and row."""
 
 from __future__ import annotations
 
@@ -8,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from dora.data import load_tasks
-from dora.env import Message, SingleTurnEnv, Task
+from dora.data import config_tasks, load_tasks
+from dora.env import Message, SingleTurnEnv, Task, load_env
 from dora.errors import ConfigError, DataError
 
 
@@ -47,11 +48,47 @@ def test_jsonl_bad_rows_name_file_and_row(tmp_path: Path) -> None:
 
 
 def test_the_default_config_names_a_working_source() -> None:
+    """`data.source = "env"`: the default environment brings its own tasks, the same chains the
+    generator gives, and a held-out split of other chains."""
     from dora.config import load_config
 
-    config = load_config(None, ["data.seed=3"])
-    tasks = load_tasks(config.data.source, kwargs=config.data.kwargs, seed=config.data.seed)
-    assert len(tasks) == 4096 and tasks[0].prompt_id.startswith("chain-3-")
+    config = load_config(None, ["data.seed=3", "data.kwargs={n = 50}", "data.eval_source=env"])
+    factory = load_env(config.env.cls, **config.env.kwargs)
+    tasks = config_tasks(config.data, factory)
+    assert tasks == load_tasks("envs.math:chain_arithmetic_tasks", kwargs={"n": 50}, seed=3)
+    held_out = config_tasks(config.data, factory, held_out=True)
+    assert len(held_out) == config.data.eval_size
+    assert not {t.prompt_id for t in tasks} & {t.prompt_id for t in held_out}
+    assert {t["question"] for t in tasks} != {t["question"] for t in held_out}
+
+
+class _OwnTasksEnv(SingleTurnEnv):
+    """Brings tasks of its own; `size` is an env setting, `repeat` a task argument."""
+
+    def __init__(self, *, size: int = 2) -> None:
+        self.size = size
+
+    def tasks(self, split: str, *, repeat: int = 1) -> list[Task] | None:
+        if split == "none":
+            return None
+        rows = range(self.size * repeat)
+        return [Task(f"{split}-{i}", {"question": f"{i}?"}) for i in rows]
+
+
+def test_env_source_reads_the_environment_tasks_with_its_settings_and_kwargs() -> None:
+    def factory() -> _OwnTasksEnv:
+        return _OwnTasksEnv(size=3)
+
+    tasks = load_tasks("env", env_factory=factory, split="dev", kwargs={"repeat": 2})
+    assert [t.prompt_id for t in tasks] == [f"dev-{i}" for i in range(6)]
+    with pytest.raises(ConfigError, match="rejected its arguments"):
+        load_tasks("env", env_factory=factory, kwargs={"bogus": 1})
+    with pytest.raises(ConfigError, match="_OwnTasksEnv has no tasks of its own"):
+        load_tasks("env", env_factory=factory, split="none")
+    with pytest.raises(ConfigError, match="returned no tasks"):
+        load_tasks("env", env_factory=lambda: _OwnTasksEnv(size=0))
+    with pytest.raises(ConfigError, match="has no tasks of its own"):
+        load_tasks("env", env_factory=SingleTurnEnv)  # the default Env.tasks has none
 
 
 def test_parquet_rows_become_tasks(tmp_path: Path) -> None:
@@ -68,7 +105,7 @@ def test_errors_name_the_key_file_and_problem(tmp_path: Path) -> None:
         load_tasks("")
     with pytest.raises(ConfigError, match="no such file"):
         load_tasks(str(tmp_path / "missing.jsonl"))
-    with pytest.raises(ConfigError, match="neither a dataset file"):
+    with pytest.raises(ConfigError, match="neither 'env', a dataset file"):
         load_tasks("just-a-name")
     with pytest.raises(ConfigError, match="rejected its arguments"):
         load_tasks("envs.math:chain_arithmetic_tasks", kwargs={"bogus": 1})

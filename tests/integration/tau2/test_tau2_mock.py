@@ -22,7 +22,7 @@ from dora.errors import ConfigError
 from dora.models.tiny import char_tokenizer
 from dora.protocol import Completion, Sample, SamplingParams
 from dora.serve.episode import ChatRenderer, EpisodeLimits, run_episode
-from envs.tau2 import Tau2Env, airline_test_tasks, airline_train_tasks, mock_tasks, tau2_tasks
+from envs.tau2 import Tau2Env, tau2_tasks
 from envs.tau2.chat import ChatEndpoint
 from envs.tau2.judge import judge_nl_assertions
 from envs.tau2.scoring import environment_factory, score, task_by_id
@@ -289,8 +289,33 @@ def test_config_errors() -> None:
         Tau2Env(domain="banking", user="scripted")
     with pytest.raises(ConfigError, match="split"):
         tau2_tasks("mock", "train")
-    # What a config names as data.source / data.eval_source: functions without arguments.
-    assert (len(airline_train_tasks()), len(airline_test_tasks()), len(mock_tasks())) == (30, 20, 9)
+
+
+def test_the_env_brings_its_tasks_so_env_cls_alone_names_them() -> None:
+    """`data.source = "env"` (the default) reads the domain's own splits through Tau2Env.tasks."""
+    from dora.config import load_config
+    from dora.data import config_tasks
+    from dora.env import load_env
+
+    def tasks(*overrides: str) -> list[Task]:
+        config = load_config(None, ["env.cls=envs.tau2:Tau2Env", *overrides])
+        factory = load_env(config.env.cls, **config.env.kwargs)
+        return config_tasks(config.data, factory)
+
+    airline = 'env.kwargs={domain = "airline", user = "scripted"}'
+    train = tasks(airline)
+    assert len(train) == 30 and train[0].prompt_id.startswith("airline/")
+    config = load_config(None, ["env.cls=envs.tau2:Tau2Env", airline, "data.eval_source=env"])
+    factory = load_env(config.env.cls, **config.env.kwargs)
+    held_out = config_tasks(config.data, factory, held_out=True)
+    assert len(held_out) == 20
+    assert not {t.prompt_id for t in train} & {t.prompt_id for t in held_out}
+    mock = 'env.kwargs={user = "scripted"}'
+    assert len(tasks(mock, "data.split=base")) == 9
+    with pytest.raises(ConfigError, match="Valid splits"):
+        tasks(mock)  # the mock domain has no train split
+    with pytest.raises(ConfigError, match="rejected its arguments"):
+        tasks(mock, "data.split=base", "data.kwargs={n = 3}")
 
 
 async def test_nl_assertions_only_with_a_judge(chat_server: FakeChatServer) -> None:
@@ -369,7 +394,7 @@ async def test_demonstrations_are_multi_turn_episodes_that_solve_the_tasks() -> 
 
     tokenizer = char_tokenizer()
     factory = functools.partial(Tau2Env, domain="mock", user="scripted")
-    tasks = mock_tasks()
+    tasks = tau2_tasks("mock")
     examples = await asyncio.to_thread(render_examples, tokenizer, factory, tasks)
     rewards = {}
     for task, segments in zip(tasks, examples, strict=True):

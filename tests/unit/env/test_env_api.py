@@ -36,13 +36,53 @@ def test_load_env_binds_kwargs_and_makes_fresh_objects() -> None:
     assert isinstance(a, NeedsArgs) and a.difficulty == 3 and a is not b
 
 
+class Shared:
+    """A resource for every episode of a process (a pool, a database snapshot)."""
+
+    made = 0
+
+    def __init__(self, size: int) -> None:
+        Shared.made += 1
+        self.size = size
+
+
+class SharingEnv(Env):
+    def __init__(self, *, size: int = 1, shared: Shared | None = None) -> None:
+        self.size = size
+        self.shared = shared
+
+    @classmethod
+    def setup(cls, **kwargs: object) -> dict[str, object]:
+        size = kwargs.get("size", 1)
+        assert isinstance(size, int)
+        return {"shared": Shared(size)}
+
+
+class ClashingEnv(SharingEnv):
+    @classmethod
+    def setup(cls, **kwargs: object) -> dict[str, object]:
+        return {"size": 2}
+
+
+def test_setup_makes_shared_resources_once_for_every_episode_of_the_factory() -> None:
+    before = Shared.made
+    factory = load_env(f"{__name__}:SharingEnv", size=3)
+    a, b = factory(), factory()
+    assert isinstance(a, SharingEnv) and isinstance(b, SharingEnv) and a is not b
+    assert a.shared is b.shared and a.shared is not None and a.shared.size == 3
+    assert Shared.made == before + 1  # once per load_env, not once per episode
+    with pytest.raises(ConfigError, match=r"setup\(\) returned \['size'\]"):
+        load_env(f"{__name__}:ClashingEnv", size=1)
+    assert Env.setup() == {}  # the default shares nothing
+
+
 @pytest.mark.parametrize(
     ("spec", "kwargs", "message"),
     [
         ("no_colon", {}, "is not of the form 'package.module:Name'"),
         ("no_such_module_xyz:Env", {}, "cannot import module 'no_such_module_xyz'"),
         ("dora.env:Nope", {}, "has no attribute 'Nope'; it has: "),
-        ("dora.env:load_env", {}, "not a subclass of dora.env.Env"),
+        ("dora.env:load_env", {}, "not a subclass of dora.Env"),
         (f"{__name__}:NeedsArgs", {"difficulty": 1, "colour": "red"}, "cannot build"),
         (f"{__name__}:NeedsArgs", {}, "difficulty"),
     ],

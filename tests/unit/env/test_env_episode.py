@@ -400,12 +400,16 @@ async def test_serve_caps_each_turn_with_rollout_max_tokens_per_turn(tokenizer, 
 class TextEnv(Env):
     """Completion-style: a plain-text prompt, and a reply appended as raw text."""
 
+    def __init__(self) -> None:
+        self.received: list[str] = []
+
     def reset(self, task: Task) -> str:
         return "Q: 2+2=?\nA:"
 
     def step(self, messages: list[Message] | str) -> tuple[str, bool]:
         assert isinstance(messages, str)
-        if messages.count("A:") >= 2:
+        self.received.append(messages)
+        if len(self.received) >= 2:
             return "", True
         return "\nQ: and 3+3?\nA:", False
 
@@ -415,10 +419,12 @@ class TextEnv(Env):
 
 async def test_plain_text_prompt_has_no_chat_template(tokenizer, scripted) -> None:
     sampler = scripted([" 4", " 6"])
+    env = TextEnv()
     sample = await run_episode(
-        sampler=sampler, tokenizer=tokenizer, env=TextEnv(), task=TASK, params=PARAMS
+        sampler=sampler, tokenizer=tokenizer, env=env, task=TASK, params=PARAMS
     )
     assert tokenizer.decode(sample.tokens().tolist()) == "Q: 2+2=?\nA: 4\nQ: and 3+3?\nA: 6"
+    assert env.received == [" 4", " 6"]  # step gets the model's turn, not the whole text
     assert sample.prompt_len == len("Q: 2+2=?\nA:")
     assert sample.mask().sum() == 4 and sample.reward == 1.0
 
@@ -429,9 +435,12 @@ class UserSimEnv(Env):
     def reset(self, task: Task) -> list[Message]:
         return [{"role": "user", "content": "Hi"}]
 
+    def __init__(self) -> None:
+        self.turns = 0
+
     async def step(self, messages: list[Message] | str) -> tuple[list[Message], bool]:
-        turns = sum(m["role"] == "assistant" for m in messages)  # type: ignore[index,union-attr]
-        if turns == 1:
+        self.turns += 1
+        if self.turns == 1:
             return [{"role": "user", "content": "And then?"}], False
         return [], True
 
@@ -456,6 +465,50 @@ async def test_step_reply_is_rendered_like_the_template(tokenizer, scripted) -> 
     rendered = ChatRenderer(tokenizer).render(conversation, add_generation_prompt=False)
     assert tokenizer.decode(sample.tokens().tolist()) == rendered[:-1]
     assert sample.reward == 2.0
+
+
+class ReceivingEnv(CalcEnv):
+    """A calculator with a user who asks twice; keeps what each `step` received."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.received: list[list[Message]] = []
+
+    def step(self, messages: list[Message] | str) -> tuple[list[Message], bool]:
+        assert isinstance(messages, list)
+        self.received.append(messages)
+        if len(self.received) == 1:
+            return [{"role": "user", "content": "And 4 * 5?"}], False
+        return [], True
+
+
+async def test_step_receives_the_messages_new_since_the_env_last_spoke(tokenizer, scripted) -> None:
+    """The model's turns since the prompt or the env's last reply, with their tool calls and
+    results, ending with the turn that called no tool; never the prompt or earlier replies."""
+    env = ReceivingEnv()
+    turns = [
+        call("add", a=2, b=3) + END,
+        "5" + END,
+        call("mul", a=4, b=5) + END,
+        call("add", a=20, b=0) + END,
+        "20" + END,
+    ]
+    sample = await run_episode(
+        sampler=scripted(turns), tokenizer=tokenizer, env=env, task=TASK, params=PARAMS
+    )
+    assert sample.finish_reason == "stop" and sample.num_turns == 5
+    roles = [[m["role"] for m in received] for received in env.received]
+    assert roles == [
+        ["assistant", "tool", "assistant"],
+        ["assistant", "tool", "assistant", "tool", "assistant"],
+    ]
+    first, second = env.received
+    assert [m["content"] for m in first] == ["", "5", "5"]
+    assert [m["content"] for m in second] == ["", "20", "", "20", "20"]
+    assert [c["function"]["name"] for c in second[0]["tool_calls"]] == ["mul"]
+    # the reward still sees the whole conversation
+    assert env.episode is not None and isinstance(env.episode.messages, list)
+    assert len(env.episode.messages) == 2 + len(first) + 1 + len(second)
 
 
 async def test_end_of_turn_the_model_did_not_sample_is_appended_unmasked(

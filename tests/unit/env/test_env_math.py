@@ -156,6 +156,24 @@ def test_math_verify_is_optional() -> None:
         MathEnv(scorer="math_verify")
 
 
+def test_math_verify_episodes_of_a_process_share_one_pool() -> None:
+    """`MathEnv.setup` makes the pool once per factory; an object built directly makes its own,
+    which its `close()` ends."""
+    from dora.env import ScorerPool
+
+    assert MathEnv.setup(scorer="exact") == {}  # exact scoring needs no pool
+    assert load_env("envs.math:GSM8KEnv")().pool is None
+    shared = MathEnv.setup(scorer="math_verify")
+    assert isinstance(shared["pool"], ScorerPool)  # lazy: no process until the first score
+    assert MathEnv.setup(scorer="math_verify", pool=shared["pool"]) == {}  # the caller's own
+    if not math_verify_available():
+        pytest.skip("the episodes' sharing needs math-verify (MathEnv refuses the scorer without)")
+    factory = load_env("envs.math:GSM8KEnv", scorer="math_verify")
+    a, b = factory(), factory()
+    assert isinstance(a, MathEnv) and isinstance(b, MathEnv)
+    assert a.pool is not None and a.pool is b.pool
+
+
 async def test_math_verify_scorer_in_a_process_pool() -> None:
     pytest.importorskip("math_verify")
     from dora.env import ScorerPool, Task

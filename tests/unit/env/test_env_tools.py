@@ -8,7 +8,16 @@ from typing import Annotated, Literal
 
 import pytest
 
-from dora.tools import CallId, Tool, ToolBox, ToolCall, parse_tool_calls, tool_schema
+from dora.tools import (
+    CallId,
+    EndEpisode,
+    Tool,
+    ToolBox,
+    ToolCall,
+    ToolResult,
+    parse_tool_calls,
+    tool_schema,
+)
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -128,12 +137,12 @@ async def test_toolbox_converts_arguments_and_reports_errors() -> None:
     def make(args: str) -> object:
         return {"id": "c1", "type": "function", "function": {"name": "search", "arguments": args}}
 
-    assert await box.call(make('{"query": "x", "limit": 2}')) == ('["x", "x"]', True)  # type: ignore[arg-type]
-    content, ok = await box.call(make('{"limit": 2}'))  # type: ignore[arg-type]
+    assert await box.call(make('{"query": "x", "limit": 2}')) == ToolResult('["x", "x"]', True)  # type: ignore[arg-type]
+    content, ok, _ = await box.call(make('{"limit": 2}'))  # type: ignore[arg-type]
     assert not ok and "missing required field `query`" in content
-    content, ok = await box.call(make('{"query": "x", "mode": "slow"}'))  # type: ignore[arg-type]
+    content, ok, _ = await box.call(make('{"query": "x", "mode": "slow"}'))  # type: ignore[arg-type]
     assert not ok and "bad arguments" in content
-    content, ok = await box.call(make('{"query": "x", "extra": 1}'))  # type: ignore[arg-type]
+    content, ok, _ = await box.call(make('{"query": "x", "extra": 1}'))  # type: ignore[arg-type]
     assert not ok and "unknown field `extra`" in content
 
 
@@ -146,9 +155,9 @@ async def test_toolbox_times_out_async_tools_and_stays_usable() -> None:
     box = ToolBox([wait], timeout_s=0.05)
     call = {"id": "c", "type": "function", "function": {"name": "wait", "arguments": ""}}
     call["function"]["arguments"] = '{"seconds": 5}'  # type: ignore[index]
-    assert await box.call(call) == ("Error: tool 'wait' timed out after 0.05 s", False)  # type: ignore[arg-type]
+    assert await box.call(call) == ToolResult("Error: tool 'wait' timed out after 0.05 s", False)  # type: ignore[arg-type]
     call["function"]["arguments"] = '{"seconds": 0}'  # type: ignore[index]
-    assert await box.call(call) == ("woke", True)  # type: ignore[arg-type]
+    assert await box.call(call) == ToolResult("woke", True)  # type: ignore[arg-type]
 
 
 def test_duplicate_tool_names_are_refused() -> None:
@@ -192,13 +201,13 @@ async def test_a_ready_made_schema_is_sent_as_is_and_its_callable_gets_the_argum
     assert box.schemas == [BOOK_SCHEMA]
     passengers = [{"name": "Ada", "dob": "1815-12-10"}]
     args = {"flight": "HAT001", "passengers": passengers}
-    assert await box.call(tool_call("book", args)) == ('{"booked": "HAT001"}', True)
+    assert await box.call(tool_call("book", args)) == ToolResult('{"booked": "HAT001"}', True)
     assert got == [args]  # nested objects arrive as the model wrote them
-    content, ok = await box.call(tool_call("book", {"passengers": []}))
+    content, ok, _ = await box.call(tool_call("book", {"passengers": []}))
     assert not ok and "missing required argument(s) 'flight'" in content
-    content, ok = await box.call(tool_call("book", {"flight": "X", "seat": "1A"}))
+    content, ok, _ = await box.call(tool_call("book", {"flight": "X", "seat": "1A"}))
     assert not ok and "unknown argument(s) 'seat'" in content
-    content, ok = await box.call(tool_call("book", ["HAT001"]))
+    content, ok, _ = await box.call(tool_call("book", ["HAT001"]))
     assert not ok and "must be a JSON object" in content
     assert len(got) == 1  # refused calls never reach the tool
 
@@ -210,7 +219,7 @@ async def test_a_ready_made_schema_may_allow_extra_arguments_and_be_the_bare_fun
     }
     box = ToolBox([Tool(schema=inner, fn=lambda **kw: sorted(kw))])
     assert box.schemas == [{"type": "function", "function": inner}]
-    assert await box.call(tool_call("note", {"b": 1, "a": 2})) == ('["a", "b"]', True)
+    assert await box.call(tool_call("note", {"b": 1, "a": 2})) == ToolResult('["a", "b"]', True)
     with pytest.raises(TypeError, match="no function name"):
         ToolBox([Tool(schema={"type": "function", "function": {}}, fn=print)])
 
@@ -238,12 +247,31 @@ async def test_tools_receive_their_call_id_outside_the_schema() -> None:
         "required": ["key"],
     }
     box = ToolBox([lookup, Tool(schema=BOOK_SCHEMA, fn=book)])
-    assert await box.call(tool_call("lookup", {"key": "a"}, "call_7")) == ("A", True)
-    assert await box.call(tool_call("book", {"flight": "F1"}, "call_8")) == ("ok", True)
+    assert await box.call(tool_call("lookup", {"key": "a"}, "call_7")) == ToolResult("A", True)
+    assert await box.call(tool_call("book", {"flight": "F1"}, "call_8")) == ToolResult("ok", True)
     assert seen == [("a", "call_7"), ("F1", "call_8")]
-    content, ok = await box.call(tool_call("lookup", {"key": "a", "call_id": "forged"}))
+    content, ok, _ = await box.call(tool_call("lookup", {"key": "a", "call_id": "forged"}))
     assert not ok and "unknown field `call_id`" in content  # the model cannot set it
 
     clash = {"name": "f", "parameters": {"type": "object", "properties": {"call_id": {}}}}
     with pytest.raises(TypeError, match="both an argument and CallId"):
         ToolBox([Tool(schema=clash, fn=book)])
+
+
+async def test_a_tool_that_returns_end_episode_says_so_with_its_result() -> None:
+    def submit(answer: int) -> str | EndEpisode:
+        """Submit the answer.
+
+        Args:
+            answer: the final answer.
+        """
+        return EndEpisode({"accepted": answer}) if answer == 42 else "try again"
+
+    async def resign() -> EndEpisode:
+        """Give up."""
+        return EndEpisode()
+
+    box = ToolBox([submit, resign])
+    assert await box.call(tool_call("submit", {"answer": 7})) == ("try again", True, False)
+    assert await box.call(tool_call("submit", {"answer": 42})) == ('{"accepted": 42}', True, True)
+    assert await box.call(tool_call("resign", {})) == ("", True, True)

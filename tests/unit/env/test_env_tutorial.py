@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from dora.env import Env, Task
+from dora.env import Env, Episode, Task
 from dora.protocol import Completion, SamplingParams
 from dora.serve.episode import PinnedSampler, run_episode
 from dora.tools import tool_schema
@@ -32,34 +32,70 @@ def tutorial_env() -> type[Env]:
     return env_cls
 
 
-async def test_tutorial_env_plays_a_game(tokenizer, scripted) -> None:
+def guess_turn(n: int) -> str:
+    return f'<tool_call>{{"name": "guess", "arguments": {{"number": {n}}}}}</tool_call><|im_end|>'
+
+
+async def test_tutorial_env_plays_a_game_that_its_tool_ends(tokenizer, scripted) -> None:
+    """The right guess ends the episode through the `guess` tool: no turn is sampled after it."""
     GuessEnv = tutorial_env()
     secret = random.Random("game-1").randint(1, 100)
     low = secret - 1 if secret > 1 else secret + 1
 
-    def guess(n: int) -> str:
-        return (
-            f'<tool_call>{{"name": "guess", "arguments": {{"number": {n}}}}}</tool_call><|im_end|>'
-        )
+    episodes: list[Episode] = []
 
-    turns = [guess(low), "Hmm.<|im_end|>", guess(secret), f"It is {secret}.<|im_end|>"]
-    env = GuessEnv()
+    class Watched(GuessEnv):  # type: ignore[misc,valid-type]
+        def reward(self, episode: Episode) -> dict[str, float]:
+            episodes.append(episode)
+            return super().reward(episode)  # type: ignore[no-any-return]
+
+    turns = [guess_turn(low), "Hmm.<|im_end|>", guess_turn(secret), f"It is {secret}.<|im_end|>"]
+    env = Watched()
     assert tool_schema(env.guess)["function"]["parameters"]["properties"] == {  # type: ignore[index]
         "number": {"type": "integer", "description": "your guess, an integer."}
     }
+    sampler = scripted(turns)
     sample = await run_episode(
-        sampler=scripted(turns),
+        sampler=sampler,
         tokenizer=tokenizer,
         env=env,
         task=Task("game-1"),
         params=SamplingParams(max_tokens=100),
     )
     assert not sample.masked and sample.finish_reason == "stop"
-    assert (sample.num_turns, sample.num_tool_calls) == (4, 2)
+    assert (sample.num_turns, sample.num_tool_calls, len(sampler.prompts)) == (3, 2, 3)
     assert sample.reward_components == {"solved": 1.0, "guesses": pytest.approx(-0.04)}
     text = tokenizer.decode(sample.tokens().tolist())
     assert "Keep guessing with the guess tool." in text
-    assert ("higher" if low < secret else "lower") in text and "correct" in text
+    assert ("higher" if low < secret else "lower") in text
+    # The tool's last word is the reward's to read, not the model's to answer.
+    assert "correct" not in text and text.endswith("</tool_call><|im_end|>")
+    (episode,) = episodes
+    assert isinstance(episode.messages, list)
+    assert episode.messages[-1] == {
+        "role": "tool",
+        "content": "correct",
+        "tool_call_id": episode.messages[-2]["tool_calls"][0]["id"],
+        "name": "guess",
+    }
+
+
+async def test_the_last_guess_allowed_ends_the_game_too(tokenizer, scripted) -> None:
+    GuessEnv = tutorial_env()
+    secret = random.Random("game-2").randint(1, 100)
+    wrong = secret - 1 if secret > 1 else secret + 1
+    turn = (
+        f'<tool_call>{{"name": "guess", "arguments": {{"number": {wrong}}}}}</tool_call><|im_end|>'
+    )
+    sample = await run_episode(
+        sampler=scripted([turn]),
+        tokenizer=tokenizer,
+        env=GuessEnv(max_guesses=2),
+        task=Task("game-2"),
+        params=SamplingParams(max_tokens=100),
+    )
+    assert (sample.finish_reason, sample.num_turns) == ("stop", 2)
+    assert sample.reward_components == {"solved": 0.0, "guesses": pytest.approx(-0.04)}
 
 
 class RecordingClient:
