@@ -121,8 +121,22 @@ class Pool:
         return dict(sorted(self._live.items()))
 
     def loaded_versions(self) -> set[int]:
-        """Versions held or being loaded by some instance."""
-        return {w for w, d in self._by_version.items() if d and w is not None}
+        """Versions held or being loaded by some instance: by a multi-version one, its newest
+        (held or loading); the older ones it keeps serve only requests already on it."""
+        if not self._multi:
+            return {w for w, d in self._by_version.items() if d and w is not None}
+        out = {
+            w
+            for w, d in self._by_version.items()
+            if w is not None and any(i.held is None for i in d.values())
+        }
+        for inst in self._multi.values():
+            newest = max(
+                (*inst.adding, *(() if inst.version is None else (inst.version,))), default=None
+            )
+            if newest is not None:
+                out.add(newest)
+        return out
 
     def pending_load(self, instance_id: str) -> Load | None:
         """The `Load` the instance waits for (the one `on_loaded` accepts), or None: it is
