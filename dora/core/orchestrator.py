@@ -8,10 +8,10 @@ holds its version from its first token to its end, also while it waits for a too
 context length when the driver reports it, the newest version, and the driver's demand (samples of
 admissible groups waiting for room). Outputs (`actions.py`): `Load(instance, w, id)`,
 `Drain(instance)`, `Undrain(instance)`, `Migrate(request, src, dst)`, `Park(request, instance)`,
-`Resume(request, instance, version)` and `Fail(request, reason)`. An instance accepts new groups
-when it is ready and not draining; `Drain`, `Undrain` and `Load` (which also ends a drain) tell
-the driver every change. The state and its indexes are kept by `pool.py`; this module holds the
-rules.
+`Resume(request, instance, version)`, `Fail(request, reason)` and `Unload(instance, w)`. An
+instance accepts new groups when it is ready and not draining; `Drain`, `Undrain` and `Load`
+(which also ends a drain) tell the driver every change. The state and its indexes are kept by
+`pool.py`; this module holds the rules.
 
 The driver's contract (docs/scheduling.md): a load is answered by handing the very `Load` back
 to `on_loaded` (its `id` tells a superseded load's completion apart: it is ignored and counted);
@@ -43,7 +43,11 @@ Rules, in mode `dora` (and `sync`, which is `dora` with K = 0):
   starts never re-target an instance told to load since the last change. The rules above keep
   this by themselves; as a backstop a plan that would break it leaves the instance as it is
   until the next change (counted in `held_back_loads`);
-- capacity is never exceeded (`place`, `Migrate` and `Resume` only target free slots).
+- capacity is never exceeded (`place`, `Migrate` and `Resume` only target free slots);
+- a multi-version instance (`add_instance(multi_version=True)`: versions as adapters) loads each
+  new version beside those it holds, with its requests running (no drain, no consolidation), takes
+  requests of every version it holds, and gets `Unload(instance, w)` once no lease of `w` is left
+  (never the newest, nor version 0, the base).
 The driver starts every group through `place`, so it keeps no state of its own about draining.
 
 Mode `one_step_off`: one version at a time. On a new version every instance is drained; once no

@@ -7,7 +7,9 @@ Indexes, so that an event costs about O(log n) rather than a pass over the pool:
 version, their free slots in a lazy heap per version (entries that no longer describe their
 instance are dropped when met), the empty, loading and draining ones in sets, slots and requests
 per version, and the live requests and their KV tokens per version (no zero entries, so nothing
-grows with the number of versions a run has had).
+grows with the number of versions a run has had). A multi-version instance is indexed under the
+newest version it holds; the others it holds are found by a pass over the multi-version instances
+(`_holder`), which only a request of an older version needs.
 """
 
 from __future__ import annotations

@@ -185,6 +185,7 @@ class InstanceLifecycle:
         async with self._load_locks[unload.instance]:
             try:
                 await drop(unload.version, timeout_s=self._config.weight_load_timeout_s)
+                log.debug("instance %s dropped version %d", inst.id, unload.version)
             except (ServerError, ServerTimeout) as exc:
                 log.warning("instance %s kept version %d: %s", inst.id, unload.version, exc)
 
