@@ -19,6 +19,7 @@ __all__ = [
     "Park",
     "Resume",
     "Undrain",
+    "Unload",
 ]
 
 
@@ -39,6 +40,16 @@ class Load:
     instance: str
     version: int
     id: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Unload:
+    """Drop `version` from multi-version `instance` (it holds versions as adapters): no live
+    request of `version` is left anywhere, and it is neither the newest nor version 0 (the base
+    model itself, which an adapter-capable instance always holds)."""
+
+    instance: str
+    version: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,7 +112,7 @@ class Fail:
     reason: FailReason
 
 
-Action = Load | Drain | Undrain | Migrate | Park | Resume | Fail
+Action = Load | Unload | Drain | Undrain | Migrate | Park | Resume | Fail
 
 
 @dataclass(frozen=True, slots=True)

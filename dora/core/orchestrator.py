@@ -8,10 +8,10 @@ holds its version from its first token to its end, also while it waits for a too
 context length when the driver reports it, the newest version, and the driver's demand (samples of
 admissible groups waiting for room). Outputs (`actions.py`): `Load(instance, w, id)`,
 `Drain(instance)`, `Undrain(instance)`, `Migrate(request, src, dst)`, `Park(request, instance)`,
-`Resume(request, instance, version)` and `Fail(request, reason)`. An instance accepts new groups
-when it is ready and not draining; `Drain`, `Undrain` and `Load` (which also ends a drain) tell
-the driver every change. The state and its indexes are kept by `pool.py`; this module holds the
-rules.
+`Resume(request, instance, version)`, `Fail(request, reason)` and `Unload(instance, w)`. An
+instance accepts new groups when it is ready and not draining; `Drain`, `Undrain` and `Load`
+(which also ends a drain) tell the driver every change. The state and its indexes are kept by
+`pool.py`; this module holds the rules.
 
 The driver's contract (docs/scheduling.md): a load is answered by handing the very `Load` back
 to `on_loaded` (its `id` tells a superseded load's completion apart: it is ignored and counted);
@@ -43,7 +43,11 @@ Rules, in mode `dora` (and `sync`, which is `dora` with K = 0):
   starts never re-target an instance told to load since the last change. The rules above keep
   this by themselves; as a backstop a plan that would break it leaves the instance as it is
   until the next change (counted in `held_back_loads`);
-- capacity is never exceeded (`place`, `Migrate` and `Resume` only target free slots).
+- capacity is never exceeded (`place`, `Migrate` and `Resume` only target free slots);
+- a multi-version instance (`add_instance(multi_version=True)`: versions as adapters) loads each
+  new version beside those it holds, with its requests running (no drain, no consolidation), takes
+  requests of every version it holds, and gets `Unload(instance, w)` once no lease of `w` is left
+  (never the newest, nor version 0, the base).
 The driver starts every group through `place`, so it keeps no state of its own about draining.
 
 Mode `one_step_off`: one version at a time. On a new version every instance is drained; once no
@@ -95,6 +99,7 @@ from dora.core.actions import (
     Park,
     Resume,
     Undrain,
+    Unload,
 )
 from dora.core.pool import _UNLIMITED, Pool, _Instance, _Request
 from dora.errors import SchedulingError
@@ -113,6 +118,7 @@ __all__ = [
     "Park",
     "Resume",
     "Undrain",
+    "Unload",
 ]
 
 
@@ -125,10 +131,19 @@ class Orchestrator(Pool):
     # --- events ------------------------------------------------------------------------------
 
     def add_instance(
-        self, instance_id: str, *, capacity: int, tokens: int | None = None
+        self,
+        instance_id: str,
+        *,
+        capacity: int,
+        tokens: int | None = None,
+        multi_version: bool = False,
     ) -> list[Action]:
         """A fresh (or recovered) instance joins the pool, empty. `tokens`: its KV-cache capacity
-        in context tokens; when given, consolidation never packs more than that onto it."""
+        in context tokens; when given, consolidation never packs more than that onto it.
+        `multi_version`: it holds several versions at once (as adapters over one base model), so
+        in modes `dora` and `sync` it loads each new version beside the ones its requests still
+        use, and serves them all from shared slots (see "Multi-version instances" in
+        docs/scheduling.md); in the other modes it is treated as a single-version instance."""
         if instance_id in self._instances:
             raise SchedulingError(f"instance {instance_id!r} already exists")
         if capacity < 1:
@@ -138,6 +153,9 @@ class Orchestrator(Pool):
         self._changed()
         self._joined += 1
         inst = _Instance(instance_id, capacity, self._joined, tokens)
+        if multi_version and self._mode in (Mode.DORA, Mode.SYNC):
+            inst.held = set()
+            self._multi[instance_id] = inst
         self._instances[instance_id] = inst
         self._min_capacity = min(self._min_capacity or capacity, capacity)
         self._token_caps[tokens] = self._token_caps.get(tokens, 0) + 1
@@ -154,6 +172,7 @@ class Orchestrator(Pool):
         self._changed()
         self._unindex(inst)
         del self._instances[instance_id]
+        self._multi.pop(instance_id, None)
         self._token_caps[inst.tokens] -= 1
         if not self._token_caps[inst.tokens]:
             del self._token_caps[inst.tokens]
@@ -176,6 +195,8 @@ class Orchestrator(Pool):
         """`load` finished. Ignored (and counted in `stale_loads`) unless it is the instance's
         pending load (`pending_load`): the instance died, or got another `Load` since."""
         inst = self._instances.get(load.instance)
+        if inst is not None and inst.held is not None:
+            return self._on_added(inst, load)
         if inst is None or inst.ready or inst.load_id != load.id or inst.version != load.version:
             self._stale_loads += 1
             return []
@@ -186,6 +207,15 @@ class Orchestrator(Pool):
         if load.version == self._newest and not self._parked and not self._draining:
             return []  # a ready instance of the newest version changes no other decision
         return self._plan()
+
+    def _on_added(self, inst: _Instance, load: Load) -> list[Action]:
+        """A load onto multi-version `inst` finished: it holds one more version (and serves it at
+        once); versions no request needs any more are unloaded."""
+        if not self._added(inst, load):
+            return []
+        actions: list[Action] = []
+        self._drop_unused(inst, actions)
+        return actions + self._plan()
 
     def publish(self, version: int) -> list[Action]:
         """Version `version` is published and becomes the newest."""
@@ -247,10 +277,13 @@ class Orchestrator(Pool):
     def can_place(self, n: int, *, version: int) -> str | None:
         """The instance `place` would choose for `n` requests of `version`, or None. No change."""
         best = self._most_free(version, accepting=True)
-        return None if best is None or best.free < n else best.id
+        if best is None or best.free < n:
+            best = self._holder(version, n, 0) if self._multi else None
+        return None if best is None else best.id
 
     def place(self, requests: Sequence[str], *, version: int) -> str | None:
-        """Start a group's requests together on one ready, non-draining instance of `version`
+        """Start a group's requests together on one ready, non-draining instance of `version` (or
+        a multi-version instance holding it)
         with room for all of them (bind late). Returns the instance, or None (nothing changes)."""
         if not requests:
             raise SchedulingError("place needs at least one request")
@@ -281,6 +314,11 @@ class Orchestrator(Pool):
             self._detach(inst, request)
         del self._requests[request]
         self._count_live(req.version, -1, -req.size)
+        actions: list[Action] = []
+        if req.version not in self._live:  # its version's last lease: no adapter of it is needed
+            for holder in self._multi.values():
+                if holder.held is not None and req.version in holder.held:
+                    self._drop_unused(holder, actions)
         if (
             inst is None
             or self._parked
@@ -288,19 +326,18 @@ class Orchestrator(Pool):
             or self._deferred
             or self._mode not in (Mode.DORA, Mode.SYNC)
         ):
-            return self._plan()  # a parked request's end may leave a load for it unneeded
-        if req.version == self._newest:
-            return []
+            return actions + self._plan()  # a parked request's end may leave a load unneeded
+        if req.version == self._newest or inst.held is not None:
+            return actions
         # An old version's request ended and nothing waits: only its own version can change.
         if not inst.requests:
             # Nothing is parked, so the version's other requests sit on other instances: this
             # one is surplus (the rule's "fewest instances" never keeps an empty one).
-            actions: list[Action] = []
             self._load(inst, self._newest, actions)
             return actions
         if self._spare(req.version) >= self._min_capacity and self._consolidating():
-            return self._plan()
-        return []
+            return actions + self._plan()
+        return actions
 
     def rebalance(self) -> list[Action]:
         """The periodic / KV-pressure trigger: apply the rules again."""
@@ -331,13 +368,15 @@ class Orchestrator(Pool):
             for w, q in self._parked.items()
             if (kept := [r for r in q if r in self._requests])
         }
+        actions: list[Action] = []
+        self._forget_ghost_versions(newest, actions)
         for inst in list(self._instances.values()):
             if inst.version is not None and inst.version > newest:
                 self._unindex(inst)
                 inst.version, inst.ready, inst.load_id = None, False, 0
                 self._index(inst)
                 self._set_draining(inst, False)
-        return self._plan()
+        return actions + self._plan()
 
     # --- planning ----------------------------------------------------------------------------
 
@@ -378,6 +417,9 @@ class Orchestrator(Pool):
 
     def _plan_multi_version(self, actions: list[Action]) -> None:
         newest = self._newest
+        for inst in self._multi.values():  # the newest version joins what they hold, no drain
+            if inst.held is not None and newest not in inst.held and newest not in inst.adding:
+                self._add_version(inst, newest, actions)
         old = sorted(w for w in self._live if w != newest)
         keep: set[str] = set()
         for w in old:  # deadline order: the oldest version is on the trainer's critical path
@@ -408,8 +450,8 @@ class Orchestrator(Pool):
         """Keep the fewest instances of old version `w` that hold its live requests; migrate the
         requests of the others into them, but only off instances that then become empty, only
         into free slots and free KV tokens, and only while the newest version needs the room."""
-        mine = self._by_version.get(w, {})
-        empty = self._empty.get(w, {})
+        mine = {k: i for k, i in self._by_version.get(w, {}).items() if i.held is None}
+        empty = [k for k in self._empty.get(w, {}) if k in mine]
         migrate = self._consolidating() and self._spare(w) >= self._min_capacity
         if not migrate and not empty:
             return set(mine)  # nothing can move and nothing is idle: every instance stays
@@ -467,7 +509,16 @@ class Orchestrator(Pool):
     def _grow(self, w: int, keep: set[str], actions: list[Action]) -> None:
         """Old version `w` has parked requests and no room for them: give it, in this one plan,
         as many instances as its parked requests need (packed as they would resume) beside the
-        ones already loading it, so that no load completion asks for more."""
+        ones already loading it, so that no load completion asks for more. A multi-version
+        instance with room loads `w` beside its versions first (nothing drains)."""
+        if self._multi:
+            if any(w in i.adding for i in self._multi.values()):
+                return  # room to come
+            head = self._requests[self._parked[w][0]].size
+            roomy = [i for i in self._multi.values() if i.version is not None and i.fits(head)]
+            if roomy:
+                self._add_version(min(roomy, key=lambda i: (-i.free, i.order)), w, actions)
+                return
         keep.update(self._loading.get(w, {}))  # room to come for `w`: not to be re-targeted
         targets = self._targets(w)
         queue = self._parked[w]
@@ -478,7 +529,7 @@ class Orchestrator(Pool):
             (
                 i
                 for i in self._instances.values()
-                if i.id not in keep and not i.requests and not i.draining
+                if i.id not in keep and not i.requests and not i.draining and i.held is None
             ),
             key=lambda i: (i.version == self._newest and i.ready, i.id),
         )
@@ -500,39 +551,15 @@ class Orchestrator(Pool):
         newest = [
             i
             for i in self._instances.values()
-            if i.id not in keep and i.requests and (i.tokens is None or i.tokens >= size)
+            if i.id not in keep
+            and i.requests
+            and i.held is None
+            and (i.tokens is None or i.tokens >= size)
         ]
         if newest:
             inst = min(newest, key=lambda i: (len(i.requests), i.id))
             self._set_draining(inst, True)
             actions.append(Drain(inst.id))
-
-    def _targets(self, w: int) -> list[_Instance]:
-        """Where `w`'s parked requests can go: its instances with a free slot, loading or not
-        (a loading instance holds no request)."""
-        return [i for i in self._by_version.get(w, {}).values() if i.free > 0]
-
-    def _held(self, w: int, targets: list[_Instance]) -> int:
-        """How many of `w`'s parked requests, from the head, `targets` would hold were they all
-        ready: packed in park order, each onto the one with the most free slots that has its
-        KV tokens (the oldest on ties), as `_resume_parked` does, until one fits none."""
-        free = [i.free for i in targets]
-        used = [i.used_tokens for i in targets]
-        held = 0
-        for rid in self._parked[w]:
-            size = self._requests[rid].size
-            fit = [
-                k
-                for k, inst in enumerate(targets)
-                if free[k] > 0 and (inst.tokens is None or used[k] + size <= inst.tokens)
-            ]
-            if not fit:
-                break
-            best = min(fit, key=lambda k: (-free[k], targets[k].order))
-            free[best] -= 1
-            used[best] += size
-            held += 1
-        return held
 
     def _oldest_waiting(self, *, default: int) -> int:
         """The oldest version whose parked requests still need an instance: no room, and not

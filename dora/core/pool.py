@@ -7,7 +7,9 @@ Indexes, so that an event costs about O(log n) rather than a pass over the pool:
 version, their free slots in a lazy heap per version (entries that no longer describe their
 instance are dropped when met), the empty, loading and draining ones in sets, slots and requests
 per version, and the live requests and their KV tokens per version (no zero entries, so nothing
-grows with the number of versions a run has had).
+grows with the number of versions a run has had). A multi-version instance is indexed under the
+newest version it holds; the others it holds are found by a pass over the multi-version instances
+(`_holder`), which only a request of an older version needs.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from __future__ import annotations
 import heapq
 from dataclasses import dataclass, field
 
-from dora.core.actions import Action, Fail, FailReason, InstanceView, Load, Mode, Park
+from dora.core.actions import Action, Fail, FailReason, InstanceView, Load, Mode, Park, Unload
 from dora.errors import SchedulingError
 
 __all__ = ["Pool"]
@@ -36,6 +38,11 @@ class _Instance:
     told: int = -1  # the input epoch of its last `Load` (see `Pool._changed`)
     requests: set[str] = field(default_factory=set)
     used_tokens: int = 0
+    # Multi-version (adapter-capable) instances only: the versions loaded, and the loads under
+    # way (version -> `Load` id). `version` is then the newest one held (None: none yet); the
+    # instance is indexed under it, and serves every version in `held` from shared slots.
+    held: set[int] | None = None
+    adding: dict[int, int] = field(default_factory=dict)
 
     @property
     def free(self) -> int:
@@ -83,6 +90,7 @@ class Pool:
         self._slots: dict[int | None, int] = {}  # version -> capacity of its instances
         self._used: dict[int | None, int] = {}  # version -> requests on its instances
         self._draining: dict[str, None] = {}
+        self._multi: dict[str, _Instance] = {}  # the multi-version instances
         self._heaps: dict[int, list[tuple[int, int, str]]] = {}  # (-free, order, id), lazy
 
     # --- views -------------------------------------------------------------------------------
@@ -115,8 +123,22 @@ class Pool:
         return dict(sorted(self._live.items()))
 
     def loaded_versions(self) -> set[int]:
-        """Versions held or being loaded by some instance."""
-        return {w for w, d in self._by_version.items() if d and w is not None}
+        """Versions held or being loaded by some instance: by a multi-version one, its newest
+        (held or loading); the older ones it keeps serve only requests already on it."""
+        if not self._multi:
+            return {w for w, d in self._by_version.items() if d and w is not None}
+        out = {
+            w
+            for w, d in self._by_version.items()
+            if w is not None and any(i.held is None for i in d.values())
+        }
+        for inst in self._multi.values():
+            newest = max(
+                (*inst.adding, *(() if inst.version is None else (inst.version,))), default=None
+            )
+            if newest is not None:
+                out.add(newest)
+        return out
 
     def pending_load(self, instance_id: str) -> Load | None:
         """The `Load` the instance waits for (the one `on_loaded` accepts), or None: it is
@@ -125,6 +147,23 @@ class Pool:
         if inst is None or not inst.load_id or inst.version is None:
             return None
         return Load(inst.id, inst.version, inst.load_id)
+
+    def is_pending(self, load: Load) -> bool:
+        """Whether `load` is one that `on_loaded` would accept (not superseded, not a ghost's)."""
+        inst = self._instances.get(load.instance)
+        if inst is None:
+            return False
+        if inst.held is not None:
+            return inst.adding.get(load.version) == load.id
+        return self.pending_load(inst.id) == load
+
+    def held_versions(self, instance_id: str) -> frozenset[int]:
+        """The versions the instance serves now: those it holds as adapters (multi-version), or
+        its one version once loaded."""
+        inst = self._instances[instance_id]
+        if inst.held is not None:
+            return frozenset(inst.held)
+        return frozenset(() if inst.version is None or not inst.ready else (inst.version,))
 
     def failures(self) -> dict[FailReason, int]:
         """Requests failed (`Fail`), per reason."""
@@ -203,20 +242,55 @@ class Pool:
         return self._slots.get(version, 0) - self._used.get(version, 0)
 
     def _idle_not_newest(self) -> list[_Instance]:
-        """Empty instances that hold (or load) another version than the newest, in join order."""
+        """Empty single-version instances that hold (or load) another version than the newest,
+        in join order."""
         idle = [
-            self._instances[i] for v, ids in self._empty.items() if v != self._newest for i in ids
+            inst
+            for v, ids in self._empty.items()
+            if v != self._newest
+            for i in ids
+            if (inst := self._instances[i]).held is None
         ]
         return sorted(idle, key=lambda i: i.order)
 
     def _room(self, version: int, size: int = 0) -> _Instance | None:
         """The ready instance of `version` with the most free slots that fits a request of `size`
-        context tokens (draining ones included: they still run their own version)."""
+        context tokens (draining ones included: they still run their own version), else a
+        multi-version instance that holds `version` among others."""
         best = self._most_free(version, accepting=False)
-        if best is None or best.fits(size):
+        if best is not None and best.fits(size):
             return best
         fit = [i for i in self._by_version.get(version, {}).values() if i.ready and i.fits(size)]
+        best = min(fit, key=lambda i: (-i.free, i.order), default=None)
+        return best if best is not None else self._holder(version, 1, size)
+
+    def _holder(self, version: int, n: int, size: int) -> _Instance | None:
+        """The multi-version instance holding `version` with the most free slots, if it has `n`
+        of them and the KV tokens for a request of `size` (slots and tokens are shared by all
+        the versions it holds)."""
+        fit = [
+            i
+            for i in self._multi.values()
+            if i.held is not None and version in i.held and i.free >= n and i.fits(size)
+        ]
         return min(fit, key=lambda i: (-i.free, i.order), default=None)
+
+    def _add_version(self, inst: _Instance, version: int, actions: list[Action]) -> None:
+        """Load `version` onto multi-version `inst` beside what it holds: its requests keep
+        running, nothing drains."""
+        self._loads += 1
+        inst.adding[version] = self._loads
+        actions.append(Load(inst.id, version, self._loads))
+
+    def _drop_unused(self, inst: _Instance, actions: list[Action]) -> None:
+        """Unload the versions of multi-version `inst` that no live request needs anywhere (a
+        request of the version elsewhere may still move here: its instance may die), except the
+        newest, the instance's own newest one, and version 0, the base model itself."""
+        assert inst.held is not None
+        for w in sorted(inst.held):
+            if w not in (0, self._newest, inst.version) and w not in self._live:
+                inst.held.discard(w)
+                actions.append(Unload(inst.id, w))
 
     def _most_free(self, version: int, *, accepting: bool) -> _Instance | None:
         """The ready instance of `version` with the most free slots (the oldest on ties), from a
@@ -342,3 +416,60 @@ class Pool:
         inst.told = self._epoch
         self._index(inst)
         actions.append(Load(inst.id, version, self._loads))
+
+    def _forget_ghost_versions(self, newest: int, actions: list[Action]) -> None:
+        """A roll-back to `newest`: multi-version instances unload the versions past it (the
+        ghosts) and forget their loads; one that held only ghosts holds nothing, unready."""
+        for inst in self._multi.values():
+            assert inst.held is not None
+            inst.adding = {w: n for w, n in inst.adding.items() if w <= newest}
+            for ghost in sorted(w for w in inst.held if w > newest):
+                inst.held.discard(ghost)
+                actions.append(Unload(inst.id, ghost))
+            if inst.version is not None and inst.version > newest:
+                self._unindex(inst)
+                inst.version = max(inst.held, default=None)
+                inst.ready = inst.version is not None
+                self._index(inst)
+
+    def _added(self, inst: _Instance, load: Load) -> bool:
+        """`load` onto multi-version `inst` finished: it holds one more version and serves it at
+        once (indexed under it when it is its newest). False (counted stale) if superseded."""
+        assert inst.held is not None
+        if inst.adding.get(load.version) != load.id:
+            self._stale_loads += 1
+            return False
+        del inst.adding[load.version]
+        inst.held.add(load.version)
+        if inst.version is None or load.version > inst.version:
+            self._unindex(inst)
+            inst.version, inst.ready = load.version, True
+            self._index(inst)
+        return True
+
+    def _targets(self, w: int) -> list[_Instance]:
+        """Where `w`'s parked requests can go: its instances with a free slot, loading or not
+        (a loading instance holds no request)."""
+        return [i for i in self._by_version.get(w, {}).values() if i.free > 0]
+
+    def _held(self, w: int, targets: list[_Instance]) -> int:
+        """How many of `w`'s parked requests, from the head, `targets` would hold were they all
+        ready: packed in park order, each onto the one with the most free slots that has its
+        KV tokens (the oldest on ties), as `_resume_parked` does, until one fits none."""
+        free = [i.free for i in targets]
+        used = [i.used_tokens for i in targets]
+        held = 0
+        for rid in self._parked[w]:
+            size = self._requests[rid].size
+            fit = [
+                k
+                for k, inst in enumerate(targets)
+                if free[k] > 0 and (inst.tokens is None or used[k] + size <= inst.tokens)
+            ]
+            if not fit:
+                break
+            best = min(fit, key=lambda k: (-free[k], targets[k].order))
+            free[best] -= 1
+            used[best] += size
+            held += 1
+        return held

@@ -69,6 +69,14 @@ def step_metrics(
         "filtered_groups": float(sum(p.filtered for p in prepared)),
         "duplicate_groups": float(duplicates),
         "masked_samples": float(sum(p.masked_samples for p in prepared)),
+        # sampled tokens not of their group's version (C1: 0 except in partial mode)
+        "off_version_tokens": float(
+            sum(
+                int((s.token_versions()[s.mask() == 1] != g.version).sum())
+                for g in groups
+                for s in g.samples
+            )
+        ),
         "staleness_mean": sum(staleness) / len(staleness),
         "staleness_max": float(max(staleness)),
         "grad_norm": sum(grad_norms) / len(grad_norms) if grad_norms else 0.0,

@@ -2,7 +2,12 @@
 
 A `Load` from the orchestrator runs in its own task, serialised per instance, after the
 instance's last call has returned (`Router.wait_idle`); the instance then holds the version, and
-the transfer queue learns of it (`on_version_loaded`) when the first instance holds it. A weight
+the transfer queue learns of it (`on_version_loaded`) when the first instance holds it. On a
+multi-version instance (the embedded engine with LoRA: versions are adapters over one base) a
+`Load` adds the version beside the others at once, with its calls still running (the engine's
+"drain" mode does not wait for an adapter, and keeps every running row on its own version), and
+an `Unload` drops a version no lease needs (`/control/unload_weights`; a refusal is logged, the
+engine's own `max_adapters` bound still holds). A weight
 load that times out is retried `serve.weight_load_retries` times; then the instance counts as dead.
 An instance that dies (unreachable, a stuck load, or past its health deadline) gets no more work:
 its leases continue on instances of their version, or are parked until one has room; it is
@@ -19,8 +24,8 @@ import time
 from collections.abc import Awaitable, Callable
 
 from dora.config import ServeConfig
-from dora.core.orchestrator import Load
-from dora.errors import ServerTimeout, ServerUnavailable
+from dora.core.orchestrator import Load, Unload
+from dora.errors import ServerError, ServerTimeout, ServerUnavailable
 from dora.serve.health import HealthWatch
 from dora.serve.instances import InstanceHandle
 from dora.serve.journal import JournaledQueue
@@ -60,8 +65,10 @@ class InstanceLifecycle:
         stats: ServeStats,
         spawn: Spawner,
         replace: Replace | None = None,
+        multi_version: bool = False,
     ) -> None:
         self._config = config
+        self._multi_version = multi_version
         self._placement = placement
         self._router = placement.router
         self._orchestrator = placement.orchestrator
@@ -75,6 +82,7 @@ class InstanceLifecycle:
         self.on_newest_loaded: Callable[[int], None] = lambda version: None
         """Called when an instance now holds the queue's newest loaded version."""
         placement.on_load = self.load
+        placement.on_unload = self.unload
         self._router.on_failure = self.failed
 
     def add(self, handle: InstanceHandle) -> None:
@@ -82,7 +90,11 @@ class InstanceLifecycle:
         self._router.add_instance(handle.id, handle.client, version=0)
         self._load_locks[handle.id] = asyncio.Lock()
         capacity = self._config.max_running
-        self._placement.apply(self._orchestrator.add_instance(handle.id, capacity=capacity))
+        self._placement.apply(
+            self._orchestrator.add_instance(
+                handle.id, capacity=capacity, multi_version=self._multi_version
+            )
+        )
 
     def health(self) -> HealthWatch:
         """The health watch of the live instances."""
@@ -151,13 +163,34 @@ class InstanceLifecycle:
         """Carry out a `Load`: at once if the instance already holds the version (every instance
         starts with version 0), else in a task."""
         inst = self._router.instances[load.instance]
-        if inst.version == load.version and not self._load_locks[load.instance].locked():
+        held = load.version in inst.held if self._multi_version else inst.version == load.version
+        if held and not self._load_locks[load.instance].locked():
             self._loaded(load)
         else:
             self._spawn(self._load(load), name=f"load-{load.instance}-v{load.version}")
 
+    def unload(self, unload: Unload) -> None:
+        """Carry out an `Unload`: the router stops counting the version as held at once; the
+        engine drops the adapter in a task, after any load of the instance under way."""
+        inst = self._router.instances.get(unload.instance)
+        if inst is not None:
+            inst.held.discard(unload.version)
+            self._spawn(self._unload(unload), name=f"unload-{unload.instance}-v{unload.version}")
+
+    async def _unload(self, unload: Unload) -> None:
+        inst = self._router.instances[unload.instance]
+        drop = getattr(inst.client, "unload_weights", None)
+        if drop is None or not inst.alive:
+            return
+        async with self._load_locks[unload.instance]:
+            try:
+                await drop(unload.version, timeout_s=self._config.weight_load_timeout_s)
+                log.debug("instance %s dropped version %d", inst.id, unload.version)
+            except (ServerError, ServerTimeout) as exc:
+                log.warning("instance %s kept version %d: %s", inst.id, unload.version, exc)
+
     def _loaded(self, load: Load) -> None:
-        if self._orchestrator.pending_load(load.instance) != load:
+        if not self._orchestrator.is_pending(load):
             return  # superseded during the load (another Load, a roll-back, the instance died)
         self._queue.on_version_loaded(load.version)
         self._placement.apply(self._orchestrator.on_loaded(load))
@@ -168,31 +201,36 @@ class InstanceLifecycle:
         instance, version = load.instance, load.version
         timeout_s = self._config.weight_load_timeout_s
         async with self._load_locks[instance]:
-            if self._orchestrator.pending_load(instance) != load:
+            if not self._orchestrator.is_pending(load):
                 return  # the orchestrator gave the instance another load since (or lost it)
             try:
                 async with asyncio.timeout(timeout_s):
-                    await self._router.wait_idle(instance)
+                    if not self._multi_version:  # an adapter loads beside running calls
+                        await self._router.wait_idle(instance)
             except TimeoutError:
                 raise ServerTimeout(
                     f"instance {instance} still had calls in flight {timeout_s:g} s after it was "
                     f"emptied for version {version}"
                 ) from None
-            if self._orchestrator.pending_load(instance) != load:
+            if not self._orchestrator.is_pending(load):
                 return  # superseded while we waited (the store may have dropped `version` since)
             started = time.monotonic()
             incarnation = self._queue.incarnation
             if not await self._send_weights(instance, version):
                 return
             seconds = time.monotonic() - started
-            if incarnation != self._queue.incarnation and (
-                self._orchestrator.pending_load(instance) != load
-            ):
+            if incarnation != self._queue.incarnation and not self._orchestrator.is_pending(load):
                 # A roll-back superseded the load: `version` may now name other weights. (A
                 # load it kept is of a real version, whose weights the roll-back kept too.)
                 self._router.instances[instance].version = -1
+                self._router.instances[instance].held.discard(version)
                 return
-            self._router.instances[instance].version = version
+            state = self._router.instances[instance]
+            if self._multi_version:
+                state.held.add(version)
+                state.version = max(state.held)
+            else:
+                state.version, state.held = version, {version}
             self._stats.weight_loads += 1
             self._stats.weight_load_s += seconds
             self._metrics.write(WeightLoad(instance=instance, version=version, seconds=seconds))

@@ -5,8 +5,8 @@ The dispatcher (groups) and the evaluator (held-out episodes) open and end lease
 leases there on the router; `end` closes a lease on the router and tells the orchestrator, whose
 actions `apply` carries out at once (`Migrate`, `Park`, `Resume`, `Fail` are router bookkeeping
 plus an interrupt RPC in a task; `Drain`/`Undrain` are logged; a `Load` goes to the instance
-lifecycle, `on_load`). Every `apply` sets `changed` (the dispatcher waits on it, never polls) and
-calls the listeners (the evaluator's `wake`).
+lifecycle, `on_load`, and an `Unload` too, `on_unload`). Every `apply` sets `changed` (the
+dispatcher waits on it, never polls) and calls the listeners (the evaluator's `wake`).
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from dora.core.orchestrator import (
     Orchestrator,
     Park,
     Resume,
+    Unload,
 )
 from dora.core.orchestrator import (
     Drain as DrainAction,
@@ -57,6 +58,8 @@ class Placement:
         """Set by every state change that can unblock admission."""
         self.on_load: Callable[[Load], None] = _no_loads
         """Carries out a `Load` (the instance lifecycle sets it)."""
+        self.on_unload: Callable[[Unload], None] = _no_loads
+        """Carries out an `Unload` (the instance lifecycle sets it)."""
         self.listeners: list[Callable[[], None]] = []
         """Called after every `apply` (a slot may have freed, a version loaded)."""
 
@@ -98,6 +101,8 @@ class Placement:
             match action:
                 case Load():
                     self.on_load(action)
+                case Unload():
+                    self.on_unload(action)
                 case DrainAction(instance=i):
                     self._metrics.write(Drain(instance=i))
                 case UndrainAction(
@@ -120,5 +125,5 @@ class Placement:
             listener()
 
 
-def _no_loads(load: Load) -> None:
+def _no_loads(load: Load | Unload) -> None:
     raise AssertionError(f"no instance lifecycle to carry out {load}")

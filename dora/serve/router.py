@@ -59,8 +59,13 @@ class InstanceState:
     id: str
     client: InstanceClient
     version: int = 0
-    """The version the instance holds (as the last load reported)."""
+    """The version the instance holds (as the last load reported); the newest one it holds,
+    on a multi-version instance."""
+    held: set[int] = field(default_factory=lambda: {0})
+    """Every version it holds (several on a multi-version instance: LoRA adapters)."""
     inflight: int = 0
+    inflight_versions: dict[int, int] = field(default_factory=dict)
+    """Calls in flight per lease version (no zero entries)."""
     idle: asyncio.Event = field(default_factory=asyncio.Event)
     busy_s: float = 0.0
     """Seconds with at least one call in flight (utilisation)."""
@@ -122,7 +127,7 @@ class Router:
         propagates."""
 
     def add_instance(self, instance_id: str, client: InstanceClient, *, version: int) -> None:
-        self.instances[instance_id] = InstanceState(instance_id, client, version)
+        self.instances[instance_id] = InstanceState(instance_id, client, version, {version})
 
     def cut(self, instance_id: str) -> int:
         """The instance is dead although its calls have not failed (it hangs): end every call in
@@ -220,16 +225,20 @@ class Router:
         """Until no call is in flight on the instance (before loading other weights)."""
         await self.instances[instance_id].idle.wait()
 
-    def _begin(self, inst: InstanceState) -> None:
+    def _begin(self, inst: InstanceState, version: int) -> None:
         if inst.inflight == 0:
             inst.busy_since = time.monotonic()
             inst.idle.clear()
         inst.inflight += 1
-        serving = {i.version for i in self.instances.values() if i.inflight}
+        inst.inflight_versions[version] = inst.inflight_versions.get(version, 0) + 1
+        serving = {w for i in self.instances.values() for w in i.inflight_versions}
         self.stats.max_versions_serving = max(self.stats.max_versions_serving, len(serving))
 
-    def _end(self, inst: InstanceState, tokens: int) -> None:
+    def _end(self, inst: InstanceState, version: int, tokens: int) -> None:
         inst.inflight -= 1
+        left = inst.inflight_versions.pop(version) - 1
+        if left:
+            inst.inflight_versions[version] = left
         inst.tokens += tokens
         if inst.inflight == 0:
             if inst.busy_since is not None:
@@ -238,12 +247,12 @@ class Router:
             inst.idle.set()
 
     def versions_serving(self) -> dict[int, int]:
-        """Calls in flight per version, now."""
+        """Calls in flight per version (the version each call's lease is pinned to), now."""
         out: dict[int, int] = {}
         for i in self.instances.values():
-            if i.inflight:
-                out[i.version] = out.get(i.version, 0) + i.inflight
-        return out
+            for w, n in i.inflight_versions.items():
+                out[w] = out.get(w, 0) + n
+        return dict(sorted(out.items()))
 
     async def call(
         self,
@@ -264,7 +273,8 @@ class Router:
         lease.calls += 1
         call_id = f"{lease.id}#{lease.calls}"
         lease.call_id, lease.call_instance = call_id, inst.id
-        self._begin(inst)
+        version = lease.version
+        self._begin(inst, version)
         completion: Completion | None = None
         cut = asyncio.timeout(None if inst.alive else 0)
         try:
@@ -273,7 +283,7 @@ class Router:
                 try:
                     if imported is None:
                         completion = await inst.client.generate(
-                            prompt_ids, params, request_id=call_id, version=lease.version
+                            prompt_ids, params, request_id=call_id, version=version
                         )
                     else:
                         self.stats.kv_migrations += 1
@@ -291,7 +301,7 @@ class Router:
             if self.on_failure is None:
                 raise
         finally:
-            self._end(inst, 0 if completion is None else len(completion.token_ids))
+            self._end(inst, version, 0 if completion is None else len(completion.token_ids))
             lease.call_id = lease.call_instance = None
         future, lease.interrupt = lease.interrupt, None
         if completion is None:

@@ -264,6 +264,7 @@ class TrainerLink:
         self.all_sent.clear()
         self.trained.set()
         for inst in self._router.instances.values():
+            inst.held = {w for w in inst.held if w <= c + 1}  # ghost adapters serve no lease
             if inst.version > c + 1:
                 inst.version = -1  # holds a ghost: whatever it holds must be loaded again
         self._store.set_incarnation(hello.incarnation)

@@ -23,6 +23,7 @@ from dora.core.orchestrator import (
     Park,
     Resume,
     Undrain,
+    Unload,
 )
 
 
@@ -45,6 +46,7 @@ class Params:
     instance_failures: int
     seed: int
     checkpoint_every: int = 1
+    multi_version: bool = False  # instances hold versions as adapters (modes dora and sync)
 
 
 @dataclass
@@ -101,7 +103,11 @@ class Sim:
 
     def add_instance(self) -> None:
         self.n_instances += 1
-        self.apply(self.o.add_instance(f"i{self.n_instances}", capacity=self.p.capacity))
+        self.apply(
+            self.o.add_instance(
+                f"i{self.n_instances}", capacity=self.p.capacity, multi_version=self.p.multi_version
+            )
+        )
 
     def apply(self, actions: list[Action]) -> None:
         views = {v.id: v for v in self.o.instances()}
@@ -113,14 +119,19 @@ class Sim:
                 self.loads[a.id] = a
                 self.at(self.now + delay, "loaded", str(a.id))
             elif isinstance(a, Migrate):
-                self.segments[a.request].append(self.version_of(views, a.dst))
+                self.version_of(views, a.dst)  # ready
+                version = self.o.request_version(a.request)
+                assert version in self.o.held_versions(a.dst), (a, views[a.dst])  # C1
+                self.segments[a.request].append(version)
             elif isinstance(a, Park):
                 self.left[a.request] = self.end.pop(a.request) - self.now
                 self.tok[a.request] += 1
             elif isinstance(a, Resume):
-                assert self.version_of(views, a.instance) == a.version
+                assert a.version in self.o.held_versions(a.instance), a  # C1
                 self.segments[a.request].append(a.version)
                 self.run_request(a.request, self.left.pop(a.request))
+            elif isinstance(a, Unload):
+                assert self.p.multi_version and a.version not in self.o.live(), a
             elif isinstance(a, Undrain):
                 assert a.instance in self.draining
                 self.draining.remove(a.instance)
@@ -281,7 +292,7 @@ class Sim:
             # Every completed load is reported, also those the orchestrator superseded since:
             # the load's identity, not this driver, tells them apart.
             load = self.loads.pop(int(ev[1]))
-            if self.o.pending_load(load.instance) == load:
+            if self.o.is_pending(load):
                 self.q.on_version_loaded(load.version, incarnation=self.incarnation)
             self.apply(self.o.on_loaded(load))
         elif kind == "trained":
@@ -327,7 +338,7 @@ class Sim:
         for rid in self.end:  # running, not parked: its instance holds its version
             where = o.location(rid)
             assert where is not None
-            assert views[where].version == o.request_version(rid) and views[where].ready
+            assert o.request_version(rid) in o.held_versions(where), (rid, views[where])  # C1
             if p.mode is not Mode.PARTIAL:
                 assert self.segments[rid] == [self.group_version[self.group_of[rid]]] * len(
                     self.segments[rid]

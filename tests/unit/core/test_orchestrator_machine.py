@@ -2,10 +2,12 @@
 with KV-token limits join (some loaded at once) and die (mostly ones holding old versions'
 requests), loads complete late and out of order (superseded ones too), groups start at the
 newest version, requests grow and end (half the time to within a few tokens of their
-instance's token limit), versions are published and rolled back. After every step: C1 for every
-placement (`place`, `Migrate`, `Resume` only onto a ready instance of the request's own
-version), capacity, and no load ping-pong in its strict form: an instance is told to load at
-most once per change of the inputs. A change of the inputs is a publish, a roll-back, an
+instance's token limit), versions are published and rolled back; some instances are
+multi-version (they hold versions as adapters). After every step: C1 for every placement
+(`place`, `Migrate`, `Resume` only onto an instance that holds the request's own version, and
+no `Unload` of a version a live request uses), capacity, and no load ping-pong in its strict
+form: an instance is told to load at most once per change of the inputs (a multi-version one
+at most once per version). A change of the inputs is a publish, a roll-back, an
 instance added or removed, a request placed (`place` that returns an instance), resized to
 another size, or ended, and a demand report of another value; a load completion alone is none,
 so the loads it leads to may not re-target an instance told to load since the last change.
@@ -40,6 +42,7 @@ from dora.core.orchestrator import (
     Park,
     Resume,
     Undrain,
+    Unload,
 )
 
 
@@ -52,9 +55,11 @@ class Driver(RuleBasedStateMachine):
         self.loads: dict[int, Load] = {}  # every Load not yet reported, superseded ones too
         self.version: dict[str, int] = {}  # live request -> the version it was born with
         self.failed: set[str] = set()
-        self.told: dict[str, Load] = {}  # instance -> its Load since the inputs last changed
+        # instance (with the version, on a multi-version one) -> its Load since the inputs changed
+        self.told: dict[str | tuple[str, int], Load] = {}
         self.tokens: dict[str, int | None] = {}  # instance -> its token limit
         self.size: dict[str, int] = {}  # request -> its last reported size
+        self.multi: set[str] = set()  # the multi-version instances
 
     # --- the driver's side of each action -------------------------------------------------
 
@@ -63,18 +68,23 @@ class Driver(RuleBasedStateMachine):
         for a in actions:
             if isinstance(a, Load):
                 self.loads[a.id] = a
-                first = self.told.get(a.instance)
+                key = (a.instance, a.version) if a.instance in self.multi else a.instance
+                first = self.told.get(key)
                 assert first is None, f"{a.instance} told {first} then {a} for one input change"
-                self.told[a.instance] = a
+                self.told[key] = a
             elif isinstance(a, Migrate | Resume):
                 where = a.dst if isinstance(a, Migrate) else a.instance
                 v = views[where]
-                assert v.ready and v.version == self.version[a.request], (a, v)  # C1
+                assert self.version[a.request] in self.o.held_versions(where), (a, v)  # C1
                 if isinstance(a, Resume):
                     assert a.version == self.version[a.request]
             elif isinstance(a, Fail):
                 assert self.o.location(a.request) is None  # parked (a Park came first)
                 self.failed.add(a.request)
+            elif isinstance(a, Unload):
+                assert a.instance in self.multi and a.version not in (0, self.o.newest)
+                assert a.version not in self.o.live(), a  # no lease of it is left anywhere
+                assert a.version not in self.o.held_versions(a.instance)
             else:
                 assert isinstance(a, Park | Drain | Undrain)
 
@@ -119,8 +129,11 @@ class Driver(RuleBasedStateMachine):
         capacity=st.integers(1, 3),
         tokens=st.sampled_from([None, 60, 100, 150]),
         ready=st.booleans(),
+        multi=st.booleans(),
     )
-    def add_instance(self, capacity: int, tokens: int | None, ready: bool = False) -> None:
+    def add_instance(
+        self, capacity: int, tokens: int | None, ready: bool = False, multi: bool = False
+    ) -> None:
         """An instance joins; with `ready` its first load completes at once (an empty instance
         of the newest version beside old versions' loaded ones, where a parked request's load
         and the newest version's can ping-pong)."""
@@ -128,11 +141,13 @@ class Driver(RuleBasedStateMachine):
         self.n_instances += 1
         iid = f"i{self.n_instances}"
         self.tokens[iid] = tokens
-        self.apply(self.o.add_instance(iid, capacity=capacity, tokens=tokens))
-        pending = self.o.pending_load(iid)
-        if ready and pending is not None:
-            del self.loads[pending.id]
-            self.apply(self.o.on_loaded(pending))
+        if multi:
+            self.multi.add(iid)
+        self.apply(self.o.add_instance(iid, capacity=capacity, tokens=tokens, multi_version=multi))
+        pending = [load for load in self.loads.values() if load.instance == iid]
+        if ready and pending and self.o.is_pending(pending[-1]):
+            del self.loads[pending[-1].id]
+            self.apply(self.o.on_loaded(pending[-1]))
 
     @precondition(lambda self: self.o.instances())
     @rule(data=st.data(), old_holder=st.booleans())
@@ -161,7 +176,7 @@ class Driver(RuleBasedStateMachine):
     @rule(data=st.data())
     def complete_load(self, data: st.DataObject) -> None:
         load = self.loads.pop(data.draw(st.sampled_from(sorted(self.loads))))
-        accepted = self.o.pending_load(load.instance) == load
+        accepted = self.o.is_pending(load)
         before = self.o.stale_loads
         self.apply(self.o.on_loaded(load))
         assert self.o.stale_loads == before + (not accepted)
@@ -176,7 +191,7 @@ class Driver(RuleBasedStateMachine):
         self.input_changed()
         self.n_requests += n
         view = next(v for v in self.o.instances() if v.id == where)
-        assert view.ready and view.version == w and view.load <= view.capacity  # C1
+        assert w in self.o.held_versions(where) and view.load <= view.capacity  # C1
         for rid in rids:
             self.version[rid] = w
 
@@ -246,7 +261,7 @@ class Driver(RuleBasedStateMachine):
             assert self.o.is_live(rid) and self.o.request_version(rid) == w
             where = self.o.location(rid)
             if where is not None:
-                assert views[where].ready and views[where].version == w, (rid, views[where])
+                assert w in self.o.held_versions(where), (rid, views[where])  # C1
         assert sum(self.o.live().values()) == len(self.version)
 
     @invariant()

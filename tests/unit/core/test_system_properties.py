@@ -1,6 +1,7 @@
 """Property tests of the queue and the orchestrator driven together in every mode: C1, C2 and C3
 hold, nothing deadlocks, and the run ends with nothing left over, whatever the durations, the
-completion order, the trainer's and the loads' speed, failures and restarts."""
+completion order, the trainer's and the loads' speed, failures and restarts, with single-version
+instances or multi-version ones (versions as adapters)."""
 
 from __future__ import annotations
 
@@ -35,6 +36,7 @@ def params(draw: st.DrawFn, mode: Mode | None = None) -> Params:
         instance_failures=draw(st.integers(0, 2)),
         seed=draw(st.integers(0, 2**32 - 1)),
         checkpoint_every=draw(st.integers(1, 3)),
+        multi_version=draw(st.booleans()),
     )
 
 

@@ -215,6 +215,40 @@ async def test_wait_idle_and_versions_serving() -> None:
     assert router.instances["a"].busy_s > 0 and router.instances["a"].tokens == 5
 
 
+class AdapterInstance(FakeInstance):
+    """Holds several versions (LoRA adapters): a call is pinned to any of them."""
+
+    def __init__(self, name: str, versions: set[int]) -> None:
+        super().__init__(name, max(versions))
+        self.held = versions
+
+    async def generate(
+        self, prompt_ids: list[int], params: SamplingParams, *, request_id: str, version: int | None
+    ) -> Completion:
+        assert version in self.held, "routed to an instance without the lease's version"
+        self.version = version  # the fake tags its tokens with the call's version
+        return await super().generate(prompt_ids, params, request_id=request_id, version=version)
+
+
+async def test_one_instance_serves_calls_of_several_lease_versions() -> None:
+    a = AdapterInstance("a", {1, 2})
+    router = _router(False, a=a)
+    router.open("x/0", version=1, instance="a")
+    router.open("y/0", version=2, instance="a")
+    calls = [
+        asyncio.ensure_future(router.sampler(lid).generate(PROMPT, PARAMS))
+        for lid in ("x/0", "y/0")
+    ]
+    await a.blocked.wait()
+    await asyncio.sleep(0.01)
+    assert len(a.calls) == 2
+    # counted per lease version, not per instance: one instance serves two versions
+    assert router.versions_serving() == {1: 1, 2: 1} and router.stats.max_versions_serving == 2
+    a.release.set()
+    await asyncio.gather(*calls)
+    assert router.versions_serving() == {} and router.instances["a"].inflight_versions == {}
+
+
 class DeadInstance(FakeInstance):
     async def generate(
         self, prompt_ids: list[int], params: SamplingParams, *, request_id: str, version: int | None
