@@ -25,7 +25,6 @@ Step `t`, on every rank (they see the same messages in the same order, `dora.lea
 
 from __future__ import annotations
 
-import json
 import math
 import time
 from collections import defaultdict
@@ -71,6 +70,7 @@ from dora.protocol import (
     StepDone,
     WeightsReady,
 )
+from dora.records import TrainerStep, write_trainer_step
 
 
 @dataclass
@@ -262,8 +262,8 @@ class Trainer:
         )
         self.receiver.send(StepDone(step=step, incarnation=self.incarnation, metrics=metrics))
         if self.rank == 0:
-            with (self.run_dir / "learn-metrics.jsonl").open("a") as f:
-                f.write(json.dumps({"step": step, "time": time.time(), **metrics}) + "\n")
+            record = TrainerStep(step=step, time=time.time(), metrics=metrics)
+            write_trainer_step(self.run_dir / "learn-metrics.jsonl", record)
         return metrics
 
     # --- groups, micro-batches and updates ----------------------------------------------------

@@ -50,10 +50,10 @@ from dora.config import DoraConfig
 from dora.env import Env, Task
 from dora.episode import ChatRenderer
 from dora.protocol import Sample, SamplingParams
+from dora.records import Eval
 from dora.serve.dispatcher import episode_limits, episode_on_lease, turn_max_tokens
 from dora.serve.metrics import MetricsLog
 from dora.serve.placement import Placement
-from dora.serve.records import Eval
 from dora.serve.spawn import Spawner
 
 __all__ = ["CORRECT_AT", "Evaluator"]

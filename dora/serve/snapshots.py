@@ -8,12 +8,12 @@ import time
 from collections.abc import Callable
 
 from dora.link import ServeLink
+from dora.records import InstanceTick, LinkCounts, Tick, TickEval
 from dora.serve.coretime import CoreClock
 from dora.serve.history import History
 from dora.serve.journal import JournaledQueue
 from dora.serve.metrics import RolloutReport
 from dora.serve.placement import Placement
-from dora.serve.records import InstanceTick, LinkCounts, Tick, TickEval
 from dora.serve.stats import ServeStats
 from dora.serve.trainer_link import TrainerLink
 from dora.serve.weights import WeightStore
