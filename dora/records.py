@@ -15,6 +15,8 @@ backend, which may not import serve, write and read them too.
 
 from __future__ import annotations
 
+import json
+import math
 import typing
 from pathlib import Path
 
@@ -83,8 +85,13 @@ class Restore(Record, tag="restore"):
 
 class Trained(Record, tag="trained"):
     step: int
-    metrics: dict[str, float]
-    """The trainer's metrics of the step (its `StepDone`)."""
+    metrics: dict[str, float | None]
+    """The trainer's metrics of the step (its `StepDone`); None where the value was not finite
+    (JSON has no infinity or NaN: the log writes them as `null`)."""
+
+    def numbers(self) -> dict[str, float]:
+        """`metrics`, with NaN for a value that was not finite."""
+        return {k: math.nan if v is None else v for k, v in self.metrics.items()}
 
 
 class Step(Record, tag="step"):
@@ -354,13 +361,13 @@ class TrainerStep(msgspec.Struct, kw_only=True):
 
 
 def write_trainer_step(path: Path, record: TrainerStep) -> None:
-    """Append `record` to `learn-metrics.jsonl`, flat: `{"step", "time", <metric>...}`."""
+    """Append `record` to `learn-metrics.jsonl`, flat: `{"step", "time", <metric>...}`.
+
+    With the standard library's JSON, which writes a metric with no value yet (`ratio_max` of a
+    step without tokens, say) as `Infinity`/`NaN` where msgspec would write `null`."""
     line = {"step": record.step, "time": record.time, **record.metrics}
-    with path.open("ab") as f:
-        f.write(msgspec.json.encode(line) + b"\n")
-
-
-_flat = msgspec.json.Decoder(dict[str, float]).decode
+    with path.open("a") as f:
+        f.write(json.dumps(line) + "\n")
 
 
 def read_trainer_steps(path: Path) -> list[TrainerStep]:
@@ -372,8 +379,8 @@ def read_trainer_steps(path: Path) -> list[TrainerStep]:
     with path.open("rb") as f:
         for line in f:
             try:
-                metrics = _flat(line)
-            except (msgspec.DecodeError, msgspec.ValidationError):
+                metrics = msgspec.convert(json.loads(line), dict[str, float])
+            except (ValueError, msgspec.ValidationError):
                 continue
             if "step" in metrics and "time" in metrics:
                 step, time = int(metrics.pop("step")), metrics.pop("time")

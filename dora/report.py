@@ -73,7 +73,7 @@ class RunData:
         `trained` records of rollout.jsonl)."""
         if self.learn:
             return sorted(((r.step, r.metrics) for r in self.learn), key=lambda r: r[0])
-        return [(r.step, r.metrics) for r in self.trained]
+        return [(r.step, r.numbers()) for r in self.trained]
 
 
 def load_run(run_dir: Path) -> RunData:
@@ -159,7 +159,7 @@ def plot_throughput(run: RunData, path: Path) -> None:
             dt = b.time_s - a.time_s
             if dt > 0:
                 xs.append(b.time_s)
-                ys.append(b.metrics.get("tokens", 0.0) / dt)
+                ys.append(b.numbers().get("tokens", 0.0) / dt)
         ax.step(xs, ys, where="pre", label="trained tokens/s (per step)")
     gen_x, gen_y = [], []
     for t0, t1 in itertools.pairwise(run.ticks):

@@ -151,7 +151,7 @@ def overheads(result: ModeResult, *, scale: float, checked: tuple[int, list[str]
     trained = sorted(run.trained, key=lambda r: r.step)
     t0, t1 = trained[0].time_s, trained[-1].time_s
     window = max(t1 - t0, 1e-9)
-    seq_tokens = sum(r.metrics.get("sequence_tokens", 0.0) for r in trained[1:])
+    seq_tokens = sum(r.numbers().get("sequence_tokens", 0.0) for r in trained[1:])
     ticks = [t for t in run.ticks if t0 < t.time_s <= t1]
     lags = sorted(t.loop_lag_ms for t in ticks) or [0.0]
 

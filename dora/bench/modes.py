@@ -166,7 +166,7 @@ def _summarise(run: RunData, *, name: str, placement: str, cpu: dict[str, float]
         raise ValueError(f"{run.run_dir}: fewer than 2 trained steps, nothing to measure")
     first, last = trained[0], trained[-1]
     window = last.time_s - first.time_s
-    later = [r.metrics for r in trained[1:]]
+    later = [r.numbers() for r in trained[1:]]
     tokens = sum(m["tokens"] for m in later)
     step_time = sum(m["step_time_s"] for m in later)
     wait = sum(m["wait_s"] for m in later)
@@ -176,7 +176,7 @@ def _summarise(run: RunData, *, name: str, placement: str, cpu: dict[str, float]
     busy = [n for tick in ticks for inst in tick.instances if (n := inst.inflight) > 0]
     staleness = [s for rec in run.steps for s in rec.staleness]
     cpu_s = cpu.get("window_cpu_s")
-    rewards = [r.metrics["reward_mean"] for r in trained]
+    rewards = [r.numbers()["reward_mean"] for r in trained]
     k = max(1, len(rewards) // 4)
     return ModeResult(
         name=name,

@@ -180,7 +180,7 @@ class TrainerLink:
                         self.trained_step = max(self.trained_step, step)
                         self._trained_at[step] = time.monotonic()
                         self.trained.set()
-                        self._metrics.write(Trained(step=step, metrics=m))
+                        self._metrics.write(Trained(step=step, metrics={**m}))
                         self._check_budget()
                         self.maybe_publish()
                         self._placement.changed.set()
