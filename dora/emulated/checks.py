@@ -2,7 +2,8 @@
 
 What must hold (docs/architecture.md, the three guarantees), and where it is read:
 - accounting (`summary.json`): admitted = consumed + filtered + rolled back, nothing unassigned,
-  and consumed = steps x B;
+  and consumed = steps x B; the orchestrator held back no load (`held_back_loads`: its backstop
+  against load ping-pong, which acts only where a planning rule missed a case);
 - every step (the last `step` record of each step in `rollout.jsonl`: a step sent again after a
   roll-back counts once) holds exactly B groups, no group is in two steps, and every group's
   staleness is in [0, K] (C2, C3);
@@ -84,6 +85,10 @@ def _accounting(
         problems.append(
             f"admitted {extra['admitted']} != consumed {extra['consumed']} + filtered "
             f"{extra['filtered']} + rolled back {extra['rolled_back']}"
+        )
+    if extra.get("held_back_loads", 0):
+        problems.append(
+            f"the orchestrator held back {extra['held_back_loads']} loads (a rule missed a case)"
         )
     if extra["consumed"] != steps * batch_size:
         problems.append(f"consumed {extra['consumed']} groups, expected {steps} x {batch_size}")
