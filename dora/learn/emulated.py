@@ -30,7 +30,6 @@ import numpy as np
 
 from dora.config import DoraConfig
 from dora.emulated.setup import emulated_setup, urls_path
-from dora.learn.batching import plan_micro_batches, prepare_group
 from dora.learn.trainer import Trainer, _Step, _Update
 from dora.protocol import Group
 from dora.records import Consumed
@@ -110,25 +109,11 @@ class EmulatedTrainer(Trainer):
 
     def _add_group(self, group: Group, state: _Step, updates: list[_Update]) -> None:
         self._record(group)
-        prepared = prepare_group(
-            group,
-            loss=self.cfg.loss,
-            aggregation=self.cfg.aggregation,
-            max_tokens=self.config.rollout.max_tokens,
-            filter_zero_variance=self.cfg.filter_zero_variance,
-        )
-        index = len(state.prepared)
-        state.prepared.append(prepared)
-        if not prepared.items:
+        placed = self._plan_group(group, state, updates)
+        if placed is None:
             return
-        u = min(index * len(updates) // self.config.rollout.batch_size, len(updates) - 1)
+        u, prepared, _ = placed
         update = updates[u]
-        update.norm += prepared.norm
-        plan_micro_batches(
-            [item.length for item in prepared.items],
-            world=self.world,
-            budget=self.cfg.micro_batch_tokens,
-        )
         tokens = sum(item.length for item in prepared.items)
         update.sums["tokens"] += float(sum(float(item.loss_mask.sum()) for item in prepared.items))
         self.sequence_tokens += tokens

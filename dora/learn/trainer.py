@@ -124,14 +124,7 @@ class Trainer:
         except BaseException:
             self.receiver.close()
             raise
-        self.settings = LossSettings(
-            loss=self.cfg.loss,
-            clip_low=self.cfg.clip_low,
-            clip_high=self.cfg.clip_high,
-            off_policy=self.cfg.off_policy,
-            tis_cap=self.cfg.tis_cap,
-            kl_coef=self.cfg.kl_coef,
-        )
+        self.settings = LossSettings.from_config(self.cfg)
         self._seen: set[str] = set()
         self._step = -1
 
@@ -268,7 +261,11 @@ class Trainer:
 
     # --- groups, micro-batches and updates ----------------------------------------------------
 
-    def _add_group(self, group: Group, state: _Step, updates: list[_Update]) -> None:
+    def _plan_group(
+        self, group: Group, state: _Step, updates: list[_Update]
+    ) -> tuple[int, PreparedGroup, list[list[list[int]]]] | None:
+        """Prepare `group` into `state` and give it to its update: (the update's index, the
+        prepared group, its micro-batches per rank), or None when it has nothing to train."""
         prepared = prepare_group(
             group,
             loss=self.cfg.loss,
@@ -279,15 +276,22 @@ class Trainer:
         index = len(state.prepared)
         state.prepared.append(prepared)
         if not prepared.items:
-            return
+            return None
         u = min(index * len(updates) // self.config.rollout.batch_size, len(updates) - 1)
-        update = updates[u]
-        update.norm += prepared.norm
+        updates[u].norm += prepared.norm
         plan = plan_micro_batches(
             [item.length for item in prepared.items],
             world=self.world,
             budget=self.cfg.micro_batch_tokens,
         )
+        return u, prepared, plan
+
+    def _add_group(self, group: Group, state: _Step, updates: list[_Update]) -> None:
+        placed = self._plan_group(group, state, updates)
+        if placed is None:
+            return
+        u, prepared, plan = placed
+        update = updates[u]
         mine = [[prepared.items[i] for i in mb] for mb in plan[self.rank]]
         if u == 0:
             for items in mine:
