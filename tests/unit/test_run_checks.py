@@ -9,7 +9,8 @@ from pathlib import Path
 import msgspec
 
 from dora.emulated.checks import check_accounting, check_run
-from dora.records import Consumed, RolloutReport, Step, TrainerStep, write_trainer_step
+from dora.records import Consumed, Step, TrainerStep, write_trainer_step
+from tests.unit.bench.fixtures import summary_record, write_summary
 
 STEPS, B, K = 3, 2, 1
 
@@ -23,31 +24,9 @@ def _write(
 ) -> None:
     """A run directory as serve and the trainers write it (their record structs)."""
     admitted = sum(len(g) for g, _ in steps)
-    summary = RolloutReport(
-        mode="dora",
-        steps=len(steps),
-        groups_sent=admitted,
-        wall_s=1.0,
-        max_versions_serving=1,
-        utilisation={},
-        staleness_histogram=[],
-        migrations=0,
-        kv_migrations=0,
-        resubmissions=0,
-        parks=0,
-        missed_interrupts=0,
-        failed_calls=0,
-        instances_failed=[],
-        weight_loads=0,
-        weight_load_s=0.0,
-        admission_wait_s={},
-        trainer_wait_s=0.0,
-        max_loop_lag_ms=0.0,
-        steps_trained=len(steps),
-        extra={"unassigned": 0, "admitted": admitted, "consumed": admitted, "filtered": 0,
-               "rolled_back": 0, "held_back_loads": held_back_loads},
-    )  # fmt: skip
-    (run_dir / "summary.json").write_bytes(msgspec.json.encode(msgspec.structs.asdict(summary)))
+    extra = {"unassigned": 0, "admitted": admitted, "consumed": admitted, "filtered": 0}
+    extra |= {"rolled_back": 0, "held_back_loads": held_back_loads}
+    write_summary(run_dir, summary_record(steps=len(steps), extra=extra))
     rollout = [
         Step(step=s, groups=g, versions=v, staleness=[s - x for x in v], fill_s=0.1)
         for s, (g, v) in enumerate(steps)

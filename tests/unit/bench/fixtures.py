@@ -4,6 +4,7 @@ structs, `dora.records`), with known numbers."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import msgspec
 
@@ -90,7 +91,7 @@ def write_run(
         if isinstance(r, Step):
             for x in r.staleness:
                 hist[x] += 1
-    summary = RolloutReport(
+    summary = summary_record(
         time_s=end + 0.5,
         mode=mode,
         steps=steps,
@@ -99,25 +100,14 @@ def write_run(
         max_versions_serving=1 + staleness,
         utilisation={f"i{i}": util for i in range(instances)},
         staleness_histogram=hist,
-        migrations=0,
-        kv_migrations=0,
-        resubmissions=0,
-        parks=0,
-        missed_interrupts=0,
-        failed_calls=0,
-        instances_failed=[],
         weight_loads=instances * steps,
         weight_load_s=0.1 * instances * steps,
-        admission_wait_s={},
-        trainer_wait_s=0.0,
-        max_loop_lag_ms=0.0,
         steps_trained=steps,
     )
     lines = [msgspec.json.encode(r) for r in records]
     if finished:
         lines.append(msgspec.json.encode(summary))
-        report = msgspec.structs.asdict(summary)
-        (run_dir / "summary.json").write_bytes(msgspec.json.encode(report))
+        write_summary(run_dir, summary)
     text = b"\n".join(lines) + b"\n"
     if partial_last_line:
         text += b'{"kind": "tick", "time_s": 99, "instan'
@@ -198,3 +188,21 @@ def eval_record(time_s: float, *, step: int, accuracy: float) -> Eval:
         started_s=time_s - 0.2,
         seconds=0.2,
     )
+
+
+def summary_record(**fields: Any) -> RolloutReport:
+    """A `summary` of a run that moved, failed and waited for nothing, but for `fields`."""
+    zero: dict[str, Any] = dict.fromkeys(
+        ("steps", "groups_sent", "max_versions_serving", "migrations", "kv_migrations"), 0
+    )
+    zero |= dict.fromkeys(("resubmissions", "parks", "missed_interrupts", "failed_calls"), 0)
+    zero |= dict.fromkeys(("weight_loads", "steps_trained"), 0)
+    zero |= dict.fromkeys(("wall_s", "weight_load_s", "trainer_wait_s", "max_loop_lag_ms"), 0.0)
+    zero |= {"utilisation": {}, "staleness_histogram": [], "instances_failed": []}
+    return RolloutReport(**{"mode": "dora", "admission_wait_s": {}, **zero, **fields})
+
+
+def write_summary(run_dir: Path, summary: RolloutReport) -> None:
+    """`summary.json` as `dora serve` writes it (the record without its `kind`)."""
+    report = msgspec.structs.asdict(summary)
+    (run_dir / "summary.json").write_bytes(msgspec.json.encode(report))
