@@ -3,7 +3,8 @@
 - `rollout.jsonl` (serve): `MetricsLog.write` takes a `Record` and writes `{"kind": ..., "time_s":
   ..., <fields>}`; `read_records` decodes the file back into these types (lines of other kinds,
   and lines torn by a kill, are skipped). `dora/serve/metrics.py` says when each is written.
-- `summary.json` (serve, at the end): a `RolloutReport` without its `kind`; `read_summary`.
+- `summary.json` (serve, at the end): a `RolloutReport` without its `kind` and `time_s`;
+  `write_summary`, `read_summary`.
 - `learn-metrics.jsonl` (the trainer, per step): `TrainerStep`, written flat as `{"step", "time",
   <metric>...}` by `write_trainer_step` and read by `read_trainer_steps`.
 - `consumed.jsonl` (the emulated trainer, per consumed group): `Consumed`; `read_consumed`.
@@ -53,6 +54,7 @@ __all__ = [
     "read_records",
     "read_summary",
     "read_trainer_steps",
+    "write_summary",
     "write_trainer_step",
 ]
 
@@ -340,6 +342,13 @@ def read_records(path: Path, *, kinds: set[str] | None = None) -> list[Record]:
             if record is not None and (kinds is None or record.__struct_config__.tag in kinds):
                 out.append(record)
     return out
+
+
+def write_summary(path: Path, report: RolloutReport) -> None:
+    """`summary.json`: the `summary` record without its `kind` and `time_s`, indented."""
+    fields = msgspec.structs.asdict(report)
+    del fields["time_s"]
+    path.write_bytes(msgspec.json.format(msgspec.json.encode(fields)))
 
 
 def read_summary(path: Path) -> RolloutReport | None:

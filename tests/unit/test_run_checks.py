@@ -9,8 +9,8 @@ from pathlib import Path
 import msgspec
 
 from dora.emulated.checks import check_accounting, check_run
-from dora.records import Consumed, Step, TrainerStep, write_trainer_step
-from tests.unit.bench.fixtures import summary_record, write_summary
+from dora.records import Consumed, Step, TrainerStep, write_summary, write_trainer_step
+from tests.unit.bench.fixtures import summary_record
 
 STEPS, B, K = 3, 2, 1
 
@@ -26,7 +26,7 @@ def _write(
     admitted = sum(len(g) for g, _ in steps)
     extra = {"unassigned": 0, "admitted": admitted, "consumed": admitted, "filtered": 0}
     extra |= {"rolled_back": 0, "held_back_loads": held_back_loads}
-    write_summary(run_dir, summary_record(steps=len(steps), extra=extra))
+    write_summary(run_dir / "summary.json", summary_record(steps=len(steps), extra=extra))
     rollout = [
         Step(step=s, groups=g, versions=v, staleness=[s - x for x in v], fill_s=0.1)
         for s, (g, v) in enumerate(steps)

@@ -19,6 +19,7 @@ from dora.records import (
     Trained,
     TrainerStep,
     WeightLoad,
+    write_summary,
     write_trainer_step,
 )
 
@@ -107,7 +108,7 @@ def write_run(
     lines = [msgspec.json.encode(r) for r in records]
     if finished:
         lines.append(msgspec.json.encode(summary))
-        write_summary(run_dir, summary)
+        write_summary(run_dir / "summary.json", summary)
     text = b"\n".join(lines) + b"\n"
     if partial_last_line:
         text += b'{"kind": "tick", "time_s": 99, "instan'
@@ -200,9 +201,3 @@ def summary_record(**fields: Any) -> RolloutReport:
     zero |= dict.fromkeys(("wall_s", "weight_load_s", "trainer_wait_s", "max_loop_lag_ms"), 0.0)
     zero |= {"utilisation": {}, "staleness_histogram": [], "instances_failed": []}
     return RolloutReport(**{"mode": "dora", "admission_wait_s": {}, **zero, **fields})
-
-
-def write_summary(run_dir: Path, summary: RolloutReport) -> None:
-    """`summary.json` as `dora serve` writes it (the record without its `kind`)."""
-    report = msgspec.structs.asdict(summary)
-    (run_dir / "summary.json").write_bytes(msgspec.json.encode(report))
