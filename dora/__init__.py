@@ -1,12 +1,44 @@
 """dora: asynchronous RL for language models with multi-version streaming rollout.
 
 The public API is the names in `__all__`. They are imported on first use (PEP 562), so that
-`import dora` and `dora --help` stay instant while torch and transformers load only when needed.
+`import dora` and `dora --help` stay instant while torch and transformers load only when needed;
+type checkers read the same names from the `TYPE_CHECKING` imports below. `_EXPORTS`, those
+imports and `__all__` name the same things (tests/unit/test_public_api.py checks it).
 """
 
 from __future__ import annotations
 
 import importlib
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # what a type checker sees: the real classes, not `__getattr__`'s `object`
+    from dora.config import DoraConfig, load_config
+    from dora.core import Orchestrator, TransferQueue
+    from dora.env import (
+        Env,
+        Episode,
+        Message,
+        PromptStream,
+        Reply,
+        Reward,
+        ScorerPool,
+        SingleTurnEnv,
+        Task,
+        load_env,
+    )
+    from dora.episode import (
+        EpisodeLimits,
+        GroupFailed,
+        PinnedSampler,
+        Sampler,
+        run_episode,
+        run_group,
+    )
+    from dora.errors import ConfigError, DataError, DoraError, EnvError, ServerError
+    from dora.models import TinyModelSpec, build_tiny_model
+    from dora.protocol import Completion, Group, Sample, SamplingParams
+    from dora.tool_calls import ParsedTurn, ToolCall, parse_tool_calls
+    from dora.tools import CallId, EndEpisode, Tool, ToolBox, ToolResult, tool_schema
 
 __version__ = "0.1.0"
 
@@ -57,7 +89,48 @@ _EXPORTS: dict[str, str] = {
     "Orchestrator": "dora.core",
 }
 
-__all__ = sorted(_EXPORTS)
+__all__ = [
+    "CallId",
+    "Completion",
+    "ConfigError",
+    "DataError",
+    "DoraConfig",
+    "DoraError",
+    "EndEpisode",
+    "Env",
+    "EnvError",
+    "Episode",
+    "EpisodeLimits",
+    "Group",
+    "GroupFailed",
+    "Message",
+    "Orchestrator",
+    "ParsedTurn",
+    "PinnedSampler",
+    "PromptStream",
+    "Reply",
+    "Reward",
+    "Sample",
+    "Sampler",
+    "SamplingParams",
+    "ScorerPool",
+    "ServerError",
+    "SingleTurnEnv",
+    "Task",
+    "TinyModelSpec",
+    "Tool",
+    "ToolBox",
+    "ToolCall",
+    "ToolResult",
+    "TransferQueue",
+    "build_tiny_model",
+    "load_config",
+    "load_env",
+    "parse_tool_calls",
+    "run_episode",
+    "run_group",
+    "tool_schema",
+]
 
 
 def __getattr__(name: str) -> object:

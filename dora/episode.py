@@ -65,6 +65,7 @@ __all__ = [
     "Sampler",
     "masked_sample",
     "run_episode",
+    "run_fresh_episode",
     "run_group",
 ]
 
@@ -496,6 +497,27 @@ async def _run_tools(
     return replies, False
 
 
+async def run_fresh_episode(
+    *,
+    sampler: Sampler,
+    renderer: ChatRenderer,
+    env_factory: Callable[[], Env],
+    task: Task,
+    params: SamplingParams,
+    limits: EpisodeLimits | None = None,
+) -> Sample:
+    """One episode of `task` on a new environment from `env_factory`; a factory that raises gives
+    a masked sample (`env factory: ...`), as an episode that fails does."""
+    try:
+        env = env_factory()
+    except Exception as exc:
+        log.warning("env factory raised", exc_info=True)
+        return masked_sample(task, f"env factory: {exc!r}")
+    return await run_episode(
+        sampler=sampler, tokenizer=renderer, env=env, task=task, params=params, limits=limits
+    )
+
+
 async def run_group(
     *,
     sampler: Sampler,
@@ -515,18 +537,20 @@ async def run_group(
     """
     renderer = tokenizer if isinstance(tokenizer, ChatRenderer) else ChatRenderer(tokenizer)
 
-    async def one() -> Sample:
-        try:
-            env = env_factory()
-        except Exception as exc:
-            log.warning("env factory raised", exc_info=True)
-            return masked_sample(task, f"env factory raised {exc!r}")
-        return await run_episode(
-            sampler=sampler, tokenizer=renderer, env=env, task=task, params=params, limits=limits
-        )
-
     async with asyncio.TaskGroup() as tg:
-        running = [tg.create_task(one()) for _ in range(group_size)]
+        running = [
+            tg.create_task(
+                run_fresh_episode(
+                    sampler=sampler,
+                    renderer=renderer,
+                    env_factory=env_factory,
+                    task=task,
+                    params=params,
+                    limits=limits,
+                )
+            )
+            for _ in range(group_size)
+        ]
     samples = [t.result() for t in running]
     errors = [s.metadata.get("error", "") for s in samples if s.masked]
     if errors and on_error == "retry":

@@ -1,10 +1,11 @@
 """`dora report RUN_DIR [--out DIR]`: one self-contained HTML page of a run, finished or running.
 
-It reads the run directory only: `rollout.jsonl` (serve's `tick`, `step`, `trained`, `weight_load`
-records), `learn-metrics.jsonl` (the trainer's per-step metrics) and `summary.json` when the run has
-ended. A line that is not complete JSON (the last one of a file being written) is skipped, so the
-report works while a run is going. It draws, with matplotlib's Agg backend, four PNGs written beside
-`report.html` and embedded in it as base64 data URIs (the page needs nothing else):
+It reads the run directory only, as typed records (`dora.records`): `rollout.jsonl` (serve's
+`tick`, `step`, `trained`, `weight_load`, `eval` records), `learn-metrics.jsonl` (the trainer's
+per-step metrics) and `summary.json` when the run has ended. A line that does not decode (the last
+one of a file being written) is skipped, so the report works while a run is going. It draws,
+with matplotlib's Agg backend, four PNGs written beside `report.html` and embedded in it as base64
+data URIs (the page needs nothing else):
 
 - `reward.png`: reward mean per step, and held-out accuracy from `eval` records (greedy, on
   `data.eval_source`; also any `accuracy`/`eval_*` trainer metric); without them, with 0/1 rewards
@@ -24,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import base64
-import contextlib
 import html
 import itertools
 import json
@@ -32,24 +32,22 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["RunData", "load_run", "main", "read_jsonl", "write_report"]
+import msgspec
 
-Record = dict[str, Any]
+from dora.records import (
+    Eval,
+    RolloutReport,
+    Step,
+    Tick,
+    Trained,
+    TrainerStep,
+    WeightLoad,
+    read_records,
+    read_summary,
+    read_trainer_steps,
+)
 
-
-def read_jsonl(path: Path) -> list[Record]:
-    """Every complete JSON object of a file; partial or broken lines are skipped."""
-    if not path.is_file():
-        return []
-    out = []
-    for line in path.read_bytes().splitlines():
-        try:
-            rec = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(rec, dict):
-            out.append(rec)
-    return out
+__all__ = ["RunData", "load_run", "main", "write_report"]
 
 
 @dataclass(kw_only=True)
@@ -57,42 +55,45 @@ class RunData:
     """The records of one run directory, by kind."""
 
     run_dir: Path
-    ticks: list[Record] = field(default_factory=list)
-    steps: list[Record] = field(default_factory=list)
-    trained: list[Record] = field(default_factory=list)
-    weight_loads: list[Record] = field(default_factory=list)
-    evals: list[Record] = field(default_factory=list)
-    learn: list[Record] = field(default_factory=list)
-    summary: Record = field(default_factory=dict)
+    ticks: list[Tick] = field(default_factory=list)
+    steps: list[Step] = field(default_factory=list)
+    trained: list[Trained] = field(default_factory=list)
+    weight_loads: list[WeightLoad] = field(default_factory=list)
+    evals: list[Eval] = field(default_factory=list)
+    learn: list[TrainerStep] = field(default_factory=list)
+    summary: RolloutReport | None = None
+    """`summary.json`, else the `summary` record of `rollout.jsonl`; None while a run goes on."""
 
     @property
     def finished(self) -> bool:
-        return bool(self.summary)
+        return self.summary is not None
 
-    def step_metrics(self) -> list[Record]:
-        """Per trained step, the trainer's metrics with `step` (learn-metrics.jsonl, else the
+    def step_metrics(self) -> list[tuple[int, dict[str, float]]]:
+        """Per trained step, (step, the trainer's metrics) (learn-metrics.jsonl, else the
         `trained` records of rollout.jsonl)."""
         if self.learn:
-            return sorted(self.learn, key=lambda r: r.get("step", 0))
-        return [{"step": r["step"], **r["metrics"]} for r in self.trained]
+            return sorted(((r.step, r.metrics) for r in self.learn), key=lambda r: r[0])
+        return [(r.step, r.numbers()) for r in self.trained]
 
 
 def load_run(run_dir: Path) -> RunData:
     run_dir = Path(run_dir)
-    data = RunData(run_dir=run_dir, learn=read_jsonl(run_dir / "learn-metrics.jsonl"))
-    by_kind = {"tick": data.ticks, "step": data.steps, "trained": data.trained}
-    by_kind["weight_load"] = data.weight_loads
-    by_kind["eval"] = data.evals
-    for rec in read_jsonl(run_dir / "rollout.jsonl"):
-        kind = rec.get("kind")
-        if kind in by_kind:
-            by_kind[kind].append(rec)
-        elif kind == "summary":
-            data.summary = rec
-    summary = run_dir / "summary.json"
-    if summary.is_file():
-        with contextlib.suppress(ValueError):
-            data.summary = json.loads(summary.read_text())
+    data = RunData(run_dir=run_dir, learn=read_trainer_steps(run_dir / "learn-metrics.jsonl"))
+    for record in read_records(run_dir / "rollout.jsonl"):
+        match record:
+            case Tick():
+                data.ticks.append(record)
+            case Step():
+                data.steps.append(record)
+            case Trained():
+                data.trained.append(record)
+            case WeightLoad():
+                data.weight_loads.append(record)
+            case Eval():
+                data.evals.append(record)
+            case RolloutReport():
+                data.summary = record
+    data.summary = read_summary(run_dir / "summary.json") or data.summary
     return data
 
 
@@ -111,19 +112,21 @@ def _plt() -> Any:
 def plot_reward(run: RunData, path: Path) -> str:
     plt = _plt()
     metrics = run.step_metrics()
-    steps = [m["step"] for m in metrics]
-    acc_keys = sorted({k for m in metrics for k in m if k == "accuracy" or k.startswith("eval_")})
+    steps = [step for step, _ in metrics]
+    acc_keys = sorted(
+        {k for _, m in metrics for k in m if k == "accuracy" or k.startswith("eval_")}
+    )
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.2))
-    axes[0].plot(steps, [m.get("reward_mean", float("nan")) for m in metrics], marker=".")
+    axes[0].plot(steps, [m.get("reward_mean", float("nan")) for _, m in metrics], marker=".")
     axes[0].set(title="reward mean (training samples)", xlabel="step", ylabel="reward")
     note = ""
     if run.evals:
-        pts = sorted((e["step"], e["accuracy"]) for e in run.evals if "accuracy" in e)
+        pts = sorted((e.step, e.accuracy) for e in run.evals)
         axes[1].plot(
             [p[0] for p in pts], [p[1] for p in pts], marker="o", label="held-out (greedy)"
         )
     for k in acc_keys:
-        pts = [(m["step"], m[k]) for m in metrics if k in m]
+        pts = [(step, m[k]) for step, m in metrics if k in m]
         axes[1].plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=k)
     if run.evals or acc_keys:
         axes[1].legend()
@@ -149,22 +152,22 @@ def plot_reward(run: RunData, path: Path) -> str:
 def plot_throughput(run: RunData, path: Path) -> None:
     plt = _plt()
     fig, ax = plt.subplots(figsize=(10, 3.2))
-    trained = sorted(run.trained, key=lambda r: r["time_s"])
+    trained = sorted(run.trained, key=lambda r: r.time_s)
     if len(trained) >= 2:
         xs, ys = [], []
         for a, b in itertools.pairwise(trained):
-            dt = b["time_s"] - a["time_s"]
+            dt = b.time_s - a.time_s
             if dt > 0:
-                xs.append(b["time_s"])
-                ys.append(b["metrics"].get("tokens", 0.0) / dt)
+                xs.append(b.time_s)
+                ys.append(b.numbers().get("tokens", 0.0) / dt)
         ax.step(xs, ys, where="pre", label="trained tokens/s (per step)")
     gen_x, gen_y = [], []
-    for a, b in zip(run.ticks, run.ticks[1:], strict=False):
-        dt = b["time_s"] - a["time_s"]
+    for t0, t1 in itertools.pairwise(run.ticks):
+        dt = t1.time_s - t0.time_s
         if dt > 0:
-            before = sum(i["tokens"] for i in a["instances"])
-            after = sum(i["tokens"] for i in b["instances"])
-            gen_x.append(b["time_s"])
+            before = sum(i.tokens for i in t0.instances)
+            after = sum(i.tokens for i in t1.instances)
+            gen_x.append(t1.time_s)
             gen_y.append(max(0, after - before) / dt)
     if gen_x:
         ax.plot(gen_x, gen_y, alpha=0.6, label="generated tokens/s (all instances)")
@@ -175,11 +178,11 @@ def plot_throughput(run: RunData, path: Path) -> None:
 
 
 def staleness_histogram(run: RunData) -> list[int]:
-    if run.summary.get("staleness_histogram"):
-        return [int(n) for n in run.summary["staleness_histogram"]]
+    if run.summary is not None and run.summary.staleness_histogram:
+        return list(run.summary.staleness_histogram)
     counts: dict[int, int] = {}
     for rec in run.steps:
-        for s in rec.get("staleness", []):
+        for s in rec.staleness:
             counts[s] = counts.get(s, 0) + 1
     return [counts.get(s, 0) for s in range(max(counts, default=-1) + 1)]
 
@@ -196,25 +199,23 @@ def plot_staleness(run: RunData, path: Path) -> None:
 
 def version_segments(run: RunData) -> dict[str, list[tuple[float, float, int, bool]]]:
     """Per instance: (start, end, version, loading) segments, from the weight loads."""
-    names = sorted({i["id"] for t in run.ticks for i in t["instances"]}) or sorted(
-        {w["instance"] for w in run.weight_loads}
+    names = sorted({i.id for t in run.ticks for i in t.instances}) or sorted(
+        {w.instance for w in run.weight_loads}
     )
     end = max(
-        [r["time_s"] for r in (*run.ticks, *run.steps, *run.trained, *run.weight_loads)],
+        [r.time_s for r in (*run.ticks, *run.steps, *run.trained, *run.weight_loads)],
         default=0.0,
     )
     out: dict[str, list[tuple[float, float, int, bool]]] = {}
     for name in names:
-        loads = sorted(
-            (w for w in run.weight_loads if w["instance"] == name), key=lambda w: w["time_s"]
-        )
+        loads = sorted((w for w in run.weight_loads if w.instance == name), key=lambda w: w.time_s)
         segs, t, version = [], 0.0, 0
         for w in loads:
-            begin = max(t, w["time_s"] - w["seconds"])
+            begin = max(t, w.time_s - w.seconds)
             if begin > t:
                 segs.append((t, begin, version, False))
-            segs.append((begin, w["time_s"], w["version"], True))
-            t, version = w["time_s"], w["version"]
+            segs.append((begin, w.time_s, w.version, True))
+            t, version = w.time_s, w.version
         if end > t:
             segs.append((t, end, version, False))
         out[name] = segs
@@ -240,7 +241,7 @@ def plot_timelines(panels: list[tuple[str, RunData]], path: Path, *, seconds: fl
         squeeze=False,
     )
     for ax, (label, run) in zip(axes[:, 0], panels, strict=True):
-        first = min((float(r["time_s"]) for r in run.trained), default=0.0)
+        first = min((r.time_s for r in run.trained), default=0.0)
         draw_timeline(ax, run, span=(first, first + seconds), title=label)
     _save(fig, path)
 
@@ -259,10 +260,10 @@ def draw_timeline(
         return cmap(v % 10)
 
     util: dict[str, list[tuple[float, float, float]]] = {n: [] for n in names}
-    for a, b in zip([{"time_s": 0.0, "instances": []}, *run.ticks], run.ticks, strict=False):
-        for inst in b["instances"]:
-            if inst["id"] in util:
-                util[inst["id"]].append((a["time_s"], b["time_s"], float(inst["util"])))
+    for before, b in zip([0.0, *(t.time_s for t in run.ticks)], run.ticks, strict=False):
+        for inst in b.instances:
+            if inst.id in util:
+                util[inst.id].append((before, b.time_s, inst.util))
     for y, name in enumerate(names):
         for start, stop, v, loading in segments[name]:
             ax.broken_barh(
@@ -288,14 +289,14 @@ def draw_timeline(
                 mid = (max(start, lo) + min(stop, hi)) / 2
                 ax.text(mid, y, f"v{v}", ha="center", va="center", fontsize=7)
     for rec in run.trained:
-        ax.axvline(rec["time_s"], color="black", alpha=0.25, linewidth=0.8)
+        ax.axvline(rec.time_s, color="black", alpha=0.25, linewidth=0.8)
     if span is not None:
         ax.set_xlim(lo, hi)
     ax.set_yticks(range(len(names)), names)
     ax.set_xlabel(
         "time (s); bar height: utilisation (pale: idle); hatched: loading; grey: a step trained"
     )
-    mode = run.summary.get("mode", "")
+    mode = run.summary.mode if run.summary is not None else ""
     ax.set_title(title or f"{mode} instances x time, coloured by the version each holds".strip())
     from matplotlib.patches import Patch
 
@@ -334,12 +335,13 @@ SUMMARY_KEYS = (
 
 
 def _summary_rows(run: RunData) -> list[tuple[str, str]]:
-    if run.summary:
-        return [(k, json.dumps(run.summary[k])) for k in SUMMARY_KEYS if k in run.summary]
+    if run.summary is not None:
+        summary = msgspec.to_builtins(run.summary)
+        return [(k, json.dumps(summary[k])) for k in SUMMARY_KEYS]
     rows = [("state", "running (no summary yet)")]
     if run.ticks:
         last = run.ticks[-1]
-        rows += [(k, json.dumps(last[k])) for k in ("step", "trained", "newest") if k in last]
+        rows += [(k, json.dumps(getattr(last, k))) for k in ("step", "trained", "newest")]
     return rows
 
 

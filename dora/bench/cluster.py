@@ -32,11 +32,13 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
 
 from dora.bench.modes import ModeResult, Placement, ratio_lines, run_mode, summarise, table
 from dora.emulated.checks import check_run
+from dora.records import Tick
 from dora.report import load_run
 from dora.sim.costs import Setup, apply_overrides, preset
 from dora.sim.engine import Run, simulate
@@ -146,23 +148,22 @@ class Overheads:
 def overheads(result: ModeResult, *, scale: float, checked: tuple[int, list[str]]) -> Overheads:
     run_dir = Path(result.run_dir)
     run = load_run(run_dir)
-    trained = sorted(run.trained, key=lambda r: r["step"])
-    t0, t1 = float(trained[0]["time_s"]), float(trained[-1]["time_s"])
+    trained = sorted(run.trained, key=lambda r: r.step)
+    t0, t1 = trained[0].time_s, trained[-1].time_s
     window = max(t1 - t0, 1e-9)
-    seq_tokens = sum(float(r["metrics"].get("sequence_tokens", 0.0)) for r in trained[1:])
-    ticks = [t for t in run.ticks if t0 < float(t["time_s"]) <= t1]
-    lags = sorted(float(t["loop_lag_ms"]) for t in ticks) or [0.0]
-    first, last = (ticks[0], ticks[-1]) if len(ticks) >= 2 else ({}, {})
-    span = float(last.get("time_s", 0.0)) - float(first.get("time_s", 0.0)) or 1e-9
+    seq_tokens = sum(r.numbers().get("sequence_tokens", 0.0) for r in trained[1:])
+    ticks = [t for t in run.ticks if t0 < t.time_s <= t1]
+    lags = sorted(t.loop_lag_ms for t in ticks) or [0.0]
 
-    def rate(key: str, sub: str | None = None) -> float:
-        a = first.get(key, 0) if sub is None else first.get(key, {}).get(sub, 0)
-        b = last.get(key, 0) if sub is None else last.get(key, {}).get(sub, 0)
-        return (float(b) - float(a)) / span
+    def rate(of: Callable[[Tick], float]) -> float:
+        """Per second between the window's first and last tick (0 with fewer than two)."""
+        if len(ticks) < 2:
+            return 0.0
+        return (of(ticks[-1]) - of(ticks[0])) / (ticks[-1].time_s - ticks[0].time_s or 1e-9)
 
-    msgs = rate("link", "sent_messages") + rate("link", "received_messages")
-    mb = (rate("link", "sent_bytes") + rate("link", "received_bytes")) / 1e6
-    core = rate("core_s") * result.step_s
+    msgs = rate(lambda t: t.link.sent_messages + t.link.received_messages)
+    mb = rate(lambda t: t.link.sent_bytes + t.link.received_bytes) / 1e6
+    core = rate(lambda t: t.core_s) * result.step_s
     cpu = json.loads((run_dir / "bench-cpu.json").read_text())
     cluster_path = run_dir / "emulated-cluster.json"
     cluster = json.loads(cluster_path.read_text()) if cluster_path.is_file() else {}
@@ -180,7 +181,7 @@ def overheads(result: ModeResult, *, scale: float, checked: tuple[int, list[str]
         cluster_lag_ms_p99=float(cluster.get("loop_lag_ms_p99", 0.0)),
         link_msgs_per_s=msgs,
         link_mb_per_s=mb,
-        journal_writes_per_s=rate("journal_writes"),
+        journal_writes_per_s=rate(lambda t: t.journal_writes),
         core_s_per_step=core,
         core_share=core / result.step_s if result.step_s else 0.0,
         checked_groups=checked[0],

@@ -161,26 +161,22 @@ def _read_cpu(run_dir: Path) -> dict[str, float]:
 
 
 def _summarise(run: RunData, *, name: str, placement: str, cpu: dict[str, float]) -> ModeResult:
-    trained = sorted(run.trained, key=lambda r: r["step"])
+    trained = sorted(run.trained, key=lambda r: r.step)
     if len(trained) < 2:
         raise ValueError(f"{run.run_dir}: fewer than 2 trained steps, nothing to measure")
     first, last = trained[0], trained[-1]
-    window = float(last["time_s"]) - float(first["time_s"])
-    later = [r["metrics"] for r in trained[1:]]
-    tokens = sum(float(m["tokens"]) for m in later)
-    step_time = sum(float(m["step_time_s"]) for m in later)
-    wait = sum(float(m["wait_s"]) for m in later)
-    train = sum(float(m["train_s"]) for m in later)
-    ticks = [
-        tick
-        for tick in run.ticks
-        if float(first["time_s"]) < float(tick["time_s"]) <= float(last["time_s"])
-    ]
-    utils = [float(inst["util"]) for tick in ticks for inst in tick["instances"]]
-    busy = [n for tick in ticks for inst in tick["instances"] if (n := int(inst["inflight"])) > 0]
-    staleness = [s for rec in run.steps for s in rec["staleness"]]
+    window = last.time_s - first.time_s
+    later = [r.numbers() for r in trained[1:]]
+    tokens = sum(m["tokens"] for m in later)
+    step_time = sum(m["step_time_s"] for m in later)
+    wait = sum(m["wait_s"] for m in later)
+    train = sum(m["train_s"] for m in later)
+    ticks = [tick for tick in run.ticks if first.time_s < tick.time_s <= last.time_s]
+    utils = [inst.util for tick in ticks for inst in tick.instances]
+    busy = [n for tick in ticks for inst in tick.instances if (n := inst.inflight) > 0]
+    staleness = [s for rec in run.steps for s in rec.staleness]
     cpu_s = cpu.get("window_cpu_s")
-    rewards = [float(r["metrics"]["reward_mean"]) for r in trained]
+    rewards = [r.numbers()["reward_mean"] for r in trained]
     k = max(1, len(rewards) // 4)
     return ModeResult(
         name=name,
@@ -198,7 +194,7 @@ def _summarise(run: RunData, *, name: str, placement: str, cpu: dict[str, float]
         trainer_idle_share=max(0.0, 1.0 - train / window) if window > 0 else 0.0,
         staleness_mean=sum(staleness) / len(staleness) if staleness else 0.0,
         staleness_max=max(staleness, default=0),
-        max_versions_serving=int(run.summary.get("max_versions_serving", 0)),
+        max_versions_serving=run.summary.max_versions_serving if run.summary else 0,
         reward_first=sum(rewards[:k]) / k,
         reward_last=sum(rewards[-k:]) / k,
         load_avg=cpu.get("load_avg"),

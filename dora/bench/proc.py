@@ -11,6 +11,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from dora.records import Trained, decode_record
+
 __all__ = ["TICKS_PER_S", "TrainedCounter", "own_cpu_s", "tree_cpu_s"]
 
 TICKS_PER_S = os.sysconf("SC_CLK_TCK")
@@ -64,5 +66,5 @@ class TrainedCounter:
                 data = f.read()
             self.offset += len(data)
             *lines, self._rest = (self._rest + data).split(b"\n")
-            self.count += sum(b'"kind":"trained"' in line for line in lines)
+            self.count += sum(isinstance(decode_record(line), Trained) for line in lines)
         return self.count

@@ -33,6 +33,7 @@ from typing import Any
 
 from dora.config import DoraConfig, load_config
 from dora.errors import ConfigError
+from dora.records import Eval, Trained, read_records
 
 __all__ = ["dora_curve", "grpo_args", "main"]
 
@@ -194,16 +195,16 @@ def run_trl(config: DoraConfig, out: Path) -> dict[str, object]:
 
 def dora_curve(run_dir: Path, steps: int) -> dict[str, object]:
     """`dora run`'s accuracy curve from its records: version w at the time step w-1 trained."""
-    records = [json.loads(line) for line in (run_dir / "rollout.jsonl").read_text().splitlines()]
-    trained = {r["step"]: float(r["time_s"]) for r in records if r["kind"] == "trained"}
+    records = read_records(run_dir / "rollout.jsonl", kinds={"trained", "eval"})
+    trained = {r.step: r.time_s for r in records if isinstance(r, Trained)}
     curve = [
         {
-            "version": int(r["version"]),
-            "seconds": trained.get(int(r["version"]) - 1, 0.0),
-            "accuracy": float(r["accuracy"]),
+            "version": r.version,
+            "seconds": trained.get(r.version - 1, 0.0),
+            "accuracy": r.accuracy,
         }
         for r in records
-        if r["kind"] == "eval"
+        if isinstance(r, Eval)
     ]
     return {"steps": steps, "seconds": trained.get(steps - 1, 0.0), "curve": curve}
 

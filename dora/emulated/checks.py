@@ -2,7 +2,8 @@
 
 What must hold (docs/architecture.md, the three guarantees), and where it is read:
 - accounting (`summary.json`): admitted = consumed + filtered + rolled back, nothing unassigned,
-  and consumed = steps x B;
+  and consumed = steps x B; the orchestrator held back no load (`held_back_loads`: its backstop
+  against load ping-pong, which acts only where a planning rule missed a case);
 - every step (the last `step` record of each step in `rollout.jsonl`: a step sent again after a
   roll-back counts once) holds exactly B groups, no group is in two steps, and every group's
   staleness is in [0, K] (C2, C3);
@@ -20,9 +21,17 @@ sound run directory. `check_accounting` checks all but C1, so it holds for a run
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
+
+from dora.records import (
+    Consumed,
+    Step,
+    read_consumed,
+    read_records,
+    read_summary,
+    read_trainer_steps,
+)
 
 __all__ = ["RunCheck", "check_accounting", "check_run"]
 
@@ -39,12 +48,6 @@ class RunCheck:
     @property
     def ok(self) -> bool:
         return not self.problems
-
-
-def _records(path: Path) -> list[dict[str, object]]:
-    if not path.is_file():
-        return []
-    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
 
 
 def check_accounting(run_dir: Path, *, steps: int, batch_size: int, staleness: int) -> RunCheck:
@@ -72,7 +75,10 @@ def _accounting(
     summary_path = run_dir / "summary.json"
     if not summary_path.is_file():
         return [f"{summary_path}: missing (run unfinished?)"], {}, {}
-    extra: dict[str, int] = json.loads(summary_path.read_text())["extra"]
+    summary = read_summary(summary_path)
+    if summary is None:
+        return [f"{summary_path}: does not decode"], {}, {}
+    extra = {k: int(v) for k, v in summary.extra.items()}
     if extra["unassigned"] != 0:
         problems.append(f"{extra['unassigned']} admitted groups left unassigned")
     if extra["admitted"] != extra["consumed"] + extra["filtered"] + extra["rolled_back"]:
@@ -80,16 +86,19 @@ def _accounting(
             f"admitted {extra['admitted']} != consumed {extra['consumed']} + filtered "
             f"{extra['filtered']} + rolled back {extra['rolled_back']}"
         )
+    if extra.get("held_back_loads", 0):
+        problems.append(
+            f"the orchestrator held back {extra['held_back_loads']} loads (a rule missed a case)"
+        )
     if extra["consumed"] != steps * batch_size:
         problems.append(f"consumed {extra['consumed']} groups, expected {steps} x {batch_size}")
 
     step_groups: dict[int, list[str]] = {}
     step_versions: dict[int, list[int]] = {}
-    for r in _records(run_dir / "rollout.jsonl"):
-        if r["kind"] == "step":
-            step = int(r["step"])  # type: ignore[call-overload]
-            step_groups[step] = [str(g) for g in r["groups"]]  # type: ignore[attr-defined]
-            step_versions[step] = [int(v) for v in r["versions"]]  # type: ignore[attr-defined]
+    for r in read_records(run_dir / "rollout.jsonl", kinds={"step"}):
+        assert isinstance(r, Step)
+        step_groups[r.step] = r.groups
+        step_versions[r.step] = r.versions
     if sorted(step_groups) != list(range(steps)):
         problems.append(f"steps sent {sorted(step_groups)}, expected 0..{steps - 1}")
     version_of: dict[str, int] = {}
@@ -105,15 +114,15 @@ def _accounting(
                     f"group {gid} of version {v} in step {step}: staleness > {staleness}"
                 )
 
-    trained = {int(r["step"]): r for r in _records(run_dir / "learn-metrics.jsonl")}  # type: ignore[call-overload]
+    trained = {r.step: r.metrics for r in read_trainer_steps(run_dir / "learn-metrics.jsonl")}
     for step in range(steps):
         rec = trained.get(step)
         if rec is None:
             problems.append(f"the trainer has no record of step {step}")
         elif rec["groups"] != batch_size or rec["duplicate_groups"] != 0:
             problems.append(
-                f"the trainer trained step {step} on {rec['groups']} groups "
-                f"({rec['duplicate_groups']} duplicates)"
+                f"the trainer trained step {step} on {rec['groups']:g} groups "
+                f"({rec['duplicate_groups']:g} duplicates)"
             )
     return problems, version_of, extra
 
@@ -121,19 +130,15 @@ def _accounting(
 def _c1(run_dir: Path, version_of: dict[str, int], spans_versions: bool) -> list[str]:
     """C1 on the last consumption of each group (a resumed trainer consumes a step again)."""
     problems: list[str] = []
-    consumed: dict[str, dict[str, object]] = {}
-    for r in _records(run_dir / "consumed.jsonl"):
-        consumed[str(r["group"])] = r
+    consumed: dict[str, Consumed] = {r.group: r for r in read_consumed(run_dir / "consumed.jsonl")}
     for gid, v in version_of.items():
         got = consumed.get(gid)
         if got is None:
             problems.append(f"group {gid} was never consumed by the trainer")
             continue
-        if got["version"] != v:
-            problems.append(
-                f"group {gid}: the trainer got version {got['version']}, serve sent {v}"
-            )
-        tokens = [int(t) for t in got["token_versions"]]  # type: ignore[attr-defined]
+        if got.version != v:
+            problems.append(f"group {gid}: the trainer got version {got.version}, serve sent {v}")
+        tokens = got.token_versions
         if spans_versions:
             if tokens and min(tokens) < v:
                 problems.append(f"group {gid} of version {v} holds tokens of {min(tokens)}")

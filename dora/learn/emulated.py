@@ -21,18 +21,18 @@ spends its time at the step's close, and resumed after.
 
 from __future__ import annotations
 
-import json
 import time
 import urllib.request
 from pathlib import Path
 
+import msgspec
 import numpy as np
 
 from dora.config import DoraConfig
 from dora.emulated.setup import emulated_setup, urls_path
-from dora.learn.batching import plan_micro_batches, prepare_group
 from dora.learn.trainer import Trainer, _Step, _Update
 from dora.protocol import Group
+from dora.records import Consumed
 
 __all__ = ["EmulatedTrainer"]
 
@@ -53,7 +53,7 @@ class EmulatedTrainer(Trainer):
         self.sequence_tokens = 0
         self.modelled_train_s = 0.0
         self._step = 0
-        self._consumed = (run_dir / "consumed.jsonl").open("a", buffering=1)
+        self._consumed = (run_dir / "consumed.jsonl").open("ab", buffering=0)
 
     def run(self) -> int:
         try:
@@ -73,16 +73,16 @@ class EmulatedTrainer(Trainer):
             v = np.frombuffer(sample.versions, dtype=np.int32)
             versions.update(np.unique(v[v >= 0]).tolist())
         if self.rank == 0:
-            record = {
-                "step": self._step,
-                "group": group.id,
-                "version": group.version,
-                "incarnation": group.incarnation,
-                "samples": len(group.samples),
-                "masked": sum(s.masked for s in group.samples),
-                "token_versions": sorted(versions),
-            }
-            self._consumed.write(json.dumps(record) + "\n")
+            record = Consumed(
+                step=self._step,
+                group=group.id,
+                version=group.version,
+                incarnation=group.incarnation,
+                samples=len(group.samples),
+                masked=sum(s.masked for s in group.samples),
+                token_versions=sorted(versions),
+            )
+            self._consumed.write(msgspec.json.encode(record) + b"\n")
 
     def _pause_instances(self, paused: bool) -> None:
         """Colocated: the trainer holds the accelerators, so the instances stop decoding (their
@@ -109,25 +109,11 @@ class EmulatedTrainer(Trainer):
 
     def _add_group(self, group: Group, state: _Step, updates: list[_Update]) -> None:
         self._record(group)
-        prepared = prepare_group(
-            group,
-            loss=self.cfg.loss,
-            aggregation=self.cfg.aggregation,
-            max_tokens=self.config.rollout.max_tokens,
-            filter_zero_variance=self.cfg.filter_zero_variance,
-        )
-        index = len(state.prepared)
-        state.prepared.append(prepared)
-        if not prepared.items:
+        placed = self._plan_group(group, state, updates)
+        if placed is None:
             return
-        u = min(index * len(updates) // self.config.rollout.batch_size, len(updates) - 1)
+        u, prepared, _ = placed
         update = updates[u]
-        update.norm += prepared.norm
-        plan_micro_batches(
-            [item.length for item in prepared.items],
-            world=self.world,
-            budget=self.cfg.micro_batch_tokens,
-        )
         tokens = sum(item.length for item in prepared.items)
         update.sums["tokens"] += float(sum(float(item.loss_mask.sum()) for item in prepared.items))
         self.sequence_tokens += tokens

@@ -32,11 +32,14 @@ normalisation over the whole step is exact whatever the arrival order or the ran
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, NamedTuple
+from typing import TYPE_CHECKING, Literal, NamedTuple
 
 import numpy as np
 import numpy.typing as npt
 import torch
+
+if TYPE_CHECKING:
+    from dora.config import LearnConfig
 
 LossKind = Literal["grpo", "dr_grpo", "gspo"]
 OffPolicy = Literal["none", "tis", "decoupled"]
@@ -54,6 +57,18 @@ class LossSettings:
     off_policy: OffPolicy = "tis"
     tis_cap: float = 2.0
     kl_coef: float = 0.0
+
+    @classmethod
+    def from_config(cls, learn: LearnConfig) -> LossSettings:
+        """The objective `learn.*` describes."""
+        return cls(
+            loss=learn.loss,
+            clip_low=learn.clip_low,
+            clip_high=learn.clip_high,
+            off_policy=learn.off_policy,
+            tis_cap=learn.tis_cap,
+            kl_coef=learn.kl_coef,
+        )
 
 
 class LossTerms(NamedTuple):

@@ -25,7 +25,6 @@ Step `t`, on every rank (they see the same messages in the same order, `dora.lea
 
 from __future__ import annotations
 
-import json
 import math
 import time
 from collections import defaultdict
@@ -71,6 +70,7 @@ from dora.protocol import (
     StepDone,
     WeightsReady,
 )
+from dora.records import TrainerStep, write_trainer_step
 
 
 @dataclass
@@ -124,14 +124,7 @@ class Trainer:
         except BaseException:
             self.receiver.close()
             raise
-        self.settings = LossSettings(
-            loss=self.cfg.loss,
-            clip_low=self.cfg.clip_low,
-            clip_high=self.cfg.clip_high,
-            off_policy=self.cfg.off_policy,
-            tis_cap=self.cfg.tis_cap,
-            kl_coef=self.cfg.kl_coef,
-        )
+        self.settings = LossSettings.from_config(self.cfg)
         self._seen: set[str] = set()
         self._step = -1
 
@@ -262,13 +255,17 @@ class Trainer:
         )
         self.receiver.send(StepDone(step=step, incarnation=self.incarnation, metrics=metrics))
         if self.rank == 0:
-            with (self.run_dir / "learn-metrics.jsonl").open("a") as f:
-                f.write(json.dumps({"step": step, "time": time.time(), **metrics}) + "\n")
+            record = TrainerStep(step=step, time=time.time(), metrics=metrics)
+            write_trainer_step(self.run_dir / "learn-metrics.jsonl", record)
         return metrics
 
     # --- groups, micro-batches and updates ----------------------------------------------------
 
-    def _add_group(self, group: Group, state: _Step, updates: list[_Update]) -> None:
+    def _plan_group(
+        self, group: Group, state: _Step, updates: list[_Update]
+    ) -> tuple[int, PreparedGroup, list[list[list[int]]]] | None:
+        """Prepare `group` into `state` and give it to its update: (the update's index, the
+        prepared group, its micro-batches per rank), or None when it has nothing to train."""
         prepared = prepare_group(
             group,
             loss=self.cfg.loss,
@@ -279,15 +276,22 @@ class Trainer:
         index = len(state.prepared)
         state.prepared.append(prepared)
         if not prepared.items:
-            return
+            return None
         u = min(index * len(updates) // self.config.rollout.batch_size, len(updates) - 1)
-        update = updates[u]
-        update.norm += prepared.norm
+        updates[u].norm += prepared.norm
         plan = plan_micro_batches(
             [item.length for item in prepared.items],
             world=self.world,
             budget=self.cfg.micro_batch_tokens,
         )
+        return u, prepared, plan
+
+    def _add_group(self, group: Group, state: _Step, updates: list[_Update]) -> None:
+        placed = self._plan_group(group, state, updates)
+        if placed is None:
+            return
+        u, prepared, plan = placed
+        update = updates[u]
         mine = [[prepared.items[i] for i in mb] for mb in plan[self.rank]]
         if u == 0:
             for items in mine:

@@ -37,17 +37,16 @@ from collections.abc import Callable
 from dora.config import DoraConfig
 from dora.core.transfer_queue import Admitted, RefusalReason
 from dora.env import Env, PromptStream, Task
-from dora.episode import ChatRenderer, EpisodeLimits, masked_sample, run_episode
+from dora.episode import ChatRenderer, EpisodeLimits, run_fresh_episode
 from dora.errors import ServerTimeout
 from dora.protocol import Group, Sample, SamplingParams
 from dora.serve.journal import JournaledQueue
 from dora.serve.placement import Placement
-from dora.serve.router import LeaseSampler
 from dora.serve.spawn import Spawner
 from dora.serve.stats import ServeStats
 from dora.serve.trainer_link import TrainerLink
 
-__all__ = ["Dispatcher", "episode_limits", "episode_on_lease"]
+__all__ = ["Dispatcher", "episode_limits"]
 
 log = logging.getLogger("dora.serve")
 
@@ -223,9 +222,9 @@ class Dispatcher:
 
     async def _episode(self, lease_id: str, task: Task) -> Sample:
         try:
-            return await episode_on_lease(
-                self._placement.sampler(lease_id),
-                task,
+            return await run_fresh_episode(
+                sampler=self._placement.sampler(lease_id),
+                task=task,
                 env_factory=self._env_factory,
                 renderer=self._renderer,
                 params=self._params,
@@ -248,30 +247,4 @@ def episode_limits(cfg: DoraConfig) -> EpisodeLimits:
         max_total_tokens=cfg.rollout.max_tokens,
         context_limit=cfg.model.max_model_len,
         tool_timeout_s=cfg.rollout.tool_timeout_s,
-    )
-
-
-async def episode_on_lease(
-    sampler: LeaseSampler,
-    task: Task,
-    *,
-    env_factory: Callable[[], Env],
-    renderer: ChatRenderer,
-    params: SamplingParams,
-    limits: EpisodeLimits,
-) -> Sample:
-    """One episode of `task` through the lease's sampler; an env factory that raises gives a masked
-    sample (the lease is the caller's to end)."""
-    try:
-        env = env_factory()
-    except Exception as exc:
-        log.warning("env factory raised", exc_info=True)
-        return masked_sample(task, f"env factory: {exc!r}")
-    return await run_episode(
-        sampler=sampler,
-        tokenizer=renderer,
-        env=env,
-        task=task,
-        params=params,
-        limits=limits,
     )

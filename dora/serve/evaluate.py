@@ -48,12 +48,12 @@ from dataclasses import dataclass
 
 from dora.config import DoraConfig
 from dora.env import Env, Task
-from dora.episode import ChatRenderer
+from dora.episode import ChatRenderer, run_fresh_episode
 from dora.protocol import Sample, SamplingParams
-from dora.serve.dispatcher import episode_limits, episode_on_lease, turn_max_tokens
+from dora.records import Eval
+from dora.serve.dispatcher import episode_limits, turn_max_tokens
 from dora.serve.metrics import MetricsLog
 from dora.serve.placement import Placement
-from dora.serve.records import Eval
 from dora.serve.spawn import Spawner
 
 __all__ = ["CORRECT_AT", "Evaluator"]
@@ -273,9 +273,9 @@ class Evaluator:
             self._placement.end(lease_id, forgotten_ok=True)
 
     async def _episode(self, lease_id: str, task: Task) -> Sample:
-        return await episode_on_lease(
-            self._placement.sampler(lease_id),
-            task,
+        return await run_fresh_episode(
+            sampler=self._placement.sampler(lease_id),
+            task=task,
             env_factory=self._env_factory,
             renderer=self._renderer,
             params=self._params,

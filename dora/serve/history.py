@@ -22,7 +22,7 @@ from pathlib import Path
 
 from dora.errors import AllMasked
 from dora.protocol import Sample
-from dora.serve.records import (
+from dora.records import (
     Eval,
     InstanceFailed,
     InstanceRestarted,

@@ -26,12 +26,7 @@ from collections.abc import Awaitable, Callable
 from dora.config import ServeConfig
 from dora.core.orchestrator import Load, Unload
 from dora.errors import ServerError, ServerTimeout, ServerUnavailable
-from dora.serve.health import HealthWatch
-from dora.serve.instances import InstanceHandle
-from dora.serve.journal import JournaledQueue
-from dora.serve.metrics import MetricsLog
-from dora.serve.placement import Placement
-from dora.serve.records import (
+from dora.records import (
     InstanceFailed,
     InstanceRestarted,
     InstanceRestartFailed,
@@ -39,6 +34,11 @@ from dora.serve.records import (
     WeightLoad,
     WeightLoadTimeout,
 )
+from dora.serve.health import HealthWatch
+from dora.serve.instances import InstanceHandle
+from dora.serve.journal import JournaledQueue
+from dora.serve.metrics import MetricsLog
+from dora.serve.placement import Placement
 from dora.serve.spawn import Spawner
 from dora.serve.stats import ServeStats
 from dora.serve.weights import WeightStore

@@ -33,6 +33,7 @@ import msgspec
 from dora.config import DoraConfig, load_config
 from dora.errors import ConfigError
 from dora.launch import mark_ready
+from dora.records import write_summary
 from dora.rundir import resolve_run_dir
 from dora.serve.instances import (
     InstanceHandle,
@@ -158,8 +159,7 @@ async def run_serve(
             report = await rollout.run()
     finally:
         serve_link.close()
-    summary = msgspec.json.encode(msgspec.structs.asdict(report))
-    (run_dir / "summary.json").write_bytes(msgspec.json.format(summary))
+    write_summary(run_dir / "summary.json", report)
     return report
 
 

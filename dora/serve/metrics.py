@@ -1,6 +1,6 @@
 """Rollout metrics: a JSONL file in the run directory, and a live display in the terminal.
 
-Records (one JSON object per line, `kind` first; one struct per kind in `records.py`):
+Records (one JSON object per line, `kind` first; one struct per kind in `dora/records.py`):
 - `tick`, every `log.metrics_every_s`: per instance its version, leases and capacity, calls in
   flight and utilisation (the fraction of the last interval with at least one call running);
   live episodes per version (in an LLM call, in the environment, parked), calls in flight per
@@ -31,7 +31,7 @@ from typing import IO, TYPE_CHECKING
 
 import msgspec
 
-from dora.serve.records import Record, RolloutReport, Tick
+from dora.records import Record, RolloutReport, Tick
 
 if TYPE_CHECKING:
     from dora.protocol import Group
@@ -55,7 +55,8 @@ class MetricsLog:
         if self._file is None:
             return
         fields = msgspec.to_builtins(record)
-        line = {"kind": fields["kind"], "time_s": round(time.monotonic() - self.start, 4)}
+        fields.pop("time_s", None)  # the record's own is a placeholder: the log's clock sets it
+        line = {"kind": fields.pop("kind"), "time_s": round(time.monotonic() - self.start, 4)}
         line.update(fields)
         self._file.write(self._encoder.encode(line) + b"\n")
         self._file.flush()

@@ -31,8 +31,8 @@ from dora.core.orchestrator import (
     Undrain as UndrainAction,
 )
 from dora.errors import SchedulingError
+from dora.records import Drain, RequestFailed, Undrain
 from dora.serve.metrics import MetricsLog
-from dora.serve.records import Drain, RequestFailed, Undrain
 from dora.serve.router import LeaseSampler, Router
 from dora.serve.spawn import Spawner
 

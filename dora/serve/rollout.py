@@ -48,6 +48,7 @@ from dora.core.orchestrator import Mode, Orchestrator
 from dora.env import Env, PromptStream, Task
 from dora.episode import ChatRenderer
 from dora.link import ServeLink
+from dora.records import Restore, ServeStart
 from dora.serve.coretime import CoreClock
 from dora.serve.dispatcher import Dispatcher
 from dora.serve.evaluate import Evaluator
@@ -57,7 +58,6 @@ from dora.serve.journal import JournaledQueue
 from dora.serve.lifecycle import InstanceLifecycle, Replace
 from dora.serve.metrics import MetricsLog, Progress, RolloutReport, SampleLog, Ticker
 from dora.serve.placement import Placement
-from dora.serve.records import Restore, ServeStart
 from dora.serve.router import Router
 from dora.serve.snapshots import Snapshots
 from dora.serve.spawn import Spawner

@@ -8,12 +8,12 @@ import time
 from collections.abc import Callable
 
 from dora.link import ServeLink
+from dora.records import InstanceTick, LinkCounts, Tick, TickEval
 from dora.serve.coretime import CoreClock
 from dora.serve.history import History
 from dora.serve.journal import JournaledQueue
 from dora.serve.metrics import RolloutReport
 from dora.serve.placement import Placement
-from dora.serve.records import InstanceTick, LinkCounts, Tick, TickEval
 from dora.serve.stats import ServeStats
 from dora.serve.trainer_link import TrainerLink
 from dora.serve.weights import WeightStore
@@ -162,6 +162,10 @@ class Snapshots:
             weight_load_retries=st.weight_load_retries,
             prompts_skipped=st.prompts_skipped,
             eval_prompts_skipped=st.eval_prompts_skipped,
+            # the orchestrator's own counters: loads it ignored or held back, requests it failed
+            stale_loads=self._orchestrator.stale_loads,
+            held_back_loads=self._orchestrator.held_back_loads,
+            **{f"requests_failed_{r.value}": n for r, n in self._orchestrator.failures().items()},
         )
         reasons = dict(h.masked_reasons)
         for reason, n in st.masked_reasons.items():

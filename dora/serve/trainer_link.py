@@ -45,13 +45,13 @@ from dora.protocol import (
     WeightChunk,
     WeightsReady,
 )
+from dora.records import Budget, Masked, Trained
+from dora.records import Rollback as RollbackRecord
+from dora.records import Step as StepRecord
 from dora.serve.history import check_not_all_masked, masked_reasons
 from dora.serve.journal import JournaledQueue, Restored
 from dora.serve.metrics import MetricsLog, SampleLog
 from dora.serve.placement import Placement
-from dora.serve.records import Budget, Masked, Trained
-from dora.serve.records import Rollback as RollbackRecord
-from dora.serve.records import Step as StepRecord
 from dora.serve.spawn import Spawner
 from dora.serve.stats import ServeStats
 from dora.serve.weights import WeightStore, read_folder
@@ -180,7 +180,7 @@ class TrainerLink:
                         self.trained_step = max(self.trained_step, step)
                         self._trained_at[step] = time.monotonic()
                         self.trained.set()
-                        self._metrics.write(Trained(step=step, metrics=m))
+                        self._metrics.write(Trained(step=step, metrics={**m}))
                         self._check_budget()
                         self.maybe_publish()
                         self._placement.changed.set()

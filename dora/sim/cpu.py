@@ -323,7 +323,7 @@ def _time_training(
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).train()
     vocab = int(model.get_output_embeddings().weight.shape[0])
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.learn.lr)
-    settings = LossSettings(loss=config.learn.loss, off_policy=config.learn.off_policy)
+    settings = LossSettings.from_config(config.learn)
     rng = np.random.default_rng(0)
     b = config.rollout.batch_size
     steps = []

@@ -168,8 +168,6 @@ class Tau2Env(Env):
             else None
         )
         self.environment: Environment | None = None
-        self.score: Tau2Score | None = None
-        """tau2's verdict, once `reward` ran (for tests and inspection)."""
         self.termination: str | None = None
         """"user_stop" or "agent_stop" once the conversation ended as tau2 ends it."""
         self._task: Tau2Task | None = None
@@ -270,7 +268,6 @@ class Tau2Env(Env):
             )
             if verdict.nl_skipped:
                 _warn_nl_skipped(self.domain)
-        self.score = verdict
         reward: dict[str, float] = {"task": verdict.reward}
         if self.partial_credit > 0:
             reward["partial"] = self.partial_credit * verdict.partial

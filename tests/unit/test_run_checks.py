@@ -4,31 +4,51 @@ wrong in one that is not; `check_run` adds C1, which needs the emulated trainer'
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
+import msgspec
+
 from dora.emulated.checks import check_accounting, check_run
+from dora.records import Consumed, Step, TrainerStep, write_summary, write_trainer_step
+from tests.unit.bench.fixtures import summary_record
 
 STEPS, B, K = 3, 2, 1
 
 
-def _write(run_dir: Path, *, steps: list[tuple[list[str], list[int]]], consumed: bool) -> None:
+def _write(
+    run_dir: Path,
+    *,
+    steps: list[tuple[list[str], list[int]]],
+    consumed: bool,
+    held_back_loads: int = 0,
+) -> None:
+    """A run directory as serve and the trainers write it (their record structs)."""
     admitted = sum(len(g) for g, _ in steps)
     extra = {"unassigned": 0, "admitted": admitted, "consumed": admitted, "filtered": 0}
-    (run_dir / "summary.json").write_text(json.dumps({"extra": {**extra, "rolled_back": 0}}))
+    extra |= {"rolled_back": 0, "held_back_loads": held_back_loads}
+    write_summary(run_dir / "summary.json", summary_record(steps=len(steps), extra=extra))
     rollout = [
-        {"kind": "step", "step": s, "groups": g, "versions": v} for s, (g, v) in enumerate(steps)
+        Step(step=s, groups=g, versions=v, staleness=[s - x for x in v], fill_s=0.1)
+        for s, (g, v) in enumerate(steps)
     ]
-    (run_dir / "rollout.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rollout))
-    learn = [{"step": s, "groups": len(g), "duplicate_groups": 0} for s, (g, _) in enumerate(steps)]
-    (run_dir / "learn-metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in learn))
+    (run_dir / "rollout.jsonl").write_bytes(
+        b"".join(msgspec.json.encode(r) + b"\n" for r in rollout)
+    )
+    for s, (g, _) in enumerate(steps):
+        metrics = {"groups": float(len(g)), "duplicate_groups": 0.0}
+        write_trainer_step(
+            run_dir / "learn-metrics.jsonl", TrainerStep(step=s, time=0.0, metrics=metrics)
+        )
     if consumed:
         rows = [
-            {"group": gid, "version": v, "token_versions": [v]}
-            for groups, versions in steps
+            Consumed(step=s, group=gid, version=v, incarnation=0, samples=2, masked=0,
+                     token_versions=[v])
+            for s, (groups, versions) in enumerate(steps)
             for gid, v in zip(groups, versions, strict=True)
-        ]
-        (run_dir / "consumed.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        ]  # fmt: skip
+        (run_dir / "consumed.jsonl").write_bytes(
+            b"".join(msgspec.json.encode(r) + b"\n" for r in rows)
+        )
 
 
 SOUND = [(["a", "b"], [0, 0]), (["c", "d"], [0, 1]), (["e", "f"], [1, 2])]
@@ -59,3 +79,9 @@ def test_accounting_names_a_group_in_two_steps_and_a_stale_one(tmp_path: Path) -
 def test_an_unfinished_run_says_so(tmp_path: Path) -> None:
     check = check_accounting(tmp_path, steps=STEPS, batch_size=B, staleness=K)
     assert not check.ok and "missing" in check.problems[0] and check.extra == {}
+
+
+def test_a_load_the_orchestrator_held_back_is_a_problem(tmp_path: Path) -> None:
+    _write(tmp_path, steps=SOUND, consumed=False, held_back_loads=2)
+    problems = check_accounting(tmp_path, steps=STEPS, batch_size=B, staleness=K).problems
+    assert problems == ["the orchestrator held back 2 loads (a rule missed a case)"]

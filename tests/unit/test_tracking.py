@@ -18,8 +18,8 @@ import pytest
 
 from dora.config import load_config
 from dora.errors import ConfigError
+from dora.records import Record, Trained, WeightLoad
 from dora.serve.metrics import MetricsLog
-from dora.serve.records import Record, Trained, WeightLoad
 from dora.tracking import open_tracking, scalars
 
 TICK = {

@@ -145,11 +145,11 @@ async def test_reference_actions_score_one_and_change_the_real_database(
             say("I created the task 'Important Meeting' for you."),
         ],
         [OPENING, "Great, thanks! ###STOP###"],
+        partial_credit=1.0,
     )
     assert not sample.masked, sample.metadata
-    assert sample.reward == 1.0
-    assert env.termination == "user_stop" and env.score is not None
-    assert env.score.breakdown == {"DB": 1.0, "COMMUNICATE": 1.0}
+    assert sample.reward_components == {"task": 1.0, "partial": 1.0}  # every check passed
+    assert env.termination == "user_stop"
     assert sample.num_turns == 2 and sample.num_tool_calls == 1
     # The tool call ran on tau2's database: a fresh environment has one task, this one has two.
     fresh = environment_factory("mock")().tools.db.tasks
@@ -186,7 +186,6 @@ async def test_wrong_action_scores_zero(chat_server: FakeChatServer) -> None:
     )
     assert not sample.masked
     assert sample.reward == 0.0
-    assert env.score is not None and env.score.breakdown["DB"] == 0.0
     assert db_tasks(env)["task_2"]["title"] == "Unimportant"  # it did change the database
 
 
@@ -238,15 +237,14 @@ async def test_transfer_and_partial_credit(chat_server: FakeChatServer) -> None:
     assert good.reward == pytest.approx(1.25)
     assert good.reward_components == {"task": 1.0, "partial": 0.25}
     # Refusing without transferring keeps the database right but misses the action: 0 + half.
-    env, bad = await play(
+    _, bad = await play(
         chat_server,
         "impossible_task_1",
         [say("I cannot do that.")],
         ["Delete all my tasks.", "###STOP###"],
         partial_credit=0.25,
     )
-    assert env.score is not None and env.score.partial == 0.5
-    assert bad.reward_components == {"task": 0.0, "partial": 0.125}
+    assert bad.reward_components == {"task": 0.0, "partial": 0.125}  # half the checks passed
 
 
 async def test_agent_stop_and_turn_limit(chat_server: FakeChatServer) -> None:
@@ -347,7 +345,7 @@ async def test_telecom_user_simulator_runs_its_own_tools(chat_server: FakeChatSe
         {"role": "assistant", "content": None, "tool_calls": [tool_call]},
         "I turned roaming on, it works now. ###STOP###",
     ]
-    env = Tau2Env(domain="telecom", user_url=chat_server.url)
+    env = Tau2Env(domain="telecom", user_url=chat_server.url, partial_credit=1.0)
     agent = ScriptedAgent([say("Please turn on data roaming in your phone settings.")])
     sample = await run_episode(
         sampler=agent,
@@ -364,9 +362,9 @@ async def test_telecom_user_simulator_runs_its_own_tools(chat_server: FakeChatSe
     third = cast("list[dict[str, str]]", chat_server.requests[2]["messages"])
     assert third[-1]["role"] == "tool" and third[-1]["tool_call_id"] == "u1"
     assert env.environment is not None and env.environment.user_tools.db.device.roaming_enabled
-    assert env.termination == "user_stop" and env.score is not None
+    assert env.termination == "user_stop"
     # Roaming on is one of the task's env assertions, so partial progress shows in the checks.
-    assert 0.0 < env.score.partial <= 1.0
+    assert 0.0 < sample.reward_components["partial"] <= 1.0
 
 
 async def test_the_user_simulator_keeps_one_session_that_close_ends(

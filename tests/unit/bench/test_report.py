@@ -7,17 +7,22 @@ import base64
 import re
 from pathlib import Path
 
-from dora.report import load_run, main, read_jsonl, version_segments, write_report
+from dora.records import Budget, TrainerStep, read_records, read_trainer_steps
+from dora.report import load_run, main, version_segments, write_report
 from tests.unit.bench.fixtures import write_run
 
 PNG_MAGIC = b"\x89PNG"
 
 
 def test_partial_and_broken_lines_are_skipped(tmp_path: Path) -> None:
-    path = tmp_path / "x.jsonl"
-    path.write_text('{"a": 1}\nnot json\n[1, 2]\n{"b": 2}\n{"c": ')
-    assert read_jsonl(path) == [{"a": 1}, {"b": 2}]
-    assert read_jsonl(tmp_path / "missing.jsonl") == []
+    path = tmp_path / "rollout.jsonl"
+    budget = '{"kind": "budget", "time_s": 2.5, "max_minutes": 1.0, "last_step": 3}'
+    path.write_text(f'not json\n[1, 2]\n{{"kind": "nope"}}\n{budget}\n{{"kind": "budget", ')
+    assert read_records(path) == [Budget(time_s=2.5, max_minutes=1.0, last_step=3)]
+    assert read_records(tmp_path / "missing.jsonl") == []
+    learn = tmp_path / "learn-metrics.jsonl"
+    learn.write_text('{"step": 0, "time": 5.0, "loss": 1.5}\n{"x": "y"}\n{"step": 1, "ti')
+    assert read_trainer_steps(learn) == [TrainerStep(step=0, time=5.0, metrics={"loss": 1.5})]
 
 
 def test_versions_per_instance_follow_the_weight_loads(tmp_path: Path) -> None:
@@ -98,7 +103,7 @@ def test_eval_records_become_the_accuracy_curve(tmp_path: Path) -> None:
         evals=True,
     )
     data = load_run(run)
-    assert [round(e["accuracy"], 2) for e in data.evals] == [0.2, 0.3, 0.4, 0.5]
+    assert [round(e.accuracy, 2) for e in data.evals] == [0.2, 0.3, 0.4, 0.5]
     text = write_report(run).read_text()
     assert "No accuracy is recorded" not in text
     no_evals = write_run(

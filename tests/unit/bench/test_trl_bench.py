@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
+
+import msgspec
 
 from dora.bench.trl import dora_curve, grpo_args
 from dora.config import load_config
+from dora.records import Trained
+from tests.unit.bench.fixtures import eval_record
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -27,12 +30,14 @@ def test_trl_gets_the_same_workload_settings(tmp_path: Path) -> None:
 
 def test_dora_curve_puts_each_version_at_the_time_its_last_step_trained(tmp_path: Path) -> None:
     records = [
-        {"kind": "eval", "time_s": 1.0, "version": 0, "accuracy": 0.25},
-        {"kind": "trained", "time_s": 4.0, "step": 0},
-        {"kind": "trained", "time_s": 6.0, "step": 1},
-        {"kind": "eval", "time_s": 7.5, "version": 2, "accuracy": 0.5},
+        eval_record(1.0, step=0, accuracy=0.25),
+        Trained(time_s=4.0, step=0, metrics={}),
+        Trained(time_s=6.0, step=1, metrics={}),
+        eval_record(7.5, step=2, accuracy=0.5),
     ]
-    (tmp_path / "rollout.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    (tmp_path / "rollout.jsonl").write_bytes(
+        b"".join(msgspec.json.encode(r) + b"\n" for r in records)
+    )
     assert dora_curve(tmp_path, 2) == {
         "steps": 2,
         "seconds": 6.0,

@@ -20,6 +20,7 @@ from dora.serve.episode import (
     run_episode,
     run_group,
 )
+from dora.serve.history import masked_reason
 from dora.tools import tool_schema
 
 pytestmark = pytest.mark.timeout(30)
@@ -325,6 +326,9 @@ async def test_group_policy_mask_and_retry(tokenizer, scripted) -> None:
 
     samples = await run_group(env_factory=broken_factory, **kwargs)  # type: ignore[arg-type]
     assert all(s.masked for s in samples)
+    # counted under one reason, whether serve's dispatcher or run_group started the episode
+    reasons = {masked_reason(s.metadata, s.finish_reason) for s in samples}
+    assert reasons == {"env factory"}
 
 
 async def test_limits_end_the_episode(tokenizer, scripted) -> None:

@@ -19,10 +19,10 @@ from dora.core.orchestrator import Action, Load, Orchestrator
 from dora.env import Env, Episode, Message, Task
 from dora.models.tiny import char_tokenizer
 from dora.protocol import Completion, SamplingParams
+from dora.records import Record
 from dora.serve.episode import ChatRenderer
 from dora.serve.evaluate import Evaluator
 from dora.serve.placement import Placement
-from dora.serve.records import Record
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -92,7 +92,7 @@ class FakeMetrics:
     def write(self, record: Record) -> None:
         fields = msgspec.to_builtins(record)
         self.records.append(
-            (fields.pop("kind"), {"time_s": time.monotonic() - self.start, **fields})
+            (fields.pop("kind"), {**fields, "time_s": time.monotonic() - self.start})
         )
 
 

@@ -4,9 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from dora.serve.history import masked_reason, read_history
-from dora.serve.metrics import MetricsLog
-from dora.serve.records import (
+from dora.records import (
     Eval,
     InstanceFailed,
     InstanceRestarted,
@@ -15,6 +13,8 @@ from dora.serve.records import (
     ServeStart,
     WeightLoad,
 )
+from dora.serve.history import masked_reason, read_history
+from dora.serve.metrics import MetricsLog
 
 
 def _eval(version: int, accuracy: float) -> Eval:

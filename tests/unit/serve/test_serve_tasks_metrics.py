@@ -10,8 +10,8 @@ import pytest
 
 from dora.config import load_config
 from dora.errors import ConfigError
+from dora.records import Record
 from dora.serve.metrics import MetricsLog, Ticker
-from dora.serve.records import Record
 
 
 async def test_metrics_log_and_ticker(tmp_path: Path) -> None:

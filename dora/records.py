@@ -1,13 +1,23 @@
-"""The records of `rollout.jsonl`, one msgspec struct per kind.
+"""The records a run directory holds, one msgspec struct per kind, and the one reader of each file.
 
-`MetricsLog.write` takes one of these and writes `{"kind": ..., "time_s": ..., <fields>}`; the
-field names are the file's, so `dora report`, the benches and earlier run directories read it as
-before. `read_records` decodes a file back into these types (lines of other kinds, and lines torn
-by a kill, are skipped). `metrics.py` says when each record is written.
+- `rollout.jsonl` (serve): `MetricsLog.write` takes a `Record` and writes `{"kind": ..., "time_s":
+  ..., <fields>}`; `read_records` decodes the file back into these types (lines of other kinds,
+  and lines torn by a kill, are skipped). `dora/serve/metrics.py` says when each is written.
+- `summary.json` (serve, at the end): a `RolloutReport` without its `kind` and `time_s`;
+  `write_summary`, `read_summary`.
+- `learn-metrics.jsonl` (the trainer, per step): `TrainerStep`, written flat as `{"step", "time",
+  <metric>...}` by `write_trainer_step` and read by `read_trainer_steps`.
+- `consumed.jsonl` (the emulated trainer, per consumed group): `Consumed`; `read_consumed`.
+
+The field names are the files', so `dora report`, the benches, the run checks and earlier run
+directories read them as before. The module stands outside serve because learn and the emulated
+backend, which may not import serve, write and read them too.
 """
 
 from __future__ import annotations
 
+import json
+import math
 import typing
 from pathlib import Path
 
@@ -15,6 +25,7 @@ import msgspec
 
 __all__ = [
     "Budget",
+    "Consumed",
     "Drain",
     "Eval",
     "InstanceFailed",
@@ -34,16 +45,25 @@ __all__ = [
     "Tick",
     "TickEval",
     "Trained",
+    "TrainerStep",
     "Undrain",
     "WeightLoad",
     "WeightLoadTimeout",
+    "decode_record",
+    "read_consumed",
     "read_records",
+    "read_summary",
+    "read_trainer_steps",
+    "write_summary",
+    "write_trainer_step",
 ]
 
 
 class Record(msgspec.Struct, kw_only=True, tag_field="kind"):
-    """One line of `rollout.jsonl` (the `kind` is the struct's tag; `time_s` is added when it is
-    written: seconds since the log was opened)."""
+    """One line of `rollout.jsonl` (the `kind` is the struct's tag)."""
+
+    time_s: float = 0.0
+    """Seconds since the log was opened; `MetricsLog.write` sets it."""
 
 
 class ServeStart(Record, tag="serve_start"):
@@ -67,8 +87,13 @@ class Restore(Record, tag="restore"):
 
 class Trained(Record, tag="trained"):
     step: int
-    metrics: dict[str, float]
-    """The trainer's metrics of the step (its `StepDone`)."""
+    metrics: dict[str, float | None]
+    """The trainer's metrics of the step (its `StepDone`); None where the value was not finite
+    (JSON has no infinity or NaN: the log writes them as `null`)."""
+
+    def numbers(self) -> dict[str, float]:
+        """`metrics`, with NaN for a value that was not finite."""
+        return {k: math.nan if v is None else v for k, v in self.metrics.items()}
 
 
 class Step(Record, tag="step"):
@@ -290,21 +315,111 @@ class _Kind(msgspec.Struct):
     kind: str = ""
 
 
+_kind_of = msgspec.json.Decoder(_Kind).decode
+_decode = msgspec.json.Decoder(_Known).decode
+
+
+def decode_record(line: bytes) -> Record | None:
+    """One line of `rollout.jsonl` as its struct; None for another kind or a line that does not
+    decode (torn by a kill, or written before a field existed)."""
+    try:
+        if _kind_of(line).kind in _KINDS:
+            return _decode(line)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        pass
+    return None
+
+
 def read_records(path: Path, *, kinds: set[str] | None = None) -> list[Record]:
-    """The records of a `rollout.jsonl` (of `kinds` only, if given) as their structs; lines of
-    another kind, or that do not decode (torn by a kill, or written before a field existed), are
-    skipped."""
-    if not path.exists():
+    """The records of a `rollout.jsonl` (of `kinds` only, if given) as their structs; lines that
+    `decode_record` refuses are skipped."""
+    if not path.is_file():
         return []
-    kind_of = msgspec.json.Decoder(_Kind).decode
-    decode = msgspec.json.Decoder(_Known).decode
     out: list[Record] = []
     with path.open("rb") as f:
         for line in f:
+            record = decode_record(line)
+            if record is not None and (kinds is None or record.__struct_config__.tag in kinds):
+                out.append(record)
+    return out
+
+
+def write_summary(path: Path, report: RolloutReport) -> None:
+    """`summary.json`: the `summary` record without its `kind` and `time_s`, indented."""
+    fields = msgspec.structs.asdict(report)
+    del fields["time_s"]
+    path.write_bytes(msgspec.json.format(msgspec.json.encode(fields)))
+
+
+def read_summary(path: Path) -> RolloutReport | None:
+    """`summary.json` (written by a serve that finished), or None when missing or unreadable."""
+    try:
+        return msgspec.json.decode(path.read_bytes(), type=RolloutReport)
+    except (OSError, msgspec.DecodeError, msgspec.ValidationError):
+        return None
+
+
+class TrainerStep(msgspec.Struct, kw_only=True):
+    """One line of `learn-metrics.jsonl`: a trained step and the trainer's metrics of it."""
+
+    step: int
+    time: float
+    """Wall-clock (Unix) time the step ended."""
+    metrics: dict[str, float]
+    """`StepDone.metrics` (`dora/learn/metrics.py`); written flat beside `step` and `time`."""
+
+
+def write_trainer_step(path: Path, record: TrainerStep) -> None:
+    """Append `record` to `learn-metrics.jsonl`, flat: `{"step", "time", <metric>...}`.
+
+    With the standard library's JSON, which writes a metric with no value yet (`ratio_max` of a
+    step without tokens, say) as `Infinity`/`NaN` where msgspec would write `null`."""
+    line = {"step": record.step, "time": record.time, **record.metrics}
+    with path.open("a") as f:
+        f.write(json.dumps(line) + "\n")
+
+
+def read_trainer_steps(path: Path) -> list[TrainerStep]:
+    """The steps of a `learn-metrics.jsonl`, in file order; lines that do not decode are skipped
+    (the last one, while the trainer writes it)."""
+    if not path.is_file():
+        return []
+    out: list[TrainerStep] = []
+    with path.open("rb") as f:
+        for line in f:
             try:
-                kind = kind_of(line).kind
-                if kind in _KINDS and (kinds is None or kind in kinds):
-                    out.append(decode(line))
+                metrics = msgspec.convert(json.loads(line), dict[str, float])
+            except (ValueError, msgspec.ValidationError):
+                continue
+            if "step" in metrics and "time" in metrics:
+                step, time = int(metrics.pop("step")), metrics.pop("time")
+                out.append(TrainerStep(step=step, time=time, metrics=metrics))
+    return out
+
+
+class Consumed(msgspec.Struct, kw_only=True):
+    """One line of `consumed.jsonl`: a group the emulated trainer consumed."""
+
+    step: int
+    group: str
+    version: int
+    incarnation: int
+    samples: int
+    masked: int
+    token_versions: list[int]
+    """The versions that sampled its tokens, sorted (C1 is checked on these)."""
+
+
+def read_consumed(path: Path) -> list[Consumed]:
+    """The lines of a `consumed.jsonl`, in file order; lines that do not decode are skipped."""
+    if not path.is_file():
+        return []
+    decode = msgspec.json.Decoder(Consumed).decode
+    out: list[Consumed] = []
+    with path.open("rb") as f:
+        for line in f:
+            try:
+                out.append(decode(line))
             except (msgspec.DecodeError, msgspec.ValidationError):
                 continue
     return out
