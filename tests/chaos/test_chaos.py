@@ -21,8 +21,10 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
+import psutil
 import pytest
 
 from dora.emulated.checks import check_accounting as read_accounting
@@ -81,9 +83,40 @@ def _last_step(run_dir: Path) -> int:
     return int(json.loads(lines[-1])["step"]) if lines else -1
 
 
+def _running_calls(pid: int) -> int:
+    """How many calls the engine process `pid` is running now (its /metrics), 0 if it does not
+    answer."""
+    try:
+        ports = [
+            c.laddr.port
+            for c in psutil.Process(pid).net_connections(kind="tcp")
+            if c.status == psutil.CONN_LISTEN
+        ]
+        for port in ports:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2) as r:
+                return int(json.loads(r.read())["running"])
+    except (psutil.Error, OSError, KeyError, ValueError):
+        pass
+    return 0
+
+
+def _busy_instance(serve_pid: int, deadline: float) -> int | None:
+    """An instance with calls running. A stalled instance stops the run only through the calls
+    it holds: one that holds none (idle, or loading a version the other serves) is never
+    waited on, and the run may end before its health deadline comes."""
+    while time.monotonic() < deadline:
+        for pid in _instances(serve_pid):
+            if _running_calls(pid) > 0:
+                return pid
+        time.sleep(0.01)
+    return None
+
+
 def _kill(run_pid: int, fault: str) -> int | None:
     serve = _side(run_pid, "serve")
-    if fault in ("instance", "stall"):
+    if fault == "stall":
+        victim = _busy_instance(serve, time.monotonic() + 30) if serve else None
+    elif fault == "instance":
         victims = _instances(serve) if serve else []
         victim = victims[0] if victims else None
     else:
