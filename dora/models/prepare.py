@@ -32,8 +32,10 @@ def cache_root() -> Path:
 
 def model_key(config: DoraConfig) -> str:
     """A digest of every setting, and of the user code and data, that change the initial weights."""
+    model = msgspec.to_builtins(config.model)
+    model.pop("lora", None)  # adapters train on top of the same initial weights
     shaping = {
-        "model": msgspec.to_builtins(config.model),
+        "model": model,
         "env": msgspec.to_builtins(config.env),
         "data": [config.data.source, config.data.kwargs, config.data.seed]
         + ([config.data.split] if config.data.source == "env" else []),

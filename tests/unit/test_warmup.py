@@ -53,6 +53,14 @@ def test_warmup_learns_and_prepared_model_is_cached(
     assert model_key(reseeded) != model_key(config)
 
 
+def test_lora_settings_do_not_change_the_initial_model() -> None:
+    """A LoRA run trains adapters on the same warmed-up base: its settings must not send it to
+    warm up a model of its own (minutes on a CPU for the math example)."""
+    config = load_config(None, SMALL)
+    lora = load_config(None, [*SMALL, "model.lora.rank=8", "model.lora.alpha=32"])
+    assert model_key(lora) == model_key(config)
+
+
 def test_a_user_model_without_warmup_is_used_as_is() -> None:
     config = load_config(None, ["model.path=/models/mine"])
     assert prepare_model(config, log=False) == Path("/models/mine")
