@@ -27,9 +27,7 @@ from typing import Any
 import torch
 
 from dora.config import LoraSettings
-
-ADAPTER_FILE = "adapter_model.safetensors"
-ADAPTER_CONFIG = "adapter_config.json"
+from dora.instance.adapter_folder import ADAPTER_CONFIG, ADAPTER_FILE, adapter_config
 
 
 def enabled(settings: LoraSettings) -> bool:
@@ -115,20 +113,5 @@ def save_published_adapter(
 
     folder.mkdir(parents=True, exist_ok=True)
     save_file(dict(tensors), str(folder / ADAPTER_FILE))
-    ranks = {int(t.shape[0]) for n, t in tensors.items() if ".lora_A." in n}
-    rank = ranks.pop() if len(ranks) == 1 else 0
-    modules = sorted({n.split(".lora_")[0].rsplit(".", 1)[-1] for n in tensors})
-    config = {
-        "peft_type": "LORA",
-        "task_type": "CAUSAL_LM",
-        "base_model_name_or_path": base_model,
-        "r": rank,
-        "lora_alpha": rank,
-        "lora_dropout": 0.0,
-        "target_modules": modules,
-        "bias": "none",
-        "fan_in_fan_out": False,
-        "use_rslora": False,
-        "inference_mode": True,
-    }
+    config = adapter_config(((n, t.shape) for n, t in tensors.items()), base_model=base_model)
     (folder / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")

@@ -140,7 +140,8 @@ class Rollout:
             spawn=self.spawn,
             replace=replace_instance,
             # The embedded engine holds LoRA versions as adapters over one base model.
-            multi_version=config.serve.backend == "embedded" and config.model.lora.rank > 0,
+            multi_version=config.serve.backend in ("embedded", "vllm")
+            and config.model.lora.rank > 0,
         )
         restored = self.queue.restore()  # before the dispatcher, which continues the prompt stream
         self.stats.completed = len(restored.groups)

@@ -47,7 +47,7 @@ from dora.protocol import Completion, FinishReason, SamplingParams
 if TYPE_CHECKING:
     from typing_extensions import Unpack
 
-__all__ = ["VllmClient"]
+__all__ = ["VllmClient", "write_safetensors"]
 
 Json = dict[str, object]
 _FINISH: dict[str, FinishReason] = {"stop": "stop", "length": "length", "abort": "abort"}
@@ -98,25 +98,41 @@ class VllmClient(EngineClient):
         timeout_s: float | None = None,
     ) -> Completion:
         """Sample one completion of `prompt_ids`; `version` pins it (else VersionMismatch)."""
-        if request_id in self._inflight:
-            raise RequestError(f"generate: request_id {request_id!r} is already in flight")
         await self._ready.wait()  # a load in progress decides which version this request gets
         held = self.version
         if version is not None and version != held:
             raise VersionMismatch(
                 f"generate: {self.base_url} holds version {held}, the request needs {version}"
             )
+        return await self._complete(prompt_ids, params, request_id, held, timeout_s)
+
+    async def _complete(
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        request_id: str,
+        version: int,
+        timeout_s: float | None,
+        *,
+        model: str | None = None,
+    ) -> Completion:
+        """`POST /v1/completions`, tagged `version`; `model` names a LoRA adapter (None: the
+        served model)."""
+        if request_id in self._inflight:
+            raise RequestError(f"generate: request_id {request_id!r} is already in flight")
         body: Json = {
             **generate_body(prompt_ids, params, request_id),  # SamplingParams' names are vLLM's
-            # Without it, ids whose text is empty collide in top_logprobs (research note §1).
+            # Without it, ids whose text is empty collide in top_logprobs.
             "return_tokens_as_token_ids": True,
             "skip_special_tokens": False,
         }
+        if model is not None:
+            body["model"] = model
         done: asyncio.Future[Completion] = asyncio.get_running_loop().create_future()
         self._inflight[request_id] = done
         try:
             out = await self._post("/v1/completions", body, timeout_s or self.timeout_s, "generate")
-            completion = _completion(out, request_id, len(prompt_ids), held)
+            completion = _completion(out, request_id, len(prompt_ids), version)
         except BaseException:
             done.cancel()  # an abort waiting on it learns that no completion came back
             raise
@@ -149,7 +165,7 @@ class VllmClient(EngineClient):
             staged = os.path.join(
                 self.stage_dir, f"dora-v{version}-{uuid.uuid4().hex[:8]}.safetensors"
             )
-            await asyncio.to_thread(_write_safetensors, staged, tensors)
+            await asyncio.to_thread(write_safetensors, staged, tensors)
             path, tensors = staged, None
         try:
             return await self._load(version, path, tensors, mode, deadline)
@@ -320,7 +336,7 @@ _SAFETENSORS_DTYPES = {
 }  # fmt: skip
 
 
-def _write_safetensors(path: str, tensors: Mapping[str, tuple[str, list[int], bytes]]) -> None:
+def write_safetensors(path: str, tensors: Mapping[str, tuple[str, list[int], bytes]]) -> None:
     """Raw little-endian tensors as a safetensors file (the format is a JSON header and the
     bytes; no torch needed here)."""
     header: dict[str, object] = {}

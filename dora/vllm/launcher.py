@@ -49,6 +49,7 @@ from dora.errors import ConfigError, ServerTimeout, ServerUnavailable
 from dora.instance import InstanceHandle
 from dora.instance.client import SERVER_KEEPALIVE_S
 from dora.net import free_port, is_loopback
+from dora.vllm.adapters import VllmAdapterClient
 from dora.vllm.client import VllmClient
 
 if TYPE_CHECKING:
@@ -120,6 +121,11 @@ class VllmSpec:
     control_timeout_s: float = 120.0
     token: str = ""
     """Bearer token: `VLLM_API_KEY` of the servers started, sent by every client; '' is none."""
+    max_lora_rank: int = 0
+    """0: full-weight versions. Else every version is a LoRA adapter of at most this rank: the
+    servers run with `--enable-lora` and the clients are `VllmAdapterClient`s."""
+    max_loras: int = 8
+    """Adapters one batch may mix (`--max-loras`)."""
 
 
 # Runs the server module as `python -m` would, after asking Linux to SIGTERM the server when the
@@ -157,7 +163,24 @@ def server_command(spec: VllmSpec, port: int, *, bootstrap: bool = False) -> lis
         args.append("--enforce-eager")
     if spec.tensor_parallel_size > 1:
         args += ["--tensor-parallel-size", str(spec.tensor_parallel_size)]
+    if spec.max_lora_rank:
+        args += ["--enable-lora", "--max-lora-rank", str(_lora_rank(spec.max_lora_rank))]
+        args += ["--max-loras", str(spec.max_loras)]
     return [*args, *spec.extra_args]
+
+
+_LORA_RANKS = (8, 16, 32, 64, 128, 256, 320, 512)
+"""The ranks `--max-lora-rank` accepts beyond 1."""
+
+
+def _lora_rank(rank: int) -> int:
+    """The smallest rank vLLM accepts that holds adapters of `rank`."""
+    for r in (1, *_LORA_RANKS):
+        if r >= rank:
+            return r
+    raise ConfigError(
+        f"model.lora.rank = {rank}: vLLM serves adapters of rank {_LORA_RANKS[-1]} at most"
+    )
 
 
 def server_env(spec: VllmSpec, index: int = 0) -> dict[str, str]:
@@ -176,6 +199,8 @@ def server_env(spec: VllmSpec, index: int = 0) -> dict[str, str]:
     )
     if spec.token:
         env["VLLM_API_KEY"] = spec.token
+    if spec.max_lora_rank:
+        env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"  # /v1/load_lora_adapter
     env.update(spec.env)
     if spec.devices:
         env["CUDA_VISIBLE_DEVICES"] = spec.devices[index % len(spec.devices)]
@@ -323,7 +348,8 @@ def _handle(server_id: str, url: str, spec: VllmSpec, stop: VllmServer | None) -
     stage_dir = spec.stage_dir
     if stage_dir is None and stop is not None:
         stage_dir = str(stop.log_path.parent)  # a server dora started runs on this host
-    client = VllmClient(
+    kind = VllmAdapterClient if spec.max_lora_rank else VllmClient
+    client = kind(
         url,
         timeout_s=spec.request_timeout_s,
         control_timeout_s=spec.control_timeout_s,
@@ -404,6 +430,8 @@ def spec_from_config(config: DoraConfig, model_dir: str, *, log_dir: str | None 
         devices=tuple(serve.vllm_devices),
         tensor_parallel_size=serve.vllm_tensor_parallel,
         stage_dir=serve.stage_dir or None,
+        max_lora_rank=config.model.lora.rank,
+        max_loras=config.rollout.staleness + 2,  # the versions K leases may span, and the next
     )
 
 

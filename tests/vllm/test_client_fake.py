@@ -11,6 +11,8 @@ and launcher errors that need no server.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
 import os
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -37,6 +39,7 @@ class FakeVllm:
     fail_load: bool = False
     registered: asyncio.Event = field(default_factory=asyncio.Event)
     ignore_first_abort: bool = False
+    adapter_configs: list[dict[str, object]] = field(default_factory=list)
 
     def app(self) -> web.Application:
         app = web.Application()
@@ -45,6 +48,8 @@ class FakeVllm:
         for route in ("/pause", "/resume", "/reset_prefix_cache", "/update_weight_version"):
             app.router.add_post(route, self.ok)
         app.router.add_post("/abort_requests", self.abort)
+        app.router.add_post("/v1/load_lora_adapter", self.lora)
+        app.router.add_post("/v1/unload_lora_adapter", self.lora)
         app.router.add_get("/health", self.health)
         app.router.add_get("/weight_info", self.weight_info)
         return app
@@ -65,6 +70,19 @@ class FakeVllm:
         if self.fail_load:
             return web.json_response({"error": {"message": "boom"}}, status=500)
         return web.json_response({"results": [{"tensors": 1}]})
+
+    async def lora(self, request: web.Request) -> web.Response:
+        """Records `load:<name>:<files in the folder>` or `unload:<name>`."""
+        body = await request.json()
+        if request.path.endswith("/load_lora_adapter"):
+            files = ",".join(sorted(os.listdir(body["lora_path"])))
+            self.calls.append(f"load:{body['lora_name']}:{files}")
+            self.adapter_configs.append(
+                json.loads((Path(body["lora_path"]) / "adapter_config.json").read_text())
+            )
+        else:
+            self.calls.append(f"unload:{body['lora_name']}")
+        return web.Response(text="Success")
 
     async def abort(self, request: web.Request) -> web.Response:
         body = await request.json()
@@ -97,20 +115,29 @@ class FakeVllm:
         return web.json_response({"choices": [choice]})
 
 
-@pytest.fixture
-async def fake() -> AsyncIterator[tuple[FakeVllm, VllmClient]]:
-    server = FakeVllm()
+@contextlib.asynccontextmanager
+async def serving(server: FakeVllm) -> AsyncIterator[str]:
+    """`server` on 127.0.0.1 (a free port) until the block ends; yields its URL."""
     runner = web.AppRunner(server.app())
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
     port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    client = VllmClient(f"http://127.0.0.1:{port}", control_timeout_s=5, timeout_s=10)
     try:
-        yield server, client
+        yield f"http://127.0.0.1:{port}"
     finally:
-        await client.close()
         await runner.cleanup()
+
+
+@pytest.fixture
+async def fake() -> AsyncIterator[tuple[FakeVllm, VllmClient]]:
+    server = FakeVllm()
+    async with serving(server) as url:
+        client = VllmClient(url, control_timeout_s=5, timeout_s=10)
+        try:
+            yield server, client
+        finally:
+            await client.close()
 
 
 async def test_generate_body_and_completion(fake: tuple[FakeVllm, VllmClient]) -> None:
@@ -154,7 +181,7 @@ async def test_tensors_staged_as_safetensors(
     import torch
     from safetensors.torch import load_file
 
-    from dora.vllm.client import _write_safetensors
+    from dora.vllm.client import write_safetensors
 
     server, client = fake
     client.stage_dir = str(tmp_path)
@@ -165,7 +192,7 @@ async def test_tensors_staged_as_safetensors(
         "b": ("float32", [2], b.numpy().tobytes()),
     }
     path = str(tmp_path / "check.safetensors")
-    _write_safetensors(path, tensors)
+    write_safetensors(path, tensors)
     back = load_file(path)
     assert torch.equal(back["w"], w) and torch.equal(back["b"], b)
     await client.load_weights(1, tensors=tensors)
@@ -286,3 +313,59 @@ def test_config_reaches_the_vllm_spec() -> None:
     assert tuple(spec.devices) == ("0,1", "2,3") and spec.tensor_parallel_size == 2
     assert spec.stage_dir == "/shared/stage"
     assert spec_from_config(load_config(None), "/m").python is None
+
+
+async def test_adapter_versions_load_beside_each_other_and_pin_by_name(tmp_path: Path) -> None:
+    """A LoRA instance: loads add adapters without pausing anything, a generate names its
+    version's adapter (version 0: none), held versions come back in `health`, unloads drop them
+    and the folders the client staged."""
+    from dora.vllm.adapters import VllmAdapterClient, write_adapter_folder
+
+    server = FakeVllm()
+    stage = tmp_path / "stage"
+    stage.mkdir()
+    layer = "base_model.model.model.layers.0.self_attn.q_proj"
+    tensors = {
+        f"{layer}.lora_A.weight": ("float32", [8, 16], bytes(4 * 8 * 16)),
+        f"{layer}.lora_B.weight": ("float32", [16, 8], bytes(4 * 16 * 8)),
+    }
+    published = tmp_path / "v000001"  # as the filesystem transport publishes a version
+    published.mkdir()
+    write_adapter_folder(str(published), tensors)
+    async with serving(server) as url:
+        client = VllmAdapterClient(url, control_timeout_s=5, timeout_s=10, stage_dir=str(stage))
+        try:
+            params = SamplingParams(max_tokens=30)
+            running = asyncio.create_task(client.generate([1], params, request_id="r0", version=0))
+            await server.registered.wait()
+            await client.load_weights(1, path=str(published))
+            await client.load_weights(2, tensors=tensors)
+            assert not running.done(), "an adapter load waits for nothing running"
+            assert server.calls[1:] == [
+                "load:dora-v1:adapter_config.json,adapter_model.safetensors",
+                "load:dora-v2:adapter_config.json,adapter_model.safetensors",
+            ]
+            config = server.adapter_configs[-1]
+            assert (config["r"], config["lora_alpha"]) == (8, 8)
+            assert config["target_modules"] == ["q_proj"]
+            assert (await client.health())["versions"] == [0, 1, 2] and client.version == 2
+            one = await client.generate(
+                [1], SamplingParams(max_tokens=2), request_id="r1", version=1
+            )
+            assert one.versions == [1, 1] and (await running).versions == [0] * 30
+            assert "model" not in server.bodies[0] and server.bodies[1]["model"] == "dora-v1"
+            assert len(os.listdir(stage)) == 1, "a staged adapter stays while vLLM may reread it"
+
+            with pytest.raises(VersionMismatch):
+                await client.unload_weights(2)  # the newest is kept
+            await client.unload_weights(1)
+            assert (await client.health())["versions"] == [0, 2]
+            with pytest.raises(VersionMismatch):
+                await client.generate([1], params, request_id="r2", version=1)
+            await client.load_weights(3, tensors=tensors)
+            await client.unload_weights(2)
+            assert server.calls[-1] == "unload:dora-v2"
+            assert (await client.health())["versions"] == [0, 3]
+            assert len(os.listdir(stage)) == 1, "version 2's staged folder went with it"
+        finally:
+            await client.close()
