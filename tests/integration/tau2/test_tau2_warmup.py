@@ -58,13 +58,15 @@ async def test_the_warmed_up_model_calls_tools_and_ends_its_turns(warmed: Path) 
             task=TASK,
             group_size=4,
             # One task and 80 steps leave the call's JSON brittle at temperature 1; the example's
-            # warm-up (all nine tasks, 200 steps) holds at 1 (docs/tau2.md has its numbers).
-            params=SamplingParams(max_tokens=256, temperature=0.3),
+            # warm-up (all nine tasks, 200 steps) holds at 1 (docs/tau2.md has its numbers). At 0.3
+            # 26-29 of 32 episodes went the demonstrated way (three warm-ups), so 4 of them failed
+            # this test about once in a hundred runs (CI saw 1 of 4); at 0.1, 32 of 32 (two).
+            params=SamplingParams(max_tokens=256, temperature=0.1),
             limits=EpisodeLimits(max_turns=4, max_total_tokens=256, context_limit=4096),
         )
     assert not any(s.masked for s in samples), [s.metadata for s in samples]
 
-    # Sampling may spoil an episode; most of them must go the demonstrated way: a tool call that
+    # Sampling may spoil an episode; nearly all must go the demonstrated way: a tool call that
     # tau2 ran and that created the task in tau2's DB, then a message that ends its turn, answered
     # by the user, who stops. (A call to another tool, or with arguments tau2 refused, is spoilt.)
     def created(env: Tau2Env) -> int:
@@ -84,5 +86,5 @@ async def test_the_warmed_up_model_calls_tools_and_ends_its_turns(warmed: Path) 
         and env.termination == "user_stop"
         and created(env) == 1
     ]
-    assert len(good) >= 2, outcomes
+    assert len(good) >= 3, outcomes
     assert all(s.finish_reason == "stop" for s in good), outcomes
