@@ -11,6 +11,7 @@ step 4 (steps 1 and 3 durable) and a second incarnation that resumes at step 4.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
 import time
@@ -22,6 +23,7 @@ import torch
 from safetensors.torch import load_file
 
 from dora.config import DoraConfig, ServeConfig, load_config
+from dora.errors import ServerTimeout
 from dora.link import LearnLink
 from dora.protocol import (
     Assigned,
@@ -74,10 +76,19 @@ class ToyTrainer:
         self.trained: list[int] = []
         self.shutdown = False
         self.error: BaseException | None = None
+        self._stop = threading.Event()
         self._thread = threading.Thread(target=self._main, name="toy-trainer", daemon=True)
 
     def start(self) -> None:
         self._thread.start()
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """End the trainer's loop now (it stops waiting for serve) and join it; its error, if it
+        had one before, is dropped."""
+        self._stop.set()
+        self._thread.join(timeout_s)
+        if self._thread.is_alive():
+            raise TimeoutError("the toy trainer did not stop")
 
     def join(self, timeout_s: float = 30.0) -> None:
         self._thread.join(timeout_s)
@@ -115,7 +126,9 @@ class ToyTrainer:
             if step > 0:  # like dora learn: a resumed trainer publishes its starting version again
                 self._publish(link, step)
             while not self.shutdown:
-                msg = link.recv(timeout_s=self.timeout_s, waiting_for=f"groups of step {step}")
+                msg = self._recv(link, f"groups of step {step}")
+                if msg is None:
+                    return  # stopped
                 match msg:
                     case Assigned(step=s, group=g):
                         assert s >= step, f"group {g.id} assigned to step {s}, already trained"
@@ -147,6 +160,19 @@ class ToyTrainer:
                     step += 1
         finally:
             link.close()
+
+    def _recv(self, link: LearnLink, waiting_for: str) -> object | None:
+        """The next message, within `timeout_s`; None once `stop()` was called."""
+        deadline = time.monotonic() + self.timeout_s
+        while not self._stop.is_set():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise ServerTimeout(
+                    f"the toy trainer waited {self.timeout_s:g} s for {waiting_for}"
+                )
+            with contextlib.suppress(ServerTimeout):
+                return link.recv(timeout_s=min(0.25, left), waiting_for=waiting_for)
+        return None
 
     def _publish(self, link: LearnLink, version: int) -> None:
         weights = self.weights(version)
