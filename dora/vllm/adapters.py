@@ -110,7 +110,7 @@ class VllmAdapterClient(VllmClient):
             return out
         deadline = timeout_s or self.control_timeout_s
         loop = asyncio.get_running_loop()
-        started = loop.time()
+        started, previous = loop.time(), self.version
         try:
             async with asyncio.timeout(deadline):
                 if version in self.held:  # the same number, other weights (after a roll-back)
@@ -124,16 +124,21 @@ class VllmAdapterClient(VllmClient):
                     {"lora_name": adapter_name(version), "lora_path": path},
                     "load adapter",
                 )
-        except TimeoutError:
-            raise ServerTimeout(
-                f"load: {self.base_url} did not load adapter {version} within {deadline:g} s"
-            ) from None
+        except BaseException as exc:
+            staged = self._staged.pop(version, None)
+            if staged is not None:  # vLLM holds no adapter from it
+                await asyncio.to_thread(shutil.rmtree, staged, True)
+            if isinstance(exc, TimeoutError):
+                raise ServerTimeout(
+                    f"load: {self.base_url} did not load adapter {version} within {deadline:g} s"
+                ) from None
+            raise
         self.held.add(version)
         self.version = max(self.held)
         self.loads += 1
         return {
             "version": version,
-            "previous_version": version,
+            "previous_version": previous,
             "aborted": 0,
             "load_s": loop.time() - started,
             "versions": sorted(self.held),
