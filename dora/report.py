@@ -47,7 +47,7 @@ from dora.records import (
     read_trainer_steps,
 )
 
-__all__ = ["RunData", "load_run", "main", "write_report"]
+__all__ = ["RunData", "load_run", "main", "plot_accuracy_vs_time", "write_report"]
 
 
 @dataclass(kw_only=True)
@@ -147,6 +147,22 @@ def plot_reward(run: RunData, path: Path) -> str:
         )
     _save(fig, path)
     return note
+
+
+def plot_accuracy_vs_time(
+    curves: dict[str, list[tuple[float, float]]], path: Path, *, title: str
+) -> None:
+    """Held-out accuracy against wall-clock seconds, one line per named run (several trainers
+    on one workload: what each reaches by a given time)."""
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(6.4, 3.6))
+    for name, points in curves.items():
+        pts = sorted(points)
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name)
+    ax.set(title=title, xlabel="seconds of training", ylabel="held-out accuracy (greedy)")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    _save(fig, path)
 
 
 def plot_throughput(run: RunData, path: Path) -> None:

@@ -16,8 +16,9 @@ environment: dora by its own evaluation (`eval` records), TRL by a callback at t
 in process (its time is left out of TRL's clock). Wall-clock seconds are counted from the start
 of training: for TRL from `train()`, for dora from the start of serve's rollout (its records'
 clock, which starts once its instances are up); the version w point is where step w-1 trained
-(dora: its `trained` record). Printed: steps/s and accuracy against seconds for each; written to
-`OUT/bench-trl.json`.
+(dora: its `trained` record). Printed: steps/s and accuracy against seconds for each, and
+`dora/trl steps/s ratio: X.XX`; written: `OUT/bench-trl.json` and the curves drawn in
+`OUT/bench-trl.png`.
 """
 
 from __future__ import annotations
@@ -34,8 +35,9 @@ from typing import Any
 from dora.config import DoraConfig, load_config
 from dora.errors import ConfigError
 from dora.records import Eval, Trained, read_records
+from dora.report import plot_accuracy_vs_time
 
-__all__ = ["dora_curve", "grpo_args", "main"]
+__all__ = ["dora_curve", "grpo_args", "main", "summary_lines"]
 
 
 def grpo_args(config: DoraConfig, out_dir: Path) -> dict[str, object]:
@@ -238,14 +240,31 @@ def main(argv: list[str] | None = None) -> int:
         results["dora"] = dora_curve(run_dir, config.learn.steps)
     results["trl"] = run_trl(config, out)
     (out / "bench-trl.json").write_text(json.dumps(results, indent=2))
+    for line in summary_lines(results):
+        print(line)
+    plot_accuracy_vs_time(
+        {name: [(p["seconds"], p["accuracy"]) for p in r["curve"]] for name, r in results.items()},
+        out / "bench-trl.png",
+        title=f"{Path(args.config).parent.name}: {config.learn.steps} steps",
+    )
+    print(f"accuracy against seconds: {out / 'bench-trl.png'}")
+    return 0
+
+
+def summary_lines(results: dict[str, Any]) -> list[str]:
+    """Each trainer's steps/s and accuracy curve, then `dora/trl steps/s ratio` if both ran."""
+    rates = {
+        name: (r["steps"] / r["seconds"] if r["seconds"] else 0.0) for name, r in results.items()
+    }
+    lines = []
     for name, r in results.items():
-        assert isinstance(r, dict)
-        rate = r["steps"] / r["seconds"] if r["seconds"] else 0.0
         points = ", ".join(
             f"v{p['version']} {p['accuracy']:.3f} @ {p['seconds']:.0f} s" for p in r["curve"]
         )
-        print(f"{name}: {rate:.3f} steps/s; held-out accuracy {points}")
-    return 0
+        lines.append(f"{name}: {rates[name]:.3f} steps/s; held-out accuracy {points}")
+    if rates.get("dora") and rates.get("trl"):
+        lines.append(f"dora/trl steps/s ratio: {rates['dora'] / rates['trl']:.2f}")
+    return lines
 
 
 if __name__ == "__main__":

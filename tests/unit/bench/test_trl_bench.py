@@ -6,9 +6,10 @@ from pathlib import Path
 
 import msgspec
 
-from dora.bench.trl import dora_curve, grpo_args
+from dora.bench.trl import dora_curve, grpo_args, summary_lines
 from dora.config import load_config
 from dora.records import Trained
+from dora.report import plot_accuracy_vs_time
 from tests.unit.bench.fixtures import eval_record
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -46,3 +47,30 @@ def test_dora_curve_puts_each_version_at_the_time_its_last_step_trained(tmp_path
             {"version": 2, "seconds": 6.0, "accuracy": 0.5},
         ],
     }
+
+
+def test_summary_prints_each_curve_and_the_steps_per_second_ratio(tmp_path: Path) -> None:
+    results = {
+        "dora": {
+            "steps": 300,
+            "seconds": 120.0,
+            "curve": [{"version": 0, "seconds": 0.0, "accuracy": 0.5}],
+        },
+        "trl": {
+            "steps": 300,
+            "seconds": 360.0,
+            "curve": [{"version": 0, "seconds": 0.0, "accuracy": 0.5}],
+        },
+    }
+    lines = summary_lines(results)
+    assert lines[0] == "dora: 2.500 steps/s; held-out accuracy v0 0.500 @ 0 s"
+    assert lines[1].startswith("trl: 0.833 steps/s")
+    assert lines[-1] == "dora/trl steps/s ratio: 3.00"
+    assert not any("ratio" in line for line in summary_lines({"trl": results["trl"]}))
+    png = tmp_path / "curves.png"
+    plot_accuracy_vs_time(
+        {name: [(p["seconds"], p["accuracy"]) for p in r["curve"]] for name, r in results.items()},
+        png,
+        title="t",
+    )
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
