@@ -227,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
     config = load_config(args.config, overrides)
     out = Path(args.out or f"runs/bench-trl-{time.strftime('%Y%m%d-%H%M%S')}")
     out.mkdir(parents=True, exist_ok=True)
-    results: dict[str, object] = {}
+    results: dict[str, Any] = {}
     if not args.skip_dora:
         run_dir = out / "dora"
         cmd = [sys.executable, "-m", "dora.cli", "run", args.config, *overrides]
