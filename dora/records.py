@@ -285,6 +285,9 @@ class RolloutReport(Record, tag="summary"):
     """Masked samples by what failed (`reset raised KeyError`, `reward`, ...); `extra` holds
     their total (`masked_samples`)."""
     extra: dict[str, float] = msgspec.field(default_factory=dict)
+    core_s_by_call: dict[str, float] = msgspec.field(default_factory=dict)
+    """Seconds spent in each method of the transfer queue (journal writes included) and the
+    orchestrator over the run, as `Type.method`: what the ticks' `core_s` is made of."""
 
 
 _Known = (

@@ -141,6 +141,8 @@ class Overheads:
     journal_writes_per_s: float
     core_s_per_step: float
     core_share: float
+    core_by_call: dict[str, float]
+    """The run's orchestration seconds by `Type.method` (its summary record)."""
     checked_groups: int
     problems: list[str]
 
@@ -184,6 +186,7 @@ def overheads(result: ModeResult, *, scale: float, checked: tuple[int, list[str]
         journal_writes_per_s=rate(lambda t: t.journal_writes),
         core_s_per_step=core,
         core_share=core / result.step_s if result.step_s else 0.0,
+        core_by_call=dict(run.summary.core_s_by_call) if run.summary is not None else {},
         checked_groups=checked[0],
         problems=checked[1],
     )
@@ -322,6 +325,10 @@ def main(argv: list[str] | None = None) -> int:
         status = "ok" if not o.problems else "FAILED: " + "; ".join(o.problems[:5])
         failed |= bool(o.problems)
         print(f"checks {name}: C1-C3 and accounting on {o.checked_groups} groups: {status}")
+        if o.core_by_call:
+            top = sorted(o.core_by_call.items(), key=lambda kv: -kv[1])[:4]
+            parts = ", ".join(f"{k} {v:.2f} s" for k, v in top)
+            print(f"orchestration {name}, whole run, largest: {parts}")
     by = {r.name: r for r in results}
     if "dora" in sims:
         sim_lines = [

@@ -189,4 +189,7 @@ class Snapshots:
             tick_versions_serving=self._tick_versions_serving,
             masked_reasons=reasons,
             extra=extra,
+            core_s_by_call={
+                k: round(v, 4) for k, v in sorted(self._core.by_call.items(), key=lambda kv: -kv[1])
+            },
         )
