@@ -35,7 +35,7 @@ def test_calls_are_timed_in_total_and_by_type_and_method() -> None:
     assert clock.calls == 4
     assert set(clock.by_call) == {"Queue.slow", "Queue.fast", "Orchestrator.slow"}
     assert clock.by_call["Queue.slow"] >= 0.04
-    assert 0.01 <= clock.by_call["Orchestrator.slow"] < clock.by_call["Queue.slow"]
+    assert clock.by_call["Orchestrator.slow"] >= 0.01
     assert abs(sum(clock.by_call.values()) - clock.seconds) < 1e-9
 
 
