@@ -22,6 +22,7 @@ import sys
 import time
 from pathlib import Path
 
+from dora.heap import settle_heap
 from dora.instance.client import SERVER_KEEPALIVE_S
 from dora.sim.costs import apply_overrides, preset
 
@@ -75,6 +76,7 @@ async def _serve(args: argparse.Namespace) -> dict[str, object]:
             await site.start()
             host, port = runner.addresses[0][:2]
             print(f"http://{host}:{port}", flush=True)
+        settle_heap()
         probe = asyncio.create_task(_lag_probe(lags))
         await stop.wait()
         probe.cancel()

@@ -17,7 +17,6 @@ Responses are encoded with msgspec (the engine's JSON responses are the same sha
 from __future__ import annotations
 
 import asyncio
-from collections import OrderedDict
 
 import msgspec
 from aiohttp import web
@@ -38,7 +37,7 @@ class EmulatedServer:
     def __init__(self, instance: EmulatedInstance, *, model_name: str = "emulated") -> None:
         self.instance = instance
         self.model_name = model_name
-        self.recent: OrderedDict[str, Completion] = OrderedDict()
+        self.recent = wire.RecentCompletions(256)  # an abort racing the end needs only the latest
         self.app = web.Application(client_max_size=_MAX_BODY)
         self.app.add_routes(
             [
@@ -71,11 +70,6 @@ class EmulatedServer:
         except ValueError as exc:
             return self._error(400, str(exc))
 
-    def _remember(self, out: Completion) -> None:
-        self.recent[out.request_id] = out
-        while len(self.recent) > 256:  # an abort racing the end needs only the latest
-            self.recent.popitem(last=False)
-
     async def _wait(self, seq: Sequence) -> Completion:
         assert seq.future is not None
         try:
@@ -84,7 +78,7 @@ class EmulatedServer:
             if not seq.future.done():
                 self.instance.take(seq)
             raise
-        self._remember(out)
+        self.recent.add(out.request_id, [out])
         return out
 
     # --- the OpenAI route --------------------------------------------------------------------
@@ -212,8 +206,8 @@ class EmulatedServer:
         seq = self.instance.find(req.request_id)
         if seq is not None:
             out = self.instance.take(seq)
-        elif req.request_id in self.recent:
-            out = self.recent[req.request_id]
+        elif (recent := self.recent.get(req.request_id)) is not None:
+            out = recent[0]
         else:
             return self._error(404, f"unknown request_id {req.request_id!r}")
         completions = [wire.completion_dict(out)]

@@ -15,6 +15,7 @@ import signal
 import sys
 
 from dora.engine.batcher import BatcherConfig
+from dora.heap import settle_heap
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -62,6 +63,7 @@ async def serve(args: argparse.Namespace) -> None:
         config=config,
         control_token=os.environ.get(args.control_token_env) or None,
     ) as server:
+        settle_heap()
         print(server.url, flush=True)
         await stop.wait()
 

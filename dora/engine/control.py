@@ -122,8 +122,8 @@ class ControlRoutes:
                     ]
                 )
             )
-        elif req.request_id in self.server.recent:
-            done = self.server.recent[req.request_id]
+        elif (recent := self.server.recent.get(req.request_id)) is not None:
+            done = recent
         else:
             return self.server.error(404, f"unknown request_id {req.request_id!r}")
         return web.json_response(

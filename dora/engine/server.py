@@ -25,7 +25,6 @@ import asyncio
 import contextlib
 import time
 import uuid
-from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -41,7 +40,7 @@ from dora.engine.worker import EngineWorker
 from dora.errors import ConfigError
 from dora.instance.client import SERVER_KEEPALIVE_S
 from dora.net import is_loopback
-from dora.protocol import Completion, SamplingParams
+from dora.protocol import SamplingParams
 
 MAX_REQUEST_BYTES = 16 << 20
 MAX_CONTROL_BYTES = 4 << 30  # weights travel through /control/load_weights
@@ -104,7 +103,7 @@ class EngineServer:
         self.url = ""
         self._renderer = render.Renderer(tokenizer, worker.batcher.eos_token_ids)
         self.inflight: dict[str, list[Sequence]] = {}
-        self.recent: OrderedDict[str, list[Completion]] = OrderedDict()
+        self.recent = wire.RecentCompletions(4096)
         # read_body enforces each route's limit while the body streams in; this is the backstop
         self.app = web.Application(
             client_max_size=max(max_request_bytes, max_control_bytes),
@@ -270,9 +269,7 @@ class EngineServer:
         seqs = self.inflight.pop(request_id, [])
         if any(not w.done for w in watches):
             self.worker.call(lambda b: [b.abort(s) for s in seqs if s.finish_reason is None])
-        self.recent[request_id] = [s.completion() for s in seqs]
-        while len(self.recent) > 4096:
-            self.recent.popitem(last=False)
+        self.recent.add(request_id, [s.completion() for s in seqs])
 
     def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):

@@ -4,11 +4,13 @@ call it, how its bodies decode, the error body, and a completion as JSON.
 Torch-free, so that another backend speaking the same API (the emulated instance,
 dora/emulated/server.py) answers exactly as the engine does: `EngineClient` then cannot tell them
 apart. The engine's control routes (control.py) and the emulated server both build their control
-table with `control_routes`, decode with `decode_control` and describe errors with `error_body`.
+table with `control_routes`, decode with `decode_control` and describe errors with `error_body`;
+both remember their latest finished requests in `RecentCompletions`.
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from typing import Protocol
 
@@ -21,6 +23,7 @@ from dora.protocol import Completion
 
 __all__ = [
     "ControlHandlers",
+    "RecentCompletions",
     "completion_dict",
     "control_routes",
     "decode_control",
@@ -94,3 +97,30 @@ def completion_dict(c: Completion) -> Json:
         "prompt_tokens": c.prompt_tokens,
         "version": c.version,
     }
+
+
+class RecentCompletions:
+    """The completions of the last `size` finished requests, for an abort that races the end.
+
+    Kept msgpack-encoded: as Python objects, thousands of finished token lists would sit in the
+    garbage collector's heap and every collection would walk each of their elements (at 128
+    emulated instances, that was most of a collection's pause)."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self._items: OrderedDict[str, bytes] = OrderedDict()
+        self._encode = msgspec.msgpack.Encoder().encode
+        self._decode = msgspec.msgpack.Decoder(list[Completion]).decode
+
+    def add(self, request_id: str, completions: list[Completion]) -> None:
+        self._items[request_id] = self._encode(completions)
+        self._items.move_to_end(request_id)
+        while len(self._items) > self.size:
+            self._items.popitem(last=False)
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._items
+
+    def get(self, request_id: str) -> list[Completion] | None:
+        raw = self._items.get(request_id)
+        return None if raw is None else self._decode(raw)

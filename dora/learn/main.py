@@ -27,6 +27,7 @@ from pathlib import Path
 
 from dora.config import DoraConfig, load_config
 from dora.errors import ConfigError
+from dora.heap import settle_heap
 from dora.rundir import resolve_run_dir
 
 ADDRESS_ENV = "DORA_SERVE_ADDRESS"
@@ -104,6 +105,7 @@ def main(args: argparse.Namespace) -> int:
         trainer_cls = EmulatedTrainer
     trainer = trainer_cls(config, run_dir=run_dir, address=address, resume=args.resume)
     mark_ready()  # its model and optimizer are loaded: a failure from now on is worth a restart
+    settle_heap()
     return trainer.run()
 
 

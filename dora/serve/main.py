@@ -32,6 +32,7 @@ import msgspec
 
 from dora.config import DoraConfig, load_config
 from dora.errors import ConfigError
+from dora.heap import settle_heap
 from dora.launch import mark_ready
 from dora.records import write_summary
 from dora.rundir import resolve_run_dir
@@ -156,6 +157,7 @@ async def run_serve(
                 else None,
             )
             mark_ready()  # instances up, prompts measured: a failure from now on is a fault
+            settle_heap()
             report = await rollout.run()
     finally:
         serve_link.close()

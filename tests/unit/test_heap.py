@@ -1,0 +1,62 @@
+"""The collector settings of dora's long-running processes, and the finished-request memory that
+stays out of the collector's heap."""
+
+from __future__ import annotations
+
+import gc
+import json
+import subprocess
+import sys
+
+from dora.engine.wire import RecentCompletions
+from dora.heap import YOUNG_THRESHOLD
+from dora.protocol import Completion
+
+
+def test_settle_heap_freezes_the_startup_objects_and_widens_the_young_generation() -> None:
+    script = (
+        "import gc, json; import dora.heap as h; before = gc.get_freeze_count(); h.settle_heap(); "
+        "print(json.dumps([before, gc.get_freeze_count(), gc.get_threshold()]))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, check=True, timeout=60
+    )
+    before, frozen, threshold = json.loads(out.stdout)
+    assert before == 0
+    assert frozen > 1000  # the interpreter's and dora's own objects
+    assert threshold[0] == YOUNG_THRESHOLD
+
+
+def _completion(i: int, n: int) -> Completion:
+    return Completion(
+        request_id=f"r{i}",
+        token_ids=list(range(n)),
+        logprobs=[-0.5] * n,
+        versions=[i] * n,
+        finish_reason="length",
+        prompt_tokens=3,
+    )
+
+
+def test_recent_completions_answer_the_latest_requests_only() -> None:
+    recent = RecentCompletions(3)
+    for i in range(5):
+        recent.add(f"r{i}", [_completion(i, 4)])
+    assert "r0" not in recent and "r1" not in recent
+    assert recent.get("r0") is None
+    assert recent.get("r4") == [_completion(4, 4)]
+    recent.add("r2", [_completion(2, 4)])  # re-added: now the newest, r3 goes next
+    recent.add("r5", [_completion(5, 4)])
+    assert "r3" not in recent and "r2" in recent
+
+
+def test_recent_completions_keep_no_token_objects_in_the_collectors_heap() -> None:
+    recent = RecentCompletions(64)
+    gc.collect()
+    before = len(gc.get_objects())
+    for i in range(64):
+        recent.add(f"r{i}", [_completion(i, 5_000)])
+    gc.collect()
+    # as objects, these would be 256 tracked containers holding 960,000 items for each collection
+    assert len(gc.get_objects()) - before < 16
+    assert recent.get("r7") == [_completion(7, 5_000)]
