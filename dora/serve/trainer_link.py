@@ -187,7 +187,7 @@ class TrainerLink:
                 case Durable(step=step, incarnation=inc):
                     for gid in self._queue.on_durable(step, incarnation=inc):
                         self.groups.pop(gid, None)
-                    self._queue.compact(list(self.groups.values()))
+                    self._queue.compact(self.groups.keys())
                     if inc == self._queue.incarnation:
                         self.durable = max(self.durable, step)
                         self.trained.set()

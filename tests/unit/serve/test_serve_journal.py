@@ -1,11 +1,13 @@
 """`dora serve`'s journal: a queue restored from it is the queue that died, a torn last record is
-cut off, compaction keeps only the groups still held, and lost groups restart (counted)."""
+cut off, compaction keeps only the segments of groups still held and never rewrites a sample, and
+lost groups restart (counted)."""
 
 from __future__ import annotations
 
 import random
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from dora.core.transfer_queue import Admitted, GroupState
@@ -71,7 +73,7 @@ def _drive(q: JournaledQueue, rng: random.Random, *, events: int) -> dict[str, G
                 durable = trained
                 for gid in q.on_durable(trained, incarnation=q.incarnation):
                     held.pop(gid, None)
-                q.compact(list(held.values()))
+                q.compact(held.keys())
             trained += 1
         elif roll < 0.87 and not rolled_back and trained > durable + 1 and durable >= 0:
             rolled_back = True
@@ -114,9 +116,56 @@ def test_restored_queue_is_the_queue_that_died(tmp_path: Path, seed: int) -> Non
     assert all(restored.task_positions[g] == int(g[1:]) for g in running)
     assert restored.next_group == max((int(g[1:]) + 1 for g in restored.task_positions), default=0)
     assert restored.prompt_position == restored.next_group
-    # compaction kept the samples file to the groups held (plus those completed since)
-    frames, _ = read_frames(tmp_path / "journal" / "groups.msgpack")
-    assert len(frames) <= len(held) + 2 * B * (K + 2)
+    # compaction kept only segments that hold a group still held, and every held group's samples
+    kept = again._payloads.segments()  # type: ignore[union-attr]
+    again.close()
+    on_disk = _segments(tmp_path)
+    assert sorted(on_disk) == kept
+    assert all(ids & set(restored.groups) for n, ids in on_disk.items() if n != max(on_disk))
+    assert set(restored.groups) <= set().union(*on_disk.values())
+    assert set(restored.groups) == set(held) & done
+
+
+def _segments(run_dir: Path) -> dict[int, set[str]]:
+    """The group ids in each samples segment on disk."""
+    decode = msgspec.msgpack.Decoder(Group).decode
+    return {
+        int(p.stem.split("-")[1]): {decode(f).id for f in read_frames(p)[0]}
+        for p in (run_dir / "journal").glob("groups-*.msgpack")
+    }
+
+
+def test_compaction_deletes_whole_segments_and_never_rewrites_a_sample(tmp_path: Path) -> None:
+    q = JournaledQueue(tmp_path, groups_per_step=1, max_staleness=4, num_steps=8)
+    q.restore()
+    q.on_version_loaded(0)
+    held: set[str] = set()
+
+    def complete(gid: str) -> None:
+        q.try_admit(gid)
+        q.start(gid)
+        q.keep(_group(gid, 0))
+        q.complete(gid)  # assigned to the next step at once (one group a step)
+        held.add(gid)
+
+    def durable(step: int) -> None:
+        q.on_step_done(step)
+        held.difference_update(q.on_durable(step))
+        q.compact(held)
+
+    complete("g0")
+    complete("g1")
+    durable(0)  # g0 goes, g1 keeps the first segment; a new one starts
+    first = tmp_path / "journal" / "groups-000000.msgpack"
+    before = (first.stat().st_ino, first.read_bytes())
+    complete("g2")
+    q.sync()
+    assert (first.stat().st_ino, first.read_bytes()) == before  # never rewritten
+    durable(1)  # g1 goes: the first segment has nothing left and is deleted
+    q.close()
+    assert {n: ids for n, ids in _segments(tmp_path).items() if ids} == {1: {"g2"}}
+    again = JournaledQueue(tmp_path, groups_per_step=1, max_staleness=4, num_steps=8)
+    assert set(again.restore().groups) == {"g2"}
     again.close()
 
 
