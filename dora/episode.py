@@ -40,6 +40,7 @@ import asyncio
 import logging
 import math
 import uuid
+from array import array
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal, Protocol, TypeVar, cast
@@ -201,19 +202,24 @@ def _total(reward: Reward) -> tuple[float, dict[str, float]]:
 
 
 class _Trajectory:
-    """The growing token sequence of one episode and its per-token arrays."""
+    """The growing token sequence of one episode and its per-token arrays.
+
+    Typed arrays, not lists: thousands of episodes are in flight at once, and the garbage
+    collector walks every item of a list (an array is one object to it); they also pack into a
+    `Sample` with one copy."""
 
     def __init__(self) -> None:
-        self.ids: list[int] = []
-        self.mask: list[int] = []
-        self.logprobs: list[float] = []
-        self.versions: list[int] = []
+        self.ids = array("i")  # a C int: 4 bytes wherever torch runs
+        self.mask = array("B")
+        self.logprobs = array("f")
+        self.versions = array("i")
 
     def add_context(self, ids: Sequence[int]) -> None:
-        self.ids += ids
-        self.mask += [0] * len(ids)
-        self.logprobs += [0.0] * len(ids)
-        self.versions += [-1] * len(ids)
+        n = len(ids)
+        self.ids.extend(ids)
+        self.mask.frombytes(bytes(n))
+        self.logprobs.frombytes(bytes(4 * n))  # 0.0
+        self.versions.extend(array("i", [-1]) * n)
 
     def add_sampled(self, completion: Completion) -> None:
         n = len(completion.token_ids)
@@ -222,10 +228,10 @@ class _Trajectory:
                 f"sampler returned {n} tokens but {len(completion.logprobs)} logprobs and "
                 f"{len(completion.versions)} versions"
             )
-        self.ids += completion.token_ids
-        self.mask += [1] * n
-        self.logprobs += completion.logprobs
-        self.versions += completion.versions
+        self.ids.extend(completion.token_ids)
+        self.mask.frombytes(b"\x01" * n)
+        self.logprobs.extend(completion.logprobs)
+        self.versions.extend(completion.versions)
 
     def to_sample(self, *, prompt_len: int, reward: float, **fields: object) -> Sample:
         return Sample.build(
