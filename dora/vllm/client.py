@@ -165,7 +165,7 @@ class VllmClient(EngineClient):
             staged = os.path.join(
                 self.stage_dir, f"dora-v{version}-{uuid.uuid4().hex[:8]}.safetensors"
             )
-            await asyncio.to_thread(write_safetensors, staged, tensors)
+            await _write_staged(staged, tensors)
             path, tensors = staged, None
         try:
             return await self._load(version, path, tensors, mode, deadline)
@@ -356,6 +356,17 @@ def write_safetensors(path: str, tensors: Mapping[str, tuple[str, list[int], byt
         for _, _, data in tensors.values():
             f.write(data)
     os.replace(path + ".tmp", path)
+
+
+async def _write_staged(path: str, tensors: Mapping[str, tuple[str, list[int], bytes]]) -> None:
+    """Write a staged file on a worker thread. A cancelled caller cannot stop the thread, so the
+    file is removed when the write ends instead of lingering in the stage folder."""
+    writing = asyncio.get_running_loop().run_in_executor(None, write_safetensors, path, tensors)
+    try:
+        await asyncio.shield(writing)
+    except asyncio.CancelledError:
+        writing.add_done_callback(lambda _: _remove(path))
+        raise
 
 
 def _remove(path: str) -> None:

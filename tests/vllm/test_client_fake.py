@@ -200,6 +200,41 @@ async def test_tensors_staged_as_safetensors(
     assert os.listdir(tmp_path) == ["check.safetensors"], "the staged file is removed"
 
 
+async def test_a_load_cancelled_while_staging_leaves_no_file(
+    fake: tuple[FakeVllm, VllmClient], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Shutdown cancels loads in flight; the staging write runs on in its thread and its file
+    must still go, or every cancelled load leaves a copy of the weights in the run folder."""
+    import threading
+
+    from dora.vllm import client as client_module
+
+    started, release = threading.Event(), threading.Event()
+    write = client_module.write_safetensors
+
+    def slow_write(path: str, tensors: dict[str, tuple[str, list[int], bytes]]) -> None:
+        started.set()
+        release.wait(5)
+        write(path, tensors)
+
+    monkeypatch.setattr(client_module, "write_safetensors", slow_write)
+    _, client = fake
+    client.stage_dir = str(tmp_path)
+    load = asyncio.ensure_future(
+        client.load_weights(1, tensors={"w": ("float32", [1], b"\0\0\0\0")})
+    )
+    await asyncio.to_thread(started.wait, 5)
+    load.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await load
+    release.set()
+    for _ in range(200):
+        if not os.listdir(tmp_path):
+            break
+        await asyncio.sleep(0.01)
+    assert os.listdir(tmp_path) == [], "the cancelled load's staged file is removed"
+
+
 async def test_failed_load_leaves_instance_unusable(fake: tuple[FakeVllm, VllmClient]) -> None:
     server, client = fake
     server.fail_load = True
