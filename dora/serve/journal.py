@@ -17,12 +17,14 @@ then a msgspec-encoded record; never pickle):
   rewrites a sample again (at 8,192 episodes a step, rewriting the held groups took the event
   loop 0.2-0.6 s at every `Durable`).
 
-Every record is written with one `write` to the file descriptor (no user-space buffer), on the
-caller's thread, so a killed process loses at most the record it was writing; a torn last frame is
-cut off (or skipped, in a sealed segment) when the journal is opened again. `fsync` is asked for at
-the points a machine crash would cost the most (a step's last group sent, `Durable`) and runs on
-the journal's own thread, as do closing and deleting segments, in the order asked: the event loop
-never waits for the disk. A failure there (a full disk) is raised by the next journal call.
+Every record is written with one `write` to the file descriptor (no user-space buffer) on the
+journal's own thread, which also runs the `fsync`s, closes and deletes, one at a time in the order
+asked: the event loop never waits for the disk, and whatever a killed process leaves on disk is a
+prefix of what it asked for, across both files (a torn last frame is cut off, or skipped in a sealed
+segment, when the journal is opened again). The trainer link waits for the journal (`written`)
+before a group goes out, so the trainer never holds a group the journal could lose. `fsync` is
+asked for at the points a machine crash would cost the most (a step's last group sent, `Durable`).
+A failure on the thread (a full disk) is raised by the next journal call.
 
 Restoring (`JournaledQueue.restore`): replay the operations, keep the payloads of groups that are
 completed or assigned, and list the groups whose episodes died with the process (admitted or
@@ -32,6 +34,8 @@ restarts those (`TransferQueue.restart`, counted) once the trainer has said hell
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import contextlib
 import os
 import struct
@@ -138,41 +142,38 @@ def _frame(payload: bytes) -> bytes:
     return _LEN.pack(len(payload)) + payload
 
 
-class JournalFile:
-    """One append-only file of frames, opened after cutting off a torn tail."""
-
-    def __init__(self, path: Path) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        self.path = path
-        self.frames, good = read_frames(path)
-        self.writes = self.bytes_written = 0
-        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-        if os.fstat(self._fd).st_size != good:
-            os.ftruncate(self._fd, good)
-
-    def append(self, payload: bytes) -> None:
-        self.writes += 1
-        self.bytes_written += os.write(self._fd, _frame(payload))
-
-    def sync(self) -> None:
-        os.fsync(self._fd)
-
-    def close(self) -> None:
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
 
 
 class _Background:
-    """The journal's thread: fsync, close and unlink, in the order asked, off the event loop."""
+    """The journal's thread: writes, fsync, close and unlink, in the order asked, off the event
+    loop."""
 
     def __init__(self) -> None:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dora-journal")
         self._error: BaseException | None = None
+        self._last: Future[object] | None = None
 
     def submit(self, fn: Callable[P, object], *args: P.args, **kwargs: P.kwargs) -> None:
         self.check()
-        self._pool.submit(fn, *args, **kwargs).add_done_callback(self._done)
+        self._last = self._pool.submit(fn, *args, **kwargs)
+        self._last.add_done_callback(self._done)
+
+    async def written(self) -> None:
+        """Wait until everything asked of the thread so far is done (never cancels a write)."""
+        last = self._last
+        if last is not None and not last.done():
+            await asyncio.shield(asyncio.wrap_future(last))
+        self.check()
+
+    def flush(self) -> None:
+        """Block until everything asked of the thread so far is done."""
+        if self._last is not None:
+            concurrent.futures.wait([self._last])
+        self.check()
 
     def _done(self, future: Future[object]) -> None:
         if self._error is None and future.exception() is not None:
@@ -186,6 +187,35 @@ class _Background:
     def close(self) -> None:
         self._pool.shutdown(wait=True)
         self.check()
+
+
+class JournalFile:
+    """One append-only file of frames, opened after cutting off a torn tail; written on the
+    journal's thread."""
+
+    def __init__(self, path: Path, background: _Background) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.path = path
+        self._bg = background
+        self.frames, good = read_frames(path)
+        self.writes = self.bytes_written = 0
+        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        if os.fstat(self._fd).st_size != good:
+            os.ftruncate(self._fd, good)
+
+    def append(self, payload: bytes) -> None:
+        frame = _frame(payload)
+        self._bg.submit(_write_all, self._fd, frame)
+        self.writes += 1
+        self.bytes_written += len(frame)
+
+    def sync(self) -> None:
+        self._bg.submit(os.fsync, self._fd)
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            self._bg.submit(os.close, self._fd)
+            self._fd = -1
 
 
 def _fsync_dir(path: Path) -> None:
@@ -241,8 +271,9 @@ class GroupLog:
         self._members[segment].add(group_id)
 
     def append(self, group_id: str, payload: bytes) -> None:
-        self._bg.check()
-        n = os.write(self._fd, _frame(payload))
+        frame = _frame(payload)
+        self._bg.submit(_write_all, self._fd, frame)
+        n = len(frame)
         self.writes += 1
         self.bytes_written += n
         self._active_bytes += n
@@ -332,7 +363,7 @@ class JournaledQueue(TransferQueue):
         self._bg: _Background | None = None
         if run_dir is not None:
             self._bg = _Background()
-            self._ops = JournalFile(run_dir / "journal" / "queue.msgpack")
+            self._ops = JournalFile(run_dir / "journal" / "queue.msgpack", self._bg)
             self._payloads = GroupLog(run_dir / "journal", self._bg)
         self._encoder = msgspec.msgpack.Encoder()
 
@@ -419,8 +450,8 @@ class JournaledQueue(TransferQueue):
 
     def sync(self) -> None:
         """fsync both files, on the journal's thread (a step went out, or became durable)."""
-        if self._bg is not None and self._ops is not None and self._payloads is not None:
-            self._bg.submit(self._ops.sync)
+        if self._ops is not None and self._payloads is not None:
+            self._ops.sync()
             self._payloads.sync()
 
     def compact(self, held: Collection[str]) -> None:
@@ -431,14 +462,24 @@ class JournaledQueue(TransferQueue):
             self._payloads.release_all_but(held)
             self.sync()
 
+    async def written(self) -> None:
+        """Wait (without blocking the loop) until every record journaled so far is written."""
+        if self._bg is not None:
+            await self._bg.written()
+
+    def flush(self) -> None:
+        """Block until every record journaled so far is written."""
+        if self._bg is not None:
+            self._bg.flush()
+
     def close(self) -> None:
         """Close the files once the journal's thread has done everything asked of it."""
         if self._payloads is not None:
             self._payloads.close()
-        if self._bg is not None:
-            self._bg.close()
         if self._ops is not None:
             self._ops.close()
+        if self._bg is not None:
+            self._bg.close()
 
     def journal_writes(self) -> tuple[int, int]:
         """(frames appended, bytes appended) to the journal's files so far."""

@@ -393,6 +393,7 @@ class TrainerLink:
         group = self.groups[a.group_id]
         if group.incarnation != q.incarnation:  # offered again after a roll-back
             group = msgspec.structs.replace(group, incarnation=q.incarnation)
+        await q.written()  # the trainer never holds a group that the journal could lose
         if not await self._deliver(AssignedMessage(step=a.step, group=group), incarnation):
             return
         n = self.sent_per_step[a.step] = self.sent_per_step.get(a.step, 0) + 1

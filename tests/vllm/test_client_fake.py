@@ -209,13 +209,14 @@ async def test_a_load_cancelled_while_staging_leaves_no_file(
 
     from dora.vllm import client as client_module
 
-    started, release = threading.Event(), threading.Event()
+    started, release, written = threading.Event(), threading.Event(), threading.Event()
     write = client_module.write_safetensors
 
     def slow_write(path: str, tensors: dict[str, tuple[str, list[int], bytes]]) -> None:
         started.set()
         release.wait(5)
         write(path, tensors)
+        written.set()
 
     monkeypatch.setattr(client_module, "write_safetensors", slow_write)
     _, client = fake
@@ -228,6 +229,7 @@ async def test_a_load_cancelled_while_staging_leaves_no_file(
     with pytest.raises(asyncio.CancelledError):
         await load
     release.set()
+    await asyncio.to_thread(written.wait, 5)
     for _ in range(200):
         if not os.listdir(tmp_path):
             break

@@ -1,10 +1,13 @@
 """`dora serve`'s journal: a queue restored from it is the queue that died, a torn last record is
-cut off, compaction keeps only the segments of groups still held and never rewrites a sample, and
-lost groups restart (counted)."""
+cut off, compaction keeps only the segments of groups still held and never rewrites a sample,
+lost groups restart (counted), and records are written off the caller's thread, with a wait for
+them that the trainer link uses before a group goes out."""
 
 from __future__ import annotations
 
+import asyncio
 import random
+import threading
 from pathlib import Path
 
 import msgspec
@@ -157,9 +160,11 @@ def test_compaction_deletes_whole_segments_and_never_rewrites_a_sample(tmp_path:
     complete("g1")
     durable(0)  # g0 goes, g1 keeps the first segment; a new one starts
     first = tmp_path / "journal" / "groups-000000.msgpack"
+    q.flush()
     before = (first.stat().st_ino, first.read_bytes())
     complete("g2")
     q.sync()
+    q.flush()
     assert (first.stat().st_ino, first.read_bytes()) == before  # never rewritten
     durable(1)  # g1 goes: the first segment has nothing left and is deleted
     q.close()
@@ -206,6 +211,43 @@ def test_lost_groups_restart_at_a_newer_version_and_are_counted(tmp_path: Path) 
     assert restored.starts == 2 and third.accounting() == acct
     assert restored.lost == ["g1"] and set(restored.groups) == {"g0", "g2"}
     third.close()
+
+
+async def test_records_are_written_off_the_loop_and_waited_for_before_sending(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from dora.serve import journal
+
+    gate = threading.Event()
+    write = journal._write_all
+
+    def held_write(fd: int, data: bytes) -> None:
+        gate.wait(5)
+        write(fd, data)
+
+    monkeypatch.setattr(journal, "_write_all", held_write)
+    q = _queue(tmp_path)
+    q.restore()
+    q.on_version_loaded(0)
+    q.try_admit("g0")
+    q.start("g0")
+    q.keep(_group("g0", 0))
+    q.complete("g0")  # none of these waited for the disk
+    ops = tmp_path / "journal" / "queue.msgpack"
+    assert read_frames(ops)[0] == []
+    waiting = asyncio.ensure_future(q.written())
+    cancelled = asyncio.ensure_future(q.written())
+    await asyncio.sleep(0.05)
+    assert not waiting.done()
+    cancelled.cancel()  # a sender that gives up does not cancel the writes it waited for
+    gate.set()
+    await asyncio.wait_for(waiting, 5)
+    assert len(read_frames(ops)[0]) == 5  # opened, loaded, admit, start, complete
+    assert _segments(tmp_path) == {0: {"g0"}}
+    q.close()
+    again = _queue(tmp_path)
+    assert set(again.restore().groups) == {"g0"}
+    again.close()
 
 
 def test_a_torn_last_record_is_cut_off(tmp_path: Path) -> None:
