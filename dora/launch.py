@@ -39,8 +39,10 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
+from typing import Any
 
 from dora.config import DoraConfig, load_config
 from dora.config_text import render_toml
@@ -231,14 +233,13 @@ class Supervisor:
         ready.unlink(missing_ok=True)
         env = {**self.env, READY_ENV: str(ready)}
         if name == "serve":
-            proc = subprocess.Popen(self.serve_cmd, env=env, start_new_session=True)
+            proc = start_side(self.serve_cmd, env=env)
         else:
-            proc = subprocess.Popen(
+            proc = start_side(
                 [*self.learn_cmd, *(["--resume"] if resume else [])],
                 env=env,
                 stdout=self._learn_log,
                 stderr=subprocess.STDOUT,
-                start_new_session=True,
             )
         self.children[name] = proc
         self._record("start", name, pid=proc.pid, resume=resume, restart=self.restarts[name])
@@ -255,6 +256,29 @@ class Supervisor:
 
 def _interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
+
+
+def start_side(cmd: list[str], **popen: Any) -> subprocess.Popen[bytes]:
+    """Start a side in a process group (session) of its own, stopped by `stop_all`.
+
+    `stop_all` asks a side to stop with SIGINT, so the side must not ignore it. A shell starts a
+    background job (`dora run ... &` in a script) with SIGINT ignored, and an ignored signal stays
+    ignored across exec: the side would sit out the grace period. A handled signal is reset to
+    the default at exec, so while the side starts, an ignored SIGINT is handled here by doing
+    nothing (this process goes on ignoring it) and the side gets the default.
+    """
+    ignored = signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    if ignored and threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, _ignore)
+        try:
+            return subprocess.Popen(cmd, start_new_session=True, **popen)
+        finally:
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+    return subprocess.Popen(cmd, start_new_session=True, **popen)
+
+
+def _ignore(signum: int, frame: object) -> None:
+    pass
 
 
 def _kill_group(proc: subprocess.Popen[bytes]) -> None:

@@ -44,7 +44,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from dora.bench.proc import TrainedCounter, own_cpu_s, tree_cpu_s
-from dora.launch import free_port, stop_all
+from dora.launch import free_port, start_side, stop_all
 from dora.placement import KINDS, Kind, Placement, place
 from dora.report import RunData, load_run
 
@@ -415,12 +415,11 @@ def run_mode(
         procs: dict[str, subprocess.Popen[bytes]] = {}
         for side, cores in sides:
             log = stack.enter_context(open(run_dir / f"{side}.log", "ab"))
-            procs[side] = subprocess.Popen(
+            procs[side] = start_side(
                 [*pinned(cores), *cli, side, config_path, *settings],
                 env=env,
                 stdout=log,
                 stderr=subprocess.STDOUT,
-                start_new_session=True,
             )
         at_first: dict[str, float] | None = None
         at_last: dict[str, float] | None = None

@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -69,14 +70,30 @@ def test_a_dying_learn_is_resumed_and_a_clean_finish_ends_the_run(tmp_path: Path
     assert starts == [("serve", False), ("learn", False), ("learn", True)]
 
 
+@pytest.fixture(params=["foreground", "background"])
+def sigint(request: pytest.FixtureRequest) -> Iterator[str]:
+    """How `dora run` was started: a shell starts a background job (`dora run ... &` in a script,
+    under nohup) with SIGINT ignored, a disposition its children inherit across exec unless the
+    supervisor sees to it that they do not: they would sit out the SIGINT that stops them."""
+    before = signal.getsignal(signal.SIGINT)
+    if request.param == "background":
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield request.param
+    finally:
+        signal.signal(signal.SIGINT, before)
+
+
 @pytest.mark.parametrize("side", ["serve", "learn"])
 def test_a_side_that_fails_before_it_is_ready_stops_the_run_at_once(
-    tmp_path: Path, side: str, capfd: pytest.CaptureFixture[str]
+    tmp_path: Path, side: str, sigint: str, capfd: pytest.CaptureFixture[str]
 ) -> None:
     failing = "import sys; print('bad model folder', file=sys.stderr); sys.exit(2)"
     serve, learn = (failing, SLEEP) if side == "serve" else (SLEEP, failing)
     started = time.monotonic()
     code, sup, records = _run(tmp_path, serve, learn, max_restarts=3)
+    if sigint == "background":  # and the supervisor itself still ignores it, as it was told
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
     assert code == 1
     assert time.monotonic() - started < 20, "stopped at once, not after the other side's sleep"
     starts = [r["component"] for r in records if r["kind"] == "start"]
