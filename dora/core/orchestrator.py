@@ -24,8 +24,10 @@ Rules, in mode `dora` (and `sync`, which is `dora` with K = 0):
 - instances move only from old versions to the newest, and only when that frees a whole instance:
   the requests of a surplus instance migrate to instances of the *same* version first (C1);
 - such a consolidation happens only while the newest version needs the room: the driver's demand
-  exceeds what the newest version's loading instances will take (always, if no demand was ever
-  reported). An old version's instance that empties on its own loads the newest version anyway;
+  exceeds what the newest version's loading instances will take, those a consolidation of the
+  same plan freed included (one waiting group frees one instance, not one per old version; always,
+  if no demand was ever reported). An old version's instance that empties on its own loads the
+  newest version anyway;
 - no migration or resume packs an instance beyond its KV tokens (when it has a token capacity),
   and an old version keeps instances enough for its live requests by slots *and* by tokens; a
   request longer than every instance's token capacity fails (`Fail`, `FailReason.TOO_LONG`);
@@ -381,6 +383,12 @@ class Orchestrator(Pool):
     # --- planning ----------------------------------------------------------------------------
 
     def _plan(self) -> list[Action]:
+        try:
+            return self._plan_actions()
+        finally:
+            self._freed_slots = 0  # counted by `_consolidating` only while a plan is made
+
+    def _plan_actions(self) -> list[Action]:
         actions: list[Action] = []
         self._deferred = False
         if self._mode is Mode.ONE_STEP_OFF:
@@ -452,7 +460,7 @@ class Orchestrator(Pool):
         into free slots and free KV tokens, and only while the newest version needs the room."""
         mine = {k: i for k, i in self._by_version.get(w, {}).items() if i.held is None}
         empty = [k for k in self._empty.get(w, {}) if k in mine]
-        migrate = self._consolidating() and self._spare(w) >= self._min_capacity
+        migrate = self._spare(w) >= self._min_capacity and self._consolidating()
         if not migrate and not empty:
             return set(mine)  # nothing can move and nothing is idle: every instance stays
         order = sorted(mine.values(), key=lambda i: (not i.ready, -len(i.requests), i.id))
@@ -470,8 +478,10 @@ class Orchestrator(Pool):
                 and enough
                 and inst.ready
                 and self._retargetable(inst)
+                and self._consolidating()  # an instance freed already may be the room needed
                 and self._move_all(inst, kept, actions)
             ):
+                self._freed_slots += inst.capacity  # loads the newest version in this plan
                 continue
             kept.append(inst)
             room += inst.capacity
@@ -590,7 +600,8 @@ class Orchestrator(Pool):
 
     def _consolidating(self) -> bool:
         """Whether freeing an old version's instance pays: the driver never reported its demand,
-        or more requests wait than the newest version's loading instances will take."""
+        or more requests wait than the newest version's loading instances will take, with the
+        instances this plan freed already (they load it once the plan is carried out)."""
         if self._demand is None:
             return True
-        return self._demand > self._loading_slots.get(self._newest, 0)
+        return self._demand > self._loading_slots.get(self._newest, 0) + self._freed_slots

@@ -73,6 +73,7 @@ class Pool:
         self._live_tokens: dict[int, int] = {}  # version -> context tokens of its live requests
         self._parked: dict[int, list[str]] = {}  # version -> parked requests, in park order
         self._demand: int | None = None  # requests waiting for room (None: not reported)
+        self._freed_slots = 0  # capacity the plan under way freed for the newest version
         self._joined = 0
         self._loads = 0  # `Load` ids handed out
         self._epoch = 0  # changes of the inputs so far: a load is told once per epoch

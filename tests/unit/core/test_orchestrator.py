@@ -195,6 +195,26 @@ def test_demand_covered_by_loading_instances_does_not_consolidate() -> None:
     assert shape(o.set_demand(5)) == [Migrate("b", "i1", "i0"), Load("i1", 1)]
 
 
+def test_a_demand_one_instance_covers_frees_one_instance_not_one_per_old_version() -> None:
+    o = pool(Mode.DORA, 6, 4)
+    o.set_demand(0)
+    assert [o.place([f"a{i}"], version=0) for i in range(2)] == ["i0", "i1"]
+    o.publish(1)
+    for i in range(2, 6):
+        loaded(o, f"i{i}", 1)
+    assert [o.place([f"b{i}"], version=1) for i in range(4)] == ["i2", "i3", "i4", "i5"]
+    assert o.publish(2) == []  # nothing waits for version 2 yet
+    # One group (4 samples, one instance's worth) waits for version 2: the oldest version packs
+    # onto one instance and the freed one loads version 2. Version 1 could free three more, but
+    # the waiting group needs none of them.
+    assert shape(o.set_demand(4)) == [Migrate("a1", "i1", "i0"), Load("i1", 2)]
+    assert o.live() == {0: 2, 1: 4}
+    assert sorted(i.id for i in o.instances() if i.version == 1) == ["i2", "i3", "i4", "i5"]
+    # More waits than i1 will take: version 1 packs as well, but only as much as is needed.
+    actions = shape(o.set_demand(5))
+    assert [type(a) for a in actions] == [Migrate, Load]
+
+
 def test_consolidation_respects_kv_token_capacity() -> None:
     def run(tokens: int | None) -> list[Migrate]:
         o = Orchestrator(mode=Mode.DORA)
