@@ -8,6 +8,11 @@ mode's shape is the simulator's (`dora.sim.modes.plan`): instances (colocated mo
 pool, the disaggregated ones the rollout pool), the trainer's GPUs, K, and whether the trainer
 shares the instances' GPUs (colocated: it pauses them while it trains) or streams.
 
+Each mode is measured in its steady state, as the simulator and the paper average iterations
+after a warm-up: it trains `K + --steps` steps (K its staleness bound: 0 for sync) and the window
+runs from the end of step K to the end of the last. Until step K the run still drains its start:
+the groups admitted at version 0, while every instance held it, may be trained on until then.
+
 Printed: the table of `dora bench modes` (real seconds), then emulated against simulated in
 modelled units (tokens/s and step time; prompt and response tokens, as the simulator counts), and
 the real overheads of the real code: serve's own CPU (the `dora serve` process, without the
@@ -45,7 +50,7 @@ from dora.sim.engine import Run, simulate
 from dora.sim.modes import MODES, ModePlan
 from dora.sim.modes import plan as mode_plan
 
-__all__ = ["default_time_scale", "main", "mode_overrides", "predicted"]
+__all__ = ["default_time_scale", "main", "mode_overrides", "predicted", "warmup_steps"]
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "examples" / "emulated" / "cluster.toml"
@@ -68,15 +73,27 @@ def emulated_placement(mode: str, cores: list[int]) -> Placement:
 
 
 def predicted(setup: Setup, plan: ModePlan, *, steps: int) -> Run:
-    """The simulator's run of `plan` for `steps` steps, measured as the emulated run is."""
-    return simulate(dataclasses.replace(setup, steps=steps, warmup_steps=0), plan, seed=0)
+    """The simulator's run of `plan`: its warm-up and `steps` steps, as the emulated run."""
+    return simulate(
+        dataclasses.replace(setup, steps=warmup_steps(plan) + steps, warmup_steps=0), plan, seed=0
+    )
 
 
-def _window(run: Run) -> tuple[float, float]:
-    """(tokens per modelled second, modelled seconds per step) from trained step 0 to the last."""
-    span = run.step_end_s[-1] - run.step_end_s[0]
-    tokens = sum(run.step_tokens[1:])
-    return (tokens / span if span > 0 else 0.0), span / max(1, len(run.step_end_s) - 1)
+def warmup_steps(plan: ModePlan) -> int:
+    """The steps before a mode's measured window: its first K (the staleness bound). The groups
+    admitted at version 0, while every instance holds it, may be trained on until step K, so
+    until then the run still drains its start (at paper-128, dora's step 3 is twice its later
+    ones); from the end of step K on it is in the state a long run stays in."""
+    return plan.staleness
+
+
+def _window(run: Run, warmup: int) -> tuple[float, float]:
+    """(tokens per modelled second, modelled seconds per step) from the end of trained step
+    `warmup` to the end of the last."""
+    ends = run.step_end_s[warmup:]
+    span = ends[-1] - ends[0]
+    tokens = sum(run.step_tokens[warmup + 1 :])
+    return (tokens / span if span > 0 else 0.0), span / max(1, len(ends) - 1)
 
 
 def default_time_scale(setup: Setup, *, steps: int, budget_s: float) -> float:
@@ -147,10 +164,13 @@ class Overheads:
     problems: list[str]
 
 
-def overheads(result: ModeResult, *, scale: float, checked: tuple[int, list[str]]) -> Overheads:
+def overheads(
+    result: ModeResult, *, scale: float, warmup: int, checked: tuple[int, list[str]]
+) -> Overheads:
+    """Measured over the window `result` is: from the end of trained step `warmup` on."""
     run_dir = Path(result.run_dir)
     run = load_run(run_dir)
-    trained = sorted(run.trained, key=lambda r: r.step)
+    trained = sorted(run.trained, key=lambda r: r.step)[warmup:]
     t0, t1 = trained[0].time_s, trained[-1].time_s
     window = max(t1 - t0, 1e-9)
     seq_tokens = sum(r.numbers().get("sequence_tokens", 0.0) for r in trained[1:])
@@ -243,7 +263,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--preset", default="paper-64", help="paper-64, paper-128 or agentic")
     p.add_argument("--time-scale", type=float, default=None, help="real s per modelled s")
     p.add_argument("--budget-min", type=float, default=13.0, help="target minutes (default scale)")
-    p.add_argument("--steps", type=int, default=5, help="train steps per mode")
+    p.add_argument(
+        "--steps",
+        type=int,
+        default=5,
+        help="train steps per mode after its warm-up (its first K steps); the window measured "
+        "runs from the end of the first of them to the end of the last",
+    )
     p.add_argument("--modes", default=",".join(MODES))
     p.add_argument(
         "--cost",
@@ -271,8 +297,8 @@ def main(argv: list[str] | None = None) -> int:
     cores = sorted(os.sched_getaffinity(0))
     print(
         f"{args.preset}: B={setup.groups_per_step} G={setup.group_size} K={setup.staleness}, "
-        f"{steps} steps per mode, time scale {scale:.4g} (1 modelled s = {1000 * scale:.1f} "
-        f"real ms); {len(cores)} cores",
+        f"{steps} steps per mode after a warm-up of its first K steps, time scale {scale:.4g} "
+        f"(1 modelled s = {1000 * scale:.1f} real ms); {len(cores)} cores",
         flush=True,
     )
     results: list[ModeResult] = []
@@ -281,32 +307,36 @@ def main(argv: list[str] | None = None) -> int:
     loads = []
     for name in modes:
         plan = mode_plan(name, setup)
-        sims[name] = _window(predicted(setup, plan, steps=steps))
+        warmup = warmup_steps(plan)
+        total = warmup + steps
+        sims[name] = _window(predicted(setup, plan, steps=steps), warmup)
         run_dir = out / name
         settings = [
             *mode_overrides(
-                setup, plan, preset_name=args.preset, cost=args.cost, steps=steps, scale=scale
+                setup, plan, preset_name=args.preset, cost=args.cost, steps=total, scale=scale
             ),
             *args.overrides,
         ]
         placement = emulated_placement(name, cores)
         t0 = time.monotonic()
-        code = run_mode(args.config, settings, run_dir, placement, steps=steps)
+        code = run_mode(args.config, settings, run_dir, placement, steps=total, warmup=warmup)
         print(f"{name}: exit {code} in {time.monotonic() - t0:.0f} s ({run_dir})", flush=True)
         if code:
             print(f"dora bench cluster: {name} failed; see {run_dir}", file=sys.stderr)
             return 1
         where = f"{plan.instances} inst" + (" colocated" if plan.colocated else "")
-        result = summarise(run_dir, name=name, placement=where)
+        result = summarise(run_dir, name=name, placement=where, warmup=warmup)
         check = check_run(
             run_dir,
-            steps=steps,
+            steps=total,
             batch_size=setup.groups_per_step,
             staleness=plan.staleness,
             spans_versions=name == "partial",
         )
         results.append(result)
-        over[name] = overheads(result, scale=scale, checked=(check.groups_checked, check.problems))
+        over[name] = overheads(
+            result, scale=scale, warmup=warmup, checked=(check.groups_checked, check.problems)
+        )
         if result.load_avg is not None:
             loads.append(result.load_avg)
     print()
@@ -346,6 +376,7 @@ def main(argv: list[str] | None = None) -> int:
                 "preset": args.preset,
                 "time_scale": scale,
                 "steps": steps,
+                "warmup_steps": {m: warmup_steps(mode_plan(m, setup)) for m in modes},
                 "results": [dataclasses.asdict(r) for r in by.values()],
                 "overheads": {k: dataclasses.asdict(v) for k, v in over.items()},
                 "simulator": {k: {"tokens_per_s": v[0], "step_s": v[1]} for k, v in sims.items()},

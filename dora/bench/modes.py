@@ -149,10 +149,11 @@ class ModeResult:
     calls each is what makes a token expensive."""
 
 
-def summarise(run_dir: Path, *, name: str, placement: str) -> ModeResult:
-    """The numbers of a finished run directory (pure over its files)."""
+def summarise(run_dir: Path, *, name: str, placement: str, warmup: int = 0) -> ModeResult:
+    """The numbers of a finished run directory (pure over its files), measured from the end of
+    trained step `warmup` to the end of the last."""
     run = load_run(run_dir)
-    return _summarise(run, name=name, placement=placement, cpu=_read_cpu(run_dir))
+    return _summarise(run, name=name, placement=placement, cpu=_read_cpu(run_dir), warmup=warmup)
 
 
 def _read_cpu(run_dir: Path) -> dict[str, float]:
@@ -160,10 +161,15 @@ def _read_cpu(run_dir: Path) -> dict[str, float]:
     return json.loads(path.read_text()) if path.is_file() else {}
 
 
-def _summarise(run: RunData, *, name: str, placement: str, cpu: dict[str, float]) -> ModeResult:
-    trained = sorted(run.trained, key=lambda r: r.step)
+def _summarise(
+    run: RunData, *, name: str, placement: str, cpu: dict[str, float], warmup: int = 0
+) -> ModeResult:
+    trained = sorted(run.trained, key=lambda r: r.step)[warmup:]
     if len(trained) < 2:
-        raise ValueError(f"{run.run_dir}: fewer than 2 trained steps, nothing to measure")
+        raise ValueError(
+            f"{run.run_dir}: fewer than 2 trained steps after {warmup} of warm-up, nothing to "
+            "measure"
+        )
     first, last = trained[0], trained[-1]
     window = last.time_s - first.time_s
     later = [r.numbers() for r in trained[1:]]
@@ -174,7 +180,7 @@ def _summarise(run: RunData, *, name: str, placement: str, cpu: dict[str, float]
     ticks = [tick for tick in run.ticks if first.time_s < tick.time_s <= last.time_s]
     utils = [inst.util for tick in ticks for inst in tick.instances]
     busy = [n for tick in ticks for inst in tick.instances if (n := inst.inflight) > 0]
-    staleness = [s for rec in run.steps for s in rec.staleness]
+    staleness = [s for rec in run.steps if rec.step >= trained[0].step for s in rec.staleness]
     cpu_s = cpu.get("window_cpu_s")
     rewards = [r.numbers()["reward_mean"] for r in trained]
     k = max(1, len(rewards) // 4)
@@ -374,9 +380,17 @@ def ratio_lines(results: list[ModeResult]) -> list[str]:
 
 
 def run_mode(
-    config_path: str, overrides: list[str], run_dir: Path, placement: Placement, *, steps: int
+    config_path: str,
+    overrides: list[str],
+    run_dir: Path,
+    placement: Placement,
+    *,
+    steps: int,
+    warmup: int = 0,
 ) -> int:
-    """Run one mode to the end; write `bench-cpu.json` beside its records. Returns the exit code."""
+    """Run one mode to the end; write `bench-cpu.json` beside its records, its CPU measured from
+    the end of trained step `warmup` (the first is step 0) to the end of step `steps - 1`, the
+    window `summarise(warmup=warmup)` measures. Returns the exit code."""
     from dora.config import load_config
     from dora.config_text import render_toml
     from dora.models.prepare import prepare_model
@@ -433,7 +447,7 @@ def run_mode(
                 cpu["serve_self"] = own_cpu_s(procs["serve"].pid)
                 last_cpu = cpu
                 n = counter.poll()
-                if n >= 1 and at_first is None:
+                if n >= 1 + warmup and at_first is None:
                     at_first = cpu
                 if n >= steps and at_last is None:
                     at_last = cpu
