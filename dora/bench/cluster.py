@@ -167,25 +167,30 @@ class Overheads:
 def overheads(
     result: ModeResult, *, scale: float, warmup: int, checked: tuple[int, list[str]]
 ) -> Overheads:
-    """Measured over the window `result` is: from the end of trained step `warmup` on."""
+    """Throughput and CPU over the window `result` is (from the end of trained step `warmup`);
+    serve's lag, link, journal and orchestration over the whole run, from its first tick to its
+    last trained step: serve's busiest moments may fall before the window (when rollout is much
+    faster than training, the window can hold training alone)."""
     run_dir = Path(result.run_dir)
     run = load_run(run_dir)
-    trained = sorted(run.trained, key=lambda r: r.step)[warmup:]
+    everything = sorted(run.trained, key=lambda r: r.step)
+    trained = everything[warmup:]
     t0, t1 = trained[0].time_s, trained[-1].time_s
     window = max(t1 - t0, 1e-9)
     seq_tokens = sum(r.numbers().get("sequence_tokens", 0.0) for r in trained[1:])
-    ticks = [t for t in run.ticks if t0 < t.time_s <= t1]
+    ticks = [t for t in run.ticks if t.time_s <= t1]
     lags = sorted(t.loop_lag_ms for t in ticks) or [0.0]
 
     def rate(of: Callable[[Tick], float]) -> float:
-        """Per second between the window's first and last tick (0 with fewer than two)."""
+        """Per second between the run's first and last tick (0 with fewer than two)."""
         if len(ticks) < 2:
             return 0.0
         return (of(ticks[-1]) - of(ticks[0])) / (ticks[-1].time_s - ticks[0].time_s or 1e-9)
 
     msgs = rate(lambda t: t.link.sent_messages + t.link.received_messages)
     mb = rate(lambda t: t.link.sent_bytes + t.link.received_bytes) / 1e6
-    core = rate(lambda t: t.core_s) * result.step_s
+    core_share = rate(lambda t: t.core_s)
+    core = (ticks[-1].core_s - ticks[0].core_s) / len(everything) if len(ticks) >= 2 else 0.0
     cpu = json.loads((run_dir / "bench-cpu.json").read_text())
     cluster_path = run_dir / "emulated-cluster.json"
     cluster = json.loads(cluster_path.read_text()) if cluster_path.is_file() else {}
@@ -205,7 +210,7 @@ def overheads(
         link_mb_per_s=mb,
         journal_writes_per_s=rate(lambda t: t.journal_writes),
         core_s_per_step=core,
-        core_share=core / result.step_s if result.step_s else 0.0,
+        core_share=core_share,
         core_by_call=dict(run.summary.core_s_by_call) if run.summary is not None else {},
         checked_groups=checked[0],
         problems=checked[1],
