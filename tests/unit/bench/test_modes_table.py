@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import re
 from pathlib import Path
 
 import pytest
 
+from dora.bench.cluster import predicted, warmup_steps
 from dora.bench.modes import (
     ModeResult,
     bound_lines,
@@ -21,6 +23,9 @@ from dora.bench.modes import (
     summarise,
     table,
 )
+from dora.sim.costs import preset
+from dora.sim.modes import MODES
+from dora.sim.modes import plan as mode_plan
 from tests.unit.bench.fixtures import write_run
 
 
@@ -123,6 +128,41 @@ def test_numbers_come_from_the_steady_window(tmp_path: Path) -> None:
     assert r.busy_instances == pytest.approx(3.0) and r.calls_per_busy_instance == pytest.approx(2)
     row = profile_table([r]).splitlines()[-1].split()
     assert row == ["dora", "5.000", "1.250", "5.000", "3.00", "2.0", "50%", "25%", "1.00/1.00"]
+
+
+def test_a_warm_up_moves_the_window_to_the_end_of_its_last_step(tmp_path: Path) -> None:
+    run = write_run(
+        tmp_path / "dora",
+        mode="dora",
+        steps=5,
+        step_s=2.0,
+        tokens=400.0,
+        wait_s=0.5,
+        train_s=1.0,
+        staleness=2,
+        util=0.8,
+        instances=4,
+        inflight=(6, 0, 1, 2),
+    )
+    r = summarise(run, name="dora", placement="shared", warmup=2)
+    # steps 3 and 4 trained after step 2 ended at t=5: 800 tokens in 4 s
+    assert r.tokens == 800.0 and r.window_s == pytest.approx(4.0)
+    assert r.steps == 3 and r.step_s == pytest.approx(2.0)
+    with pytest.raises(ValueError, match="warm-up"):
+        summarise(run, name="dora", placement="shared", warmup=4)
+
+
+def test_the_cluster_bench_measures_each_mode_after_its_first_k_steps() -> None:
+    setup = preset("paper-128")
+    for mode in MODES:
+        k = mode_plan(mode, setup).staleness
+        assert warmup_steps(mode_plan(mode, setup)) == k
+        run = predicted(setup, mode_plan(mode, setup), steps=3)
+        assert len(run.step_end_s) == k + 3  # the warm-up is run, then the measured steps
+    dora = predicted(setup, mode_plan("dora", setup), steps=3)
+    # dora's step K drains the start (the version-0 tail): the longest of its run
+    gaps = [b - a for a, b in itertools.pairwise(dora.step_end_s)]
+    assert max(gaps) == gaps[2]
 
 
 def _modes(tmp_path: Path, step_s: dict[str, float]) -> list[ModeResult]:
