@@ -37,6 +37,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import functools
 import os
 import struct
 from collections.abc import Callable, Collection, Iterator
@@ -249,7 +250,7 @@ class GroupLog:
         self._where: dict[str, int] = {}
         self.writes = self.bytes_written = 0
         self._active = self._fd = -1
-        self._active_bytes = 0
+        self._active_frames = 0
         self._open(found[-1][0] + 1 if found else 0)
 
     def _path(self, number: int) -> Path:
@@ -257,7 +258,7 @@ class GroupLog:
 
     def _open(self, number: int) -> None:
         self._active = number
-        self._active_bytes = 0
+        self._active_frames = 0
         self._members[number] = set()
         self._fd = os.open(self._path(number), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         self._bg.submit(_fsync_dir, self.directory)
@@ -270,21 +271,26 @@ class GroupLog:
         self._where[group_id] = segment
         self._members[segment].add(group_id)
 
-    def append(self, group_id: str, payload: bytes) -> None:
-        frame = _frame(payload)
-        self._bg.submit(_write_all, self._fd, frame)
-        n = len(frame)
+    def append(self, group_id: str, encode: Callable[[], bytes]) -> None:
+        """Append the group's frame to the active segment. `encode` makes its payload on the
+        journal's thread: a group's samples are hundreds of KB, too long an encoding to hold
+        the event loop for, at every completion."""
+        self._bg.submit(self._write_frame, self._fd, encode)
         self.writes += 1
-        self.bytes_written += n
-        self._active_bytes += n
+        self._active_frames += 1
         self.hold(group_id, self._active)
+
+    def _write_frame(self, fd: int, encode: Callable[[], bytes]) -> None:
+        frame = _frame(encode())
+        _write_all(fd, frame)
+        self.bytes_written += len(frame)  # added to on the journal's thread only
 
     def sync(self) -> None:
         self._bg.submit(os.fsync, self._fd)
 
     def roll(self) -> None:
         """Seal the active segment (if it has frames) and start the next one."""
-        if not self._active_bytes:
+        if not self._active_frames:
             return
         sealed, fd = self._active, self._fd
         self._bg.submit(os.fsync, fd)
@@ -366,6 +372,7 @@ class JournaledQueue(TransferQueue):
             self._ops = JournalFile(run_dir / "journal" / "queue.msgpack", self._bg)
             self._payloads = GroupLog(run_dir / "journal", self._bg)
         self._encoder = msgspec.msgpack.Encoder()
+        self._group_encoder = msgspec.msgpack.Encoder()  # used on the journal's thread only
 
     # --- restoring -------------------------------------------------------------------------------
 
@@ -440,9 +447,11 @@ class JournaledQueue(TransferQueue):
             self._ops.append(self._encoder.encode(op))
 
     def keep(self, group: Group) -> None:
-        """Journal a completed group's samples (before the trainer may need them)."""
+        """Journal a completed group's samples (before the trainer may need them; the trainer
+        link waits for `written`). Encoded on the journal's thread: `group` must not change
+        after this call, and nothing in serve changes a completed group."""
         if self._payloads is not None:
-            self._payloads.append(group.id, self._encoder.encode(group))
+            self._payloads.append(group.id, functools.partial(self._group_encoder.encode, group))
 
     def task(self, group_id: str, position: int) -> None:
         """Journal the prompt stream position of an admitted group's task."""
