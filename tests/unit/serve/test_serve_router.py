@@ -157,6 +157,39 @@ async def test_move_in_flight_with_kv_imports_the_request() -> None:
     assert router.stats.kv_migrations == 1 and router.stats.resubmissions == 0
 
 
+async def test_a_plan_moving_many_requests_interrupts_a_few_at_a_time() -> None:
+    class Counting(FakeInstance):
+        running = peak = 0
+
+        async def export_request(self, request_id: str) -> ExportedRequest:
+            Counting.running += 1
+            Counting.peak = max(Counting.peak, Counting.running)
+            await asyncio.sleep(0.005)
+            Counting.running -= 1
+            return await super().export_request(request_id)
+
+    a, b = Counting("a", 0), FakeInstance("b", 0)
+    b.release.set()
+    router = Router(kv_migration=True, control_timeout_s=5, max_interrupts=3)
+    router.add_instance("a", a, version=0)
+    router.add_instance("b", b, version=0)
+    leases = [f"g0/{i}" for i in range(10)]
+    calls = []
+    for lid in leases:
+        router.open(lid, version=0, instance="a")
+        calls.append(asyncio.ensure_future(router.sampler(lid).generate(PROMPT, PARAMS)))
+    for _ in range(100):  # every call reaches `a` within a few passes of the loop
+        if len(a.calls) == len(leases):
+            break
+        await asyncio.sleep(0)
+    assert len(a.calls) == len(leases)
+    assert all(router.move(lid, "b") for lid in leases)
+    await asyncio.gather(*(router.interrupt(lid, export=True) for lid in leases))
+    done = await asyncio.gather(*calls)
+    assert Counting.peak == 3, "no more than max_interrupts exports at once"
+    assert all(d.finish_reason == "stop" for d in done) and len(b.imports) == len(leases)
+
+
 async def test_park_then_resume_on_a_newer_version_records_token_versions() -> None:
     a, b = FakeInstance("a", 0), FakeInstance("b", 1, first=0, rest=2)
     b.release.set()
