@@ -166,10 +166,8 @@ def _summarise(
 ) -> ModeResult:
     trained = sorted(run.trained, key=lambda r: r.step)[warmup:]
     if len(trained) < 2:
-        raise ValueError(
-            f"{run.run_dir}: fewer than 2 trained steps after {warmup} of warm-up, nothing to "
-            "measure"
-        )
+        msg = f"{run.run_dir}: fewer than 2 trained steps after a warm-up of {warmup}"
+        raise ValueError(msg)
     first, last = trained[0], trained[-1]
     window = last.time_s - first.time_s
     later = [r.numbers() for r in trained[1:]]
@@ -388,9 +386,8 @@ def run_mode(
     steps: int,
     warmup: int = 0,
 ) -> int:
-    """Run one mode to the end; write `bench-cpu.json` beside its records, its CPU measured from
-    the end of trained step `warmup` (the first is step 0) to the end of step `steps - 1`, the
-    window `summarise(warmup=warmup)` measures. Returns the exit code."""
+    """Run one mode to the end; write `bench-cpu.json` beside its records (CPU from the end of
+    trained step `warmup` on, as `summarise` measures). Returns the exit code."""
     from dora.config import load_config
     from dora.config_text import render_toml
     from dora.models.prepare import prepare_model

@@ -24,10 +24,9 @@ Rules, in mode `dora` (and `sync`, which is `dora` with K = 0):
 - instances move only from old versions to the newest, and only when that frees a whole instance:
   the requests of a surplus instance migrate to instances of the *same* version first (C1);
 - such a consolidation happens only while the newest version needs the room: the driver's demand
-  exceeds what the newest version's loading instances will take, those a consolidation of the
-  same plan freed included (one waiting group frees one instance, not one per old version; always,
-  if no demand was ever reported). An old version's instance that empties on its own loads the
-  newest version anyway;
+  exceeds what the newest version's loading instances (and those the plan freed) will take, so one
+  waiting group frees one instance (always, if no demand was ever reported). An old version's
+  instance that empties on its own loads the newest version anyway;
 - no migration or resume packs an instance beyond its KV tokens (when it has a token capacity),
   and an old version keeps instances enough for its live requests by slots *and* by tokens; a
   request longer than every instance's token capacity fails (`Fail`, `FailReason.TOO_LONG`);
@@ -383,12 +382,6 @@ class Orchestrator(Pool):
     # --- planning ----------------------------------------------------------------------------
 
     def _plan(self) -> list[Action]:
-        try:
-            return self._plan_actions()
-        finally:
-            self._freed_slots = 0  # counted by `_consolidating` only while a plan is made
-
-    def _plan_actions(self) -> list[Action]:
         actions: list[Action] = []
         self._deferred = False
         if self._mode is Mode.ONE_STEP_OFF:
@@ -453,6 +446,7 @@ class Orchestrator(Pool):
                     actions.append(Undrain(inst.id))
             if inst.version != target:
                 self._load(inst, target, actions)
+        self._freed_slots = 0  # `_consolidating` counts it only while a plan is made
 
     def _shrink(self, w: int, actions: list[Action]) -> set[str]:
         """Keep the fewest instances of old version `w` that hold its live requests; migrate the
@@ -599,9 +593,8 @@ class Orchestrator(Pool):
         self._parked = {w: q for w, q in self._parked.items() if q}
 
     def _consolidating(self) -> bool:
-        """Whether freeing an old version's instance pays: the driver never reported its demand,
-        or more requests wait than the newest version's loading instances will take, with the
-        instances this plan freed already (they load it once the plan is carried out)."""
+        """Whether freeing an old version's instance pays: no demand was ever reported, or more
+        requests wait than the newest version's loading instances and those this plan freed take."""
         if self._demand is None:
             return True
         return self._demand > self._loading_slots.get(self._newest, 0) + self._freed_slots

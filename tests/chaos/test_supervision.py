@@ -4,6 +4,7 @@ fails, naming the limit; a clean exit of both ends the run; Ctrl-C or SIGTERM st
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -108,7 +109,8 @@ def test_a_side_that_fails_before_it_is_ready_stops_the_run_at_once(
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_ctrl_c_or_sigterm_stops_both_sides(tmp_path: Path, sig: signal.Signals) -> None:
-    script = (
+    script = (  # a terminal's Ctrl-C reaches a foreground `dora run`: SIGINT is not ignored
+        "import signal; signal.signal(signal.SIGINT, signal.default_int_handler)\n"
         "import sys; from pathlib import Path; from dora.launch import Supervisor\n"
         f"sides = [sys.executable, '-c', {SLEEP!r}]\n"
         "sup = Supervisor(serve_cmd=sides, learn_cmd=sides, env={}, "
@@ -123,7 +125,15 @@ def test_ctrl_c_or_sigterm_stops_both_sides(tmp_path: Path, sig: signal.Signals)
         time.sleep(0.05)
     pids = [int(r["pid"]) for r in map(json.loads, log.read_text().splitlines())]
     proc.send_signal(sig)
-    _, err = proc.communicate(timeout=40)
+    try:
+        _, err = proc.communicate(timeout=40)
+    finally:  # stopped by its handle, also when the test fails
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+            for pid in pids:  # the sides run in sessions of their own
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(pid, signal.SIGKILL)
     assert proc.returncode == 130 and "interrupted, stopping serve and learn" in err
     for pid in pids:  # reaped by the supervisor: gone, not even a zombie
         with pytest.raises(ProcessLookupError):
