@@ -267,14 +267,15 @@ def start_side(cmd: list[str], **popen: Any) -> subprocess.Popen[bytes]:
     the default at exec, so while the side starts, an ignored SIGINT is handled here by doing
     nothing (this process goes on ignoring it) and the side gets the default.
     """
-    ignored = signal.getsignal(signal.SIGINT) is signal.SIG_IGN
-    if ignored and threading.current_thread() is threading.main_thread():
+    swap = signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    swap &= threading.current_thread() is threading.main_thread()  # where signals can be set
+    if swap:
         signal.signal(signal.SIGINT, _ignore)
-        try:
-            return subprocess.Popen(cmd, start_new_session=True, **popen)
-        finally:
+    try:
+        return subprocess.Popen(cmd, start_new_session=True, **popen)
+    finally:
+        if swap:
             signal.signal(signal.SIGINT, signal.SIG_IGN)
-    return subprocess.Popen(cmd, start_new_session=True, **popen)
 
 
 def _ignore(signum: int, frame: object) -> None:

@@ -140,9 +140,6 @@ def test_a_warm_up_moves_the_window_to_the_end_of_its_last_step(tmp_path: Path) 
         wait_s=0.5,
         train_s=1.0,
         staleness=2,
-        util=0.8,
-        instances=4,
-        inflight=(6, 0, 1, 2),
     )
     r = summarise(run, name="dora", placement="shared", warmup=2)
     # steps 3 and 4 trained after step 2 ended at t=5: 800 tokens in 4 s
