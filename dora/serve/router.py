@@ -129,6 +129,7 @@ class Router:
         self._interrupting = asyncio.Semaphore(max_interrupts)
         self.instances: dict[str, InstanceState] = {}
         self.leases: dict[str, Lease] = {}
+        self._serving: dict[int, int] = {}  # calls in flight per version, over every instance
         self.stats = stats if stats is not None else ServeStats()
         """The router's counters (`migrations`, `parks`, `failed_calls`, ...)."""
         self.on_failure: Callable[[str], None] | None = None
@@ -241,14 +242,17 @@ class Router:
             inst.idle.clear()
         inst.inflight += 1
         inst.inflight_versions[version] = inst.inflight_versions.get(version, 0) + 1
-        serving = {w for i in self.instances.values() for w in i.inflight_versions}
-        self.stats.max_versions_serving = max(self.stats.max_versions_serving, len(serving))
+        self._serving[version] = self._serving.get(version, 0) + 1
+        self.stats.max_versions_serving = max(self.stats.max_versions_serving, len(self._serving))
 
     def _end(self, inst: InstanceState, version: int, tokens: int) -> None:
         inst.inflight -= 1
         left = inst.inflight_versions.pop(version) - 1
         if left:
             inst.inflight_versions[version] = left
+        left = self._serving.pop(version) - 1
+        if left:
+            self._serving[version] = left
         inst.tokens += tokens
         if inst.inflight == 0:
             if inst.busy_since is not None:
@@ -258,11 +262,7 @@ class Router:
 
     def versions_serving(self) -> dict[int, int]:
         """Calls in flight per version (the version each call's lease is pinned to), now."""
-        out: dict[int, int] = {}
-        for i in self.instances.values():
-            for w, n in i.inflight_versions.items():
-                out[w] = out.get(w, 0) + n
-        return dict(sorted(out.items()))
+        return dict(sorted(self._serving.items()))
 
     async def call(
         self,

@@ -109,7 +109,7 @@ class AgenticWorkloadEnv(Env):
             if self.tool_latency_s > 0
             else 0.0
         )
-        reply = "".join(self._rng.choice(_LETTERS) for _ in range(self.tool_tokens))
+        reply = "".join(self._rng.choices(_LETTERS, k=self.tool_tokens))
         self._text += reply
         return reply, False
 
