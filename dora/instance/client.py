@@ -126,14 +126,7 @@ class EngineClient:
         body = generate_body(prompt_ids, params, request_id)
         if version is not None:
             body["version"] = version
-        raw = await self._call(
-            "POST",
-            "/v1/completions",
-            msgspec.json.encode(body),
-            "application/json",
-            timeout_s or self.timeout_s,
-            "generate",
-        )
+        raw = await self._post_raw("/v1/completions", body, timeout_s or self.timeout_s, "generate")
         answer = self._decode(raw, "generate", _completions_answer.decode)
         if not answer.choices:
             raise ProtocolError(f"generate: {self.base_url} answered with no completion choice")
@@ -246,15 +239,18 @@ class EngineClient:
     async def _post(
         self, path: str, body: Json, timeout_s: float, what: str, *, msgpack: bool = False
     ) -> Json:
-        if msgpack:
-            raw = await self._call(
-                "POST", path, msgspec.msgpack.encode(body), "application/msgpack", timeout_s, what
-            )
-        else:
-            raw = await self._call(
-                "POST", path, msgspec.json.encode(body), "application/json", timeout_s, what
-            )
+        raw = await self._post_raw(path, body, timeout_s, what, msgpack=msgpack)
         return self._decode(raw, what, _json_object)
+
+    async def _post_raw(
+        self, path: str, body: Json, timeout_s: float, what: str, *, msgpack: bool = False
+    ) -> bytes:
+        """POST `body` as JSON (msgpack with `msgpack`); the answer's bytes."""
+        if msgpack:
+            data, content_type = msgspec.msgpack.encode(body), "application/msgpack"
+        else:
+            data, content_type = msgspec.json.encode(body), "application/json"
+        return await self._call("POST", path, data, content_type, timeout_s, what)
 
     def _decode(self, raw: bytes, what: str, decode: Callable[[bytes], T]) -> T:
         try:
