@@ -32,6 +32,12 @@ def pack(
     return np.ascontiguousarray(values, dtype=dtype).tobytes()
 
 
+MSGPACK = "application/msgpack"
+"""The HTTP content type of msgpack bodies between serve and its instances: control calls with
+binary payloads (weights, exported requests) and, when the client asks for it (`Accept`), the
+completion answers of dora's engine and emulated instances."""
+
+
 MIN_TEMPERATURE = 1e-4
 """The lowest sampling temperature but 0 (greedy). Below it `logits / T` overflows float32 for
 ordinary logits and the behaviour logprobs become NaN; the config and the engine refuse it."""

@@ -23,7 +23,7 @@ from aiohttp import web
 
 from dora.emulated.engine import EmulatedInstance, Sequence
 from dora.engine import api, wire
-from dora.protocol import Completion, SamplingParams
+from dora.protocol import MSGPACK, Completion, SamplingParams
 
 __all__ = ["EmulatedServer"]
 
@@ -124,7 +124,7 @@ class EmulatedServer:
             "token_ids": out.token_ids,
             "versions": out.versions,
         }
-        return self._json(
+        return wire.answer(
             {
                 "id": request_id,
                 "object": "text_completion",
@@ -135,7 +135,9 @@ class EmulatedServer:
                     "completion_tokens": len(out.token_ids),
                 },
                 "version": out.version,
-            }
+            },
+            request,
+            version=inst.version,
         )
 
     async def _models(self, request: web.Request) -> web.Response:
@@ -236,9 +238,7 @@ class EmulatedServer:
             kv_dtype=_KV_DTYPE,
             kv_shape=[len(seq.prompt_ids) + len(out.token_ids)],
         )
-        return web.Response(
-            body=msgspec.msgpack.encode(exported), content_type="application/msgpack"
-        )
+        return web.Response(body=msgspec.msgpack.encode(exported), content_type=MSGPACK)
 
     async def on_import(self, request: web.Request) -> web.Response:
         req = await self._control(request, api.ExportedRequest)
@@ -273,7 +273,7 @@ class EmulatedServer:
             stall = moved * inst.s.kv_bytes_per_token / (inst.s.kv_transfer_gbps * 1e9)
         inst.submit(seq, stall_s=stall)
         out = await self._wait(seq)
-        return self._json(wire.completion_dict(out))
+        return wire.answer(wire.completion_dict(out), request, version=self.instance.version)
 
 
 def _params(seq: Sequence) -> SamplingParams:

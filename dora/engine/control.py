@@ -20,6 +20,7 @@ from dora.engine import api, render, wire
 from dora.engine.batcher import Batcher, Sequence
 from dora.engine.worker import read_safetensors
 from dora.instance.interface import ExportedRequest
+from dora.protocol import MSGPACK
 
 if TYPE_CHECKING:
     from dora.engine.server import EngineServer
@@ -151,9 +152,7 @@ class ControlRoutes:
         exported = await asyncio.wrap_future(self.server.worker.call(detach))
         if exported is None:
             return self.server.error(409, f"request {req.request_id!r} already finished")
-        return web.Response(
-            body=msgspec.msgpack.encode(exported), content_type="application/msgpack"
-        )
+        return web.Response(body=msgspec.msgpack.encode(exported), content_type=MSGPACK)
 
     async def on_import(self, request: web.Request) -> web.Response:
         req = await self._control_body(request, ExportedRequest)
@@ -192,7 +191,8 @@ class ControlRoutes:
         await self.server.wait(req.request_id, [watch])
         if seq.error:
             return self.server.error(seq.error_status, seq.error)
-        return web.json_response(wire.completion_dict(seq.completion()))
+        out = wire.completion_dict(seq.completion())
+        return wire.answer(out, request, version=out["version"])
 
 
 def _exported(seq: Sequence, version: int, kv: torch.Tensor | None) -> ExportedRequest:

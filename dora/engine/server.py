@@ -341,9 +341,7 @@ class EngineServer:
             if isinstance(req, api.ChatRequest)
             else (self._renderer.completion_response(meta, req, seqs))
         )
-        response = web.json_response(out)
-        response.headers["X-Dora-Version"] = str(out["version"])
-        return response
+        return wire.answer(out, request, version=out["version"])
 
     async def _stream(
         self,

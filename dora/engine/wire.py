@@ -19,11 +19,12 @@ from aiohttp import web
 
 from dora.engine import api
 from dora.net import is_loopback
-from dora.protocol import Completion
+from dora.protocol import MSGPACK, Completion
 
 __all__ = [
     "ControlHandlers",
     "RecentCompletions",
+    "answer",
     "completion_dict",
     "control_routes",
     "decode_control",
@@ -71,7 +72,7 @@ def decode_control(body: bytes, content_type: str, cls: type[api.S]) -> api.S:
     """A control body: msgpack when sent as `application/msgpack`, strict JSON otherwise (an
     empty body is `{}`). Raises ValueError with a message for the caller."""
     try:
-        if content_type == "application/msgpack":
+        if content_type == MSGPACK:
             return msgspec.msgpack.decode(body, type=cls)
         return api.decode_strict(body or b"{}", cls)
     except msgspec.DecodeError as exc:
@@ -84,6 +85,17 @@ def error_body(status: int, message: str, version: int) -> Json:
     """The JSON of an error answer: OpenAI's `error` object and the version the instance holds."""
     kind = _KINDS.get(status, "error")
     return {"error": {"message": message, "type": kind, "code": status}, "version": version}
+
+
+def answer(body: object, request: web.Request, *, version: object) -> web.Response:
+    """A successful answer to `request`: msgpack when its `Accept` names `application/msgpack`
+    (dora's client asks so for completions: long token and logprob lists decode faster and
+    encode four times faster than as JSON), JSON otherwise. `X-Dora-Version` carries `version`."""
+    if MSGPACK in request.headers.get("Accept", ""):
+        data, kind = msgspec.msgpack.encode(body), MSGPACK
+    else:
+        data, kind = msgspec.json.encode(body), "application/json"
+    return web.Response(body=data, content_type=kind, headers={"X-Dora-Version": str(version)})
 
 
 def completion_dict(c: Completion) -> Json:

@@ -64,6 +64,23 @@ async def test_completion_text_prompt_carries_version(server: EngineServer) -> N
     assert body["usage"]["completion_tokens"] == 5  # type: ignore[index]
 
 
+async def test_completions_answer_in_msgpack_when_asked(server: EngineServer) -> None:
+    """dora's client asks for msgpack (`Accept`): the same answer as the JSON one, in msgpack."""
+    body = {"prompt": [5, 6, 7], "max_tokens": 6, "seed": 2, "logprobs": 0}
+    body["return_token_ids"] = True
+    url = server.url + "/v1/completions"
+    async with aiohttp.ClientSession() as s:
+        async with s.post(url, json=body) as r:
+            as_json = await r.json()
+        headers = {"Accept": "application/msgpack"}
+        async with s.post(url, json=body, headers=headers) as r:
+            assert r.content_type == "application/msgpack" and r.headers["X-Dora-Version"] == "0"
+            as_msgpack = msgspec.msgpack.decode(await r.read())
+    for answer in (as_json, as_msgpack):
+        answer.pop("id"), answer.pop("created")
+    assert as_msgpack == as_json and len(as_json["choices"][0]["token_ids"]) == 6
+
+
 async def test_logprobs_match_a_forward_pass(client: EngineClient, tiny_model: Path) -> None:
     prompt = list(range(10, 30))
     for temperature in (1.0, 0.7):
