@@ -11,7 +11,8 @@ per call), a weight load accepts the tensors or the path and ignores their value
 model; the load takes the modelled time), and an exported request carries no KV bytes: its
 `kv_shape` is `[context tokens]` and the importer spends the modelled transfer time.
 
-Responses are encoded with msgspec (the engine's JSON responses are the same shape).
+Responses are encoded with msgspec in the engine's shapes; completions (generate and import) in
+msgpack when the caller asks for it (`Accept`), as the engine does (`wire.answer`).
 """
 
 from __future__ import annotations
