@@ -211,7 +211,7 @@ class EngineClient:
         self, request_id: str, *, timeout_s: float | None = None
     ) -> ExportedRequest:
         """Take a running request off this instance, with its sampling state and KV cache."""
-        raw = await self._call(
+        raw, _ = await self._call(
             "POST",
             "/control/export",
             msgspec.json.encode({"request_id": request_id}),
@@ -225,7 +225,7 @@ class EngineClient:
         self, exported: ExportedRequest, *, timeout_s: float | None = None
     ) -> Completion:
         """Continue an exported request here; returns its whole completion once it finishes."""
-        raw, kind = await self._exchange(
+        raw, kind = await self._call(
             "POST",
             "/control/import",
             msgspec.msgpack.encode(exported),
@@ -238,11 +238,11 @@ class EngineClient:
         return self._decode(raw, "import", decode.decode)
 
     async def health(self, *, timeout_s: float = 5.0) -> Json:
-        raw = await self._call("GET", "/health", None, None, timeout_s, "health")
+        raw, _ = await self._call("GET", "/health", None, None, timeout_s, "health")
         return self._decode(raw, "health", _json_object)
 
     async def metrics(self, *, timeout_s: float = 5.0) -> Json:
-        raw = await self._call("GET", "/metrics", None, None, timeout_s, "metrics")
+        raw, _ = await self._call("GET", "/metrics", None, None, timeout_s, "metrics")
         return self._decode(raw, "metrics", _json_object)
 
     # -- transport ---------------------------------------------------------------------------------
@@ -269,9 +269,7 @@ class EngineClient:
             data, content_type = msgspec.msgpack.encode(body), MSGPACK
         else:
             data, content_type = msgspec.json.encode(body), "application/json"
-        return await self._exchange(
-            "POST", path, data, content_type, timeout_s, what, accept=accept
-        )
+        return await self._call("POST", path, data, content_type, timeout_s, what, accept=accept)
 
     def _decode(self, raw: bytes, what: str, decode: Callable[[bytes], T]) -> T:
         try:
@@ -290,23 +288,11 @@ class EngineClient:
         content_type: str | None,
         timeout_s: float,
         what: str,
-    ) -> bytes:
-        """One HTTP call; the answer's bytes (an error status raises, see the module docstring)."""
-        raw, _ = await self._exchange(method, path, data, content_type, timeout_s, what)
-        return raw
-
-    async def _exchange(
-        self,
-        method: str,
-        path: str,
-        data: bytes | None,
-        content_type: str | None,
-        timeout_s: float,
-        what: str,
         *,
         accept: str | None = None,
     ) -> tuple[bytes, str]:
-        """`_call` asking for the answer in `accept`: the answer's bytes and its content type."""
+        """One HTTP call, asking for the answer in `accept` (an `Accept` header) when given: the
+        answer's bytes and content type. An error status raises (see the module docstring)."""
         if self._session is None:
             # No pool limit (aiohttp's default is 100 connections): serve's admission already
             # bounds the calls to an instance (vLLM's max_num_seqs is 256), a capped pool would

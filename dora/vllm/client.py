@@ -283,7 +283,7 @@ class VllmClient(EngineClient):
 
     async def metrics(self, *, timeout_s: float = 5.0) -> Json:
         """The engine's keys (running, waiting, kv_usage, version) from vLLM's Prometheus text."""
-        raw = await self._call("GET", "/metrics", None, None, timeout_s, "metrics")
+        raw, _ = await self._call("GET", "/metrics", None, None, timeout_s, "metrics")
         out: Json = {"version": self.version, "paused": not self._ready.is_set()}
         for line in raw.decode(errors="replace").splitlines():
             name, _, rest = line.partition("{")
@@ -296,7 +296,7 @@ class VllmClient(EngineClient):
 
     async def read_version(self, *, timeout_s: float = 5.0) -> int | None:
         """The version label the server holds (`/weight_info`), if dora set it; None otherwise."""
-        raw = await self._call("GET", "/weight_info", None, None, timeout_s, "weight info")
+        raw, _ = await self._call("GET", "/weight_info", None, None, timeout_s, "weight info")
         label = msgspec.json.decode(raw).get("weight_version")
         try:
             return int(label)
@@ -307,7 +307,9 @@ class VllmClient(EngineClient):
 
     async def _control(self, path: str, body: Json | None, what: str) -> object:
         data = None if body is None else msgspec.json.encode(body)
-        raw = await self._call("POST", path, data, "application/json", self.control_timeout_s, what)
+        raw, _ = await self._call(
+            "POST", path, data, "application/json", self.control_timeout_s, what
+        )
         return msgspec.json.decode(raw) if raw.strip() else None
 
 
