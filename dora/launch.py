@@ -41,6 +41,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -144,11 +145,9 @@ class Supervisor:
 
     def supervise(self, *, resume: bool) -> int:
         """`run` until the run ends (its exit code); Ctrl-C or SIGTERM stops both sides (130)."""
-        # SIGTERM stops the run like Ctrl-C: the sides live in their own sessions and would
-        # outlive us
-        signal.signal(signal.SIGTERM, _interrupt)
         try:
-            return self.run(resume=resume)
+            with sigterm_interrupts():
+                return self.run(resume=resume)
         except KeyboardInterrupt:
             print("\ndora run: interrupted, stopping serve and learn", file=sys.stderr)
             stop_all(self.children)
@@ -252,6 +251,22 @@ class Supervisor:
     def close(self) -> None:
         self._learn_log.close()
         self._log.close()
+
+
+@contextlib.contextmanager
+def sigterm_interrupts() -> Iterator[None]:
+    """Within the block, SIGTERM raises KeyboardInterrupt as Ctrl-C does, so that the cleanup
+    that stops the sides (`stop_all`) runs when the launcher is stopped from outside (`timeout`,
+    `kill`, a cancelled CI job) too: the sides live in sessions of their own and would outlive
+    it. Signal handlers can only be set in the main thread; elsewhere the block runs unchanged."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _interrupt(signum: int, frame: object) -> None:

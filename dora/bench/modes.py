@@ -44,7 +44,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from dora.bench.proc import TrainedCounter, own_cpu_s, tree_cpu_s
-from dora.launch import free_port, start_side, stop_all
+from dora.launch import free_port, sigterm_interrupts, start_side, stop_all
 from dora.placement import KINDS, Kind, Placement, place
 from dora.report import RunData, load_run
 
@@ -423,7 +423,10 @@ def run_mode(
     counter = TrainedCounter(run_dir / "rollout.jsonl")
     sides = (("serve", placement.serve_cores), ("learn", placement.trainer_cores))
     with contextlib.ExitStack() as stack:
+        stack.enter_context(sigterm_interrupts())  # so that a stopped benchmark stops its sides
         procs: dict[str, subprocess.Popen[bytes]] = {}
+        # dora run's own stop (SIGINT, SIGTERM, SIGKILL, by process group), however this ends
+        stack.callback(stop_all, procs)
         for side, cores in sides:
             log = stack.enter_context(open(run_dir / f"{side}.log", "ab"))
             procs[side] = start_side(
@@ -436,25 +439,22 @@ def run_mode(
         at_last: dict[str, float] | None = None
         loads = []
         last_cpu: dict[str, float] | None = None
-        try:
-            while any(p.poll() is None for p in procs.values()):
-                if any(p.returncode not in (None, 0) for p in procs.values()):
-                    break
-                cpu = {side: tree_cpu_s([p.pid]) for side, p in procs.items()}
-                cpu["serve_self"] = own_cpu_s(procs["serve"].pid)
-                last_cpu = cpu
-                n = counter.poll()
-                if n >= 1 + warmup and at_first is None:
-                    at_first = cpu
-                if n >= steps and at_last is None:
-                    at_last = cpu
-                if at_first is not None and at_last is None:
-                    loads.append(os.getloadavg()[0])
-                time.sleep(POLL_S)
-        finally:
-            stop_all(procs)  # dora run's own stop: SIGINT, SIGTERM, SIGKILL, by process group
-        if at_last is None and counter.poll() >= steps:
-            at_last = last_cpu  # the run ended within one poll of its last step: the last sample
+        while any(p.poll() is None for p in procs.values()):
+            if any(p.returncode not in (None, 0) for p in procs.values()):
+                break
+            cpu = {side: tree_cpu_s([p.pid]) for side, p in procs.items()}
+            cpu["serve_self"] = own_cpu_s(procs["serve"].pid)
+            last_cpu = cpu
+            n = counter.poll()
+            if n >= 1 + warmup and at_first is None:
+                at_first = cpu
+            if n >= steps and at_last is None:
+                at_last = cpu
+            if at_first is not None and at_last is None:
+                loads.append(os.getloadavg()[0])
+            time.sleep(POLL_S)
+    if at_last is None and counter.poll() >= steps:
+        at_last = last_cpu  # the run ended within one poll of its last step: the last sample
     record: dict[str, float] = {}
     if at_first is not None and at_last is not None:
         for side in (*procs, "serve_self"):

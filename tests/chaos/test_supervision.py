@@ -4,7 +4,6 @@ fails, naming the limit; a clean exit of both ends the run; Ctrl-C or SIGTERM st
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import signal
@@ -18,6 +17,7 @@ import pytest
 
 from dora.errors import RunAborted
 from dora.launch import Supervisor
+from tests.chaos.processes import Owned
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -108,7 +108,9 @@ def test_a_side_that_fails_before_it_is_ready_stops_the_run_at_once(
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
-def test_ctrl_c_or_sigterm_stops_both_sides(tmp_path: Path, sig: signal.Signals) -> None:
+def test_ctrl_c_or_sigterm_stops_both_sides(
+    tmp_path: Path, sig: signal.Signals, owned: Owned
+) -> None:
     script = (  # a terminal's Ctrl-C reaches a foreground `dora run`: SIGINT is not ignored
         "import signal; signal.signal(signal.SIGINT, signal.default_int_handler)\n"
         "import sys; from pathlib import Path; from dora.launch import Supervisor\n"
@@ -118,22 +120,16 @@ def test_ctrl_c_or_sigterm_stops_both_sides(tmp_path: Path, sig: signal.Signals)
         "sys.exit(sup.supervise(resume=False))\n"
     )
     proc = subprocess.Popen([sys.executable, "-c", script], stderr=subprocess.PIPE, text=True)
+    owned.procs.append(proc)
     log = tmp_path / "supervisor.jsonl"
     deadline = time.monotonic() + 30
     while not (log.exists() and log.read_text().count('"start"') == 2):
         assert time.monotonic() < deadline and proc.poll() is None, "both sides started"
         time.sleep(0.05)
     pids = [int(r["pid"]) for r in map(json.loads, log.read_text().splitlines())]
+    owned.groups += pids  # the sides run in sessions of their own
     proc.send_signal(sig)
-    try:
-        _, err = proc.communicate(timeout=40)
-    finally:  # stopped by its handle, also when the test fails
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
-            for pid in pids:  # the sides run in sessions of their own
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(pid, signal.SIGKILL)
+    _, err = proc.communicate(timeout=40)
     assert proc.returncode == 130 and "interrupted, stopping serve and learn" in err
     for pid in pids:  # reaped by the supervisor: gone, not even a zombie
         with pytest.raises(ProcessLookupError):
