@@ -3,11 +3,12 @@
 A killed engine is noticed by the first call that finds it unreachable; a hung one (stopped,
 deadlocked, swapping) is not: its calls just wait, up to `serve.request_timeout_s`, which has to
 be as long as the longest LLM call. `HealthWatch` probes every instance's `/health` every
-`timeout_s / 4` seconds, each probe bounded by `timeout_s` (`serve.health_timeout_s`); an
-instance whose probe fails or times out is handed to `on_dead`, and the rollout treats it
-exactly like a dead one (`InstanceLifecycle.unresponsive`): its requests move to another instance
-of their version, the calls it was running are cut and resubmitted with the tokens their episodes
-hold, and it is replaced. A hung instance then costs seconds, not the run.
+`timeout_s / 4` seconds (a round's probes spread over that interval), each probe bounded by
+`timeout_s` (`serve.health_timeout_s`); an instance whose probe fails or times out is handed to
+`on_dead`, and the rollout treats it exactly like a dead one (`InstanceLifecycle.unresponsive`):
+its requests move to another instance of their version, the calls it was running are cut and
+resubmitted with the tokens their episodes hold, and it is replaced. A hung instance then costs
+seconds, not the run.
 
 The probe is cheap on purpose: the engine answers `/health` on its event loop, which never waits
 on the model (the model runs on the engine thread), so a busy instance answers at once and only a
@@ -48,12 +49,23 @@ class HealthWatch:
 
     async def run(self) -> None:
         while True:
-            await asyncio.sleep(self.every_s)
+            targets = list(self._targets().items())
+            if not targets:
+                await asyncio.sleep(self.every_s)
+                continue
+            # Spread over the interval: a round sent at once is one HTTP call per instance in a
+            # single loop iteration, which stalls the loop for as long as a hundred calls take.
             async with asyncio.TaskGroup() as tg:
-                for instance, client in self._targets().items():
-                    tg.create_task(self._probe(instance, client), name=f"health-{instance}")
+                for k, (instance, client) in enumerate(targets):
+                    after_s = self.every_s * (k + 1) / len(targets)
+                    tg.create_task(
+                        self._probe(instance, client, after_s), name=f"health-{instance}"
+                    )
 
-    async def _probe(self, instance: str, client: InstanceClient) -> None:
+    async def _probe(self, instance: str, client: InstanceClient, after_s: float) -> None:
+        await asyncio.sleep(after_s)
+        if self._targets().get(instance) is not client:
+            return  # stopped or replaced since the round began: not ours to judge any more
         self.probes += 1
         try:
             # The client's own deadline; the outer one also bounds a client that has none.

@@ -4,6 +4,7 @@ what failed; one that answers is never reported."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 
 import pytest
 
@@ -51,3 +52,39 @@ async def test_hung_and_unreachable_instances_are_reported_within_the_deadline()
     assert set(dead) == {"hung", "gone"}
     assert "unreachable" in dead["gone"] and "within 0.4 s" in dead["hung"]
     assert watch.failures == 2 and watch.probes > 4
+
+
+class Clock:
+    """A healthy instance that records when it was probed."""
+
+    def __init__(self, times: list[float]) -> None:
+        self.times = times
+
+    async def health(self, *, timeout_s: float = 5.0) -> dict[str, object]:
+        self.times.append(asyncio.get_running_loop().time())
+        return {"status": "ok"}
+
+
+async def test_a_round_of_probes_is_spread_over_the_interval_not_sent_at_once() -> None:
+    """Probing 128 instances in one loop iteration stalls the loop for that iteration; spread
+    over the interval, each iteration sends one or two probes."""
+    n = 16
+    times: list[list[float]] = [[] for _ in range(n)]
+    clients = {f"i{k}": Clock(times[k]) for k in range(n)}
+    watch = HealthWatch(targets=lambda: clients, on_dead=lambda i, e: None, timeout_s=0.8)
+    start = asyncio.get_running_loop().time()
+    task = asyncio.ensure_future(watch.run())
+    try:
+        await asyncio.sleep(2.5 * watch.every_s)
+    finally:
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+    firsts = sorted(t[0] - start for t in times)
+    assert all(t for t in times), "every instance probed"
+    gaps = [b - a for a, b in itertools.pairwise(firsts)]
+    assert min(gaps) > 0.5 * watch.every_s / n, f"spread over the interval: {gaps}"
+    assert firsts[-1] <= watch.every_s * 1.2, "the last within one interval, as before"
+    for probed in times:  # each instance still probed about every interval
+        intervals = [b - a for a, b in itertools.pairwise(probed)]
+        assert all(0.8 * watch.every_s < d < 1.5 * watch.every_s for d in intervals), intervals
