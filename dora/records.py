@@ -251,6 +251,8 @@ class Tick(Record, tag="tick", omit_defaults=True):
     journal_writes: int
     journal_bytes: int
     link: LinkCounts
+    cpu_s: float = 0.0
+    """CPU seconds of the serve process (all its threads) since it started."""
     eval: TickEval | None = None
 
 

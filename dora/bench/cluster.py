@@ -167,10 +167,11 @@ class Overheads:
 def overheads(
     result: ModeResult, *, scale: float, warmup: int, checked: tuple[int, list[str]]
 ) -> Overheads:
-    """Throughput and CPU over the window `result` is (from the end of trained step `warmup`);
-    serve's lag, link, journal and orchestration over the whole run, from its first tick to its
-    last trained step: serve's busiest moments may fall before the window (when rollout is much
-    faster than training, the window can hold training alone)."""
+    """Throughput over the window `result` is (from the end of trained step `warmup`); serve's
+    CPU, lag, link, journal and orchestration over the whole run, from its first tick to its
+    last trained step, and the cluster's CPU over its life: serve's busiest moments may fall
+    before the window (when rollout is much faster than training, the window can hold training
+    alone)."""
     run_dir = Path(result.run_dir)
     run = load_run(run_dir)
     everything = sorted(run.trained, key=lambda r: r.step)
@@ -187,22 +188,18 @@ def overheads(
             return 0.0
         return (of(ticks[-1]) - of(ticks[0])) / (ticks[-1].time_s - ticks[0].time_s or 1e-9)
 
+    serve_cores = rate(lambda t: t.cpu_s)
     msgs = rate(lambda t: t.link.sent_messages + t.link.received_messages)
     mb = rate(lambda t: t.link.sent_bytes + t.link.received_bytes) / 1e6
     core_share = rate(lambda t: t.core_s)
     core = (ticks[-1].core_s - ticks[0].core_s) / len(everything) if len(ticks) >= 2 else 0.0
-    cpu = json.loads((run_dir / "bench-cpu.json").read_text())
     cluster_path = run_dir / "emulated-cluster.json"
     cluster = json.loads(cluster_path.read_text()) if cluster_path.is_file() else {}
-    serve_self = cpu.get("serve_self_cpu_s")
-    serve_tree = cpu.get("serve_cpu_s")
     return Overheads(
         tokens_per_s_modelled=seq_tokens / (window / scale),
         step_s_modelled=result.step_s / scale,
-        serve_self_cores=serve_self / window if serve_self is not None else None,
-        cluster_cores=(serve_tree - serve_self) / window
-        if serve_tree is not None and serve_self is not None
-        else None,
+        serve_self_cores=serve_cores if len(ticks) >= 2 else None,
+        cluster_cores=cluster["cpu_s"] / cluster["wall_s"] if cluster.get("wall_s") else None,
         lag_ms_median=statistics.median(lags),
         lag_ms_p99=lags[min(len(lags) - 1, int(0.99 * len(lags)))],
         cluster_lag_ms_p99=float(cluster.get("loop_lag_ms_p99", 0.0)),
@@ -352,7 +349,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(table(results))
     print("\nemulated vs simulated (modelled units: prompt + response tokens, seconds), and the")
-    print("real code's overheads (serve CPU: the dora serve process in cores; lag: its event loop)")
+    print(
+        "real code's overheads over the whole run (serve CPU: the dora serve process in cores,"
+        " cluster CPU: the emulated instances' process; lag: serve's event loop)"
+    )
     print(comparison_table(modes, over, sims))
     failed = False
     for name in modes:

@@ -111,6 +111,7 @@ class Snapshots:
             admission_wait_s={k: round(v, 4) for k, v in st.admission_wait_s.items() if v},
             trainer_wait_s=round(st.trainer_wait_s, 4),
             loop_lag_ms=round(lag_ms, 3),
+            cpu_s=round(time.process_time(), 3),
             core_s=round(self._core.seconds, 6),
             core_calls=self._core.calls,
             journal_writes=q.journal_writes()[0],

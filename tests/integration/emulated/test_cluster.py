@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from dora.bench.cluster import CONFIG, emulated_placement, mode_overrides
-from dora.bench.modes import run_mode
+from dora.bench.cluster import CONFIG, emulated_placement, mode_overrides, overheads
+from dora.bench.modes import run_mode, summarise
 from dora.emulated.checks import check_run
 from dora.sim.costs import apply_overrides, preset
 from dora.sim.modes import MODES
@@ -72,3 +72,10 @@ def test_four_modes_on_16_emulated_instances_keep_c1_c3(tmp_path: Path) -> None:
         assert check.groups_checked == STEPS * 32
         consumed = (run_dir / "consumed.jsonl").read_text().splitlines()
         assert len(consumed) == STEPS * 32  # every group reached the trainer exactly once
+        # the overheads `dora bench cluster` prints: serve's and the cluster's CPU in cores
+        # (each a busy process here: above zero, below the two cores they share)
+        result = summarise(run_dir, name=name, placement="16 inst", warmup=0)
+        over = overheads(result, scale=0.005, warmup=0, checked=(check.groups_checked, []))
+        assert over.serve_self_cores is not None and 0.01 < over.serve_self_cores < 2.0
+        assert over.cluster_cores is not None and 0.01 < over.cluster_cores < 2.0
+        assert over.lag_ms_p99 >= over.lag_ms_median >= 0.0
