@@ -196,6 +196,7 @@ class TrainerLink:
                     if not self._queue.finished or self.trained_step < self._num_steps - 1:
                         raise ProtocolError(f"the trainer shut down before the run ended: {reason}")
                     self.trainer_stopped = True
+            await asyncio.sleep(0)  # queued messages (a publication's chunks) one per loop turn
 
     async def _hello(self, hello: Hello) -> None:
         q = self._queue
@@ -385,6 +386,11 @@ class TrainerLink:
             incarnation, a = await self._outbox.get()
             async with self._send_lock:
                 await self._send_one(incarnation, a)
+            # A step's groups are assigned at once, and a send that need not wait (journal
+            # written, socket ready) never yields: without a turn here a step's hundreds of
+            # groups would be encoded and sent in one loop iteration, holding up everything else.
+            # (`receive` takes the same turn between the messages it finds already queued.)
+            await asyncio.sleep(0)
 
     async def _send_one(self, incarnation: int, a: Assigned) -> None:
         q = self._queue
