@@ -155,11 +155,14 @@ class Dispatcher:
         q, orch, changed = self._queue, self._orchestrator, self._placement.changed
         q.record_admission_wait(reason)
         started = time.monotonic()
-        nothing_running = not orch.live()
-        newest = orch.newest
-        loading = any(v.version == newest and not v.ready for v in orch.instances())
+        # In that order, so that the common waits never list the instances (hundreds of them)
+        deadline = (
+            reason is RefusalReason.WEIGHTS_NOT_LOADED
+            and not orch.live()
+            and not any(v.version == orch.newest and not v.ready for v in orch.instances())
+        )
         try:
-            if reason is RefusalReason.WEIGHTS_NOT_LOADED and nothing_running and not loading:
+            if deadline:
                 async with asyncio.timeout(self._trainer_timeout_s):
                     await changed.wait()
             else:
