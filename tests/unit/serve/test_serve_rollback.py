@@ -9,17 +9,11 @@ from pathlib import Path
 
 from dora.config import DoraConfig, LearnConfig, RolloutConfig
 from dora.core.groups import GroupState
-from dora.core.orchestrator import Mode, Orchestrator
 from dora.core.transfer_queue import Admitted
 from dora.protocol import Group, Hello, Sample
 from dora.serve.journal import JournaledQueue
-from dora.serve.metrics import MetricsLog
-from dora.serve.placement import Placement
 from dora.serve.router import Router
-from dora.serve.spawn import Spawner
-from dora.serve.stats import ServeStats
-from dora.serve.trainer_link import TrainerLink
-from dora.serve.weights import WeightStore
+from tests.unit.serve.link_parts import trainer_link
 
 
 def sample(versions: list[int]) -> Sample:
@@ -40,23 +34,8 @@ async def test_partial_rollback_drops_groups_holding_ghost_tokens(tmp_path: Path
         learn=LearnConfig(steps=10),
     )
     q = JournaledQueue(tmp_path, groups_per_step=1, max_staleness=3, num_steps=10)
-    metrics = MetricsLog(tmp_path)
-    spawn = Spawner()
     router = Router(kv_migration=True)
-    placement = Placement(Orchestrator(mode=Mode.PARTIAL), router, metrics=metrics, spawn=spawn)
-    store = WeightStore()
-    store.add_path(0, str(tmp_path))
-    r = TrainerLink(
-        config,
-        link=None,  # type: ignore[arg-type]  # a roll-back sends nothing
-        queue=q,
-        placement=placement,
-        store=store,
-        metrics=metrics,
-        stats=ServeStats(),
-        spawn=spawn,
-        restored=q.restore(),
-    )
+    r, metrics = trainer_link(config, q, router, tmp_path)  # a roll-back sends nothing
     q.on_version_loaded(0)
     for gid in ("A", "B", "C", "D"):
         assert isinstance(q.try_admit(gid), Admitted)

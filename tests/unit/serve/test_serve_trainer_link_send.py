@@ -9,17 +9,11 @@ import asyncio
 from pathlib import Path
 
 from dora.config import DoraConfig, LearnConfig, RolloutConfig
-from dora.core.orchestrator import Mode, Orchestrator
 from dora.core.transfer_queue import Admitted
 from dora.protocol import Group, Sample
 from dora.serve.journal import JournaledQueue
-from dora.serve.metrics import MetricsLog
-from dora.serve.placement import Placement
 from dora.serve.router import Router
-from dora.serve.spawn import Spawner
-from dora.serve.stats import ServeStats
-from dora.serve.trainer_link import TrainerLink
-from dora.serve.weights import WeightStore
+from tests.unit.serve.link_parts import trainer_link
 
 GROUPS = 8
 
@@ -40,25 +34,8 @@ async def test_the_sender_yields_to_the_loop_between_groups(tmp_path: Path) -> N
         learn=LearnConfig(steps=2),
     )
     q = JournaledQueue(tmp_path, groups_per_step=GROUPS, max_staleness=1, num_steps=2)
-    metrics = MetricsLog(tmp_path)
-    spawn = Spawner()
-    placement = Placement(
-        Orchestrator(mode=Mode.DORA), Router(kv_migration=True), metrics=metrics, spawn=spawn
-    )
-    store = WeightStore()
-    store.add_path(0, str(tmp_path))
     link = Link()
-    r = TrainerLink(
-        config,
-        link=link,  # type: ignore[arg-type]
-        queue=q,
-        placement=placement,
-        store=store,
-        metrics=metrics,
-        stats=ServeStats(),
-        spawn=spawn,
-        restored=q.restore(),
-    )
+    r, metrics = trainer_link(config, q, Router(kv_migration=True), tmp_path, link)
     q.on_version_loaded(0)
     assigned = []
     for k in range(GROUPS):
