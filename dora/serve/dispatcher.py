@@ -198,6 +198,7 @@ class Dispatcher:
             async with asyncio.TaskGroup() as tg:
                 running = [tg.create_task(self._episode(lid, task)) for lid in leases]
             samples = [t.result() for t in running]
+            await self._placement.router.turns.take()  # packing and journaling the group
             if self._on_error == "retry" and any(s.masked for s in samples):
                 room = self._placement.can_place(self._group_size, version=version) is not None
                 outcome = q.fail(gid, retry_allowed=room)

@@ -46,6 +46,7 @@ from dora.errors import RequestError, ServerError, ServerUnavailable
 from dora.instance import ExportedRequest, InstanceClient
 from dora.protocol import Completion, FinishReason, SamplingParams
 from dora.serve.stats import ServeStats
+from dora.serve.turns import Turns
 
 __all__ = ["InstanceState", "Lease", "LeaseSampler", "Router"]
 
@@ -135,6 +136,8 @@ class Router:
         self.on_failure: Callable[[str], None] | None = None
         """Called with an instance id when a call finds it unreachable; without it the error
         propagates."""
+        self.turns = Turns()
+        """Serve's loop turns: an episode takes one before each call and after each answer."""
 
     def add_instance(self, instance_id: str, client: InstanceClient, *, version: int) -> None:
         self.instances[instance_id] = InstanceState(instance_id, client, version, {version})
@@ -354,6 +357,8 @@ class LeaseSampler:
             if left <= 0:
                 finish: FinishReason = "length"
                 break
+            turns = self._router.turns
+            await turns.take()  # building and sending the request: one stretch among many
             try:
                 part, exported, interrupted = await self._router.call(
                     lease,
@@ -367,6 +372,7 @@ class LeaseSampler:
                 log.warning("request of episode %s refused: %s", lease.id, exc)
                 finish = "error"
                 break
+            await turns.take()  # the answers of many instances arrive in one loop iteration
             done = len(imported.token_ids) if imported is not None else 0
             imported = None
             if exported is not None and exported.kv and exported.version == lease.version:
