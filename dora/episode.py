@@ -50,7 +50,7 @@ import msgspec
 from dora.env import Env, Episode, Message, Reward, Task, call_maybe_async
 from dora.errors import ChatTemplateMissing, EnvError
 from dora.instance.interface import InstanceClient
-from dora.protocol import Completion, FinishReason, Sample, SamplingParams
+from dora.protocol import Completion, FinishReason, Sample, SamplingParams, extend_array
 from dora.render import ChatRenderer
 from dora.tools import ParsedTurn, ToolBox, ToolResult, parse_tool_calls
 
@@ -228,12 +228,10 @@ class _Trajectory:
                 f"sampler returned {n} tokens but {len(completion.logprobs)} logprobs and "
                 f"{len(completion.versions)} versions"
             )
-        # Through a new array, not `extend(list)`: the constructor converts a list in one pass,
-        # `extend` item by item, 2.5 times slower (a 3,000-token completion: 0.25 ms vs 0.6 ms).
-        self.ids.extend(array("i", completion.token_ids))
+        extend_array(self.ids, completion.token_ids)
         self.mask.frombytes(b"\x01" * n)
-        self.logprobs.extend(array("f", completion.logprobs))
-        self.versions.extend(array("i", completion.versions))
+        extend_array(self.logprobs, completion.logprobs)
+        extend_array(self.versions, completion.versions)
 
     def to_sample(self, *, prompt_len: int, reward: float, **fields: object) -> Sample:
         return Sample.build(
@@ -403,7 +401,7 @@ async def _loop(
             finish = "context" if context_budget <= token_budget else "length"
             break
         completion = await sampler.generate(
-            list(traj.ids), msgspec.structs.replace(params, max_tokens=budget)
+            traj.ids.tolist(), msgspec.structs.replace(params, max_tokens=budget)
         )
         if completion.finish_reason in ("abort", "error"):
             raise _EnvFailure(

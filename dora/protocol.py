@@ -11,8 +11,10 @@ few memcpys, not 65,536 boxed integers. `Sample.build` packs them from lists or 
 
 from __future__ import annotations
 
+import sys
+from array import array
 from collections.abc import Sequence
-from typing import Literal
+from typing import Any, Literal
 
 import msgspec
 import numpy as np
@@ -30,6 +32,57 @@ def pack(
 ) -> bytes:
     """Pack a sequence as raw little-endian bytes of `dtype`."""
     return np.ascontiguousarray(values, dtype=dtype).tobytes()
+
+
+def array_bytes(values: array[Any]) -> bytes:
+    """A typed array ('i': int32, 'f': float32) as raw little-endian bytes."""
+    if sys.byteorder == "little":
+        return values.tobytes()
+    swapped = array(values.typecode, values)
+    swapped.byteswap()
+    return swapped.tobytes()
+
+
+def unpack_array(data: bytes, typecode: Literal["i", "f"]) -> array[Any]:
+    """Raw little-endian bytes as a typed array: 'i' for int32, 'f' for float32 (a
+    `msgspec.DecodeError` if they are not a whole number of items)."""
+    out: array[Any] = array(typecode)
+    if len(data) % out.itemsize:
+        raise msgspec.DecodeError(
+            f"{len(data)} bytes are not a whole number of {out.itemsize}-byte items"
+        )
+    out.frombytes(data)
+    if sys.byteorder != "little":
+        out.byteswap()
+    return out
+
+
+def as_array(typecode: str, values: Sequence[int] | Sequence[float]) -> array[Any]:
+    """`values` as a typed array: itself if it is one of that type, else a new one. A list is
+    converted in one pass (`array(typecode, list)`; `extend(list)` goes item by item, 2.5 times
+    slower: a 3,000-token completion takes 0.25 ms vs 0.6 ms)."""
+    if isinstance(values, array) and values.typecode == typecode:
+        return values
+    return array(typecode, values)
+
+
+def extend_array(into: array[Any], values: Sequence[int] | Sequence[float]) -> None:
+    """Append `values` (a list or a typed array) to `into`; an array of its type in one copy."""
+    into.extend(as_array(into.typecode, values))
+
+
+def encode_arrays(obj: object) -> object:
+    """msgspec's `enc_hook` for msgpack: a typed array travels as its raw little-endian bytes."""
+    if isinstance(obj, array):
+        return array_bytes(obj)
+    raise NotImplementedError(f"cannot encode {type(obj).__name__}")
+
+
+def arrays_as_lists(obj: object) -> object:
+    """msgspec's `enc_hook` for JSON: a typed array is a list of numbers."""
+    if isinstance(obj, array):
+        return obj.tolist()
+    raise NotImplementedError(f"cannot encode {type(obj).__name__}")
 
 
 MSGPACK = "application/msgpack"
@@ -66,12 +119,17 @@ class Completion(msgspec.Struct, kw_only=True):
     `versions[i]` the weight version that sampled it (all equal unless a partial-mode request
     spanned a weight load). `finish_reason` is "abort" when the request was aborted; the tokens so
     far are still returned.
+
+    The three sequences are lists or typed arrays (`array('i')`, `array('f')`, `array('i')`):
+    dora's own instances answer in arrays, which cross from the HTTP answer to the episode's
+    trajectory as a few memory copies instead of thousands of Python numbers. Compare them with
+    `list(...)`: an array never equals a list.
     """
 
     request_id: str
-    token_ids: list[int]
-    logprobs: list[float]
-    versions: list[int]
+    token_ids: Sequence[int]
+    logprobs: Sequence[float]
+    versions: Sequence[int]
     finish_reason: FinishReason
     prompt_tokens: int = 0
 
@@ -79,6 +137,39 @@ class Completion(msgspec.Struct, kw_only=True):
     def version(self) -> int:
         """The version of the first sampled token (the version the request was pinned to)."""
         return self.versions[0] if self.versions else -1
+
+
+class PackedCompletion(msgspec.Struct, kw_only=True):
+    """A `Completion` as dora's instances send it in msgpack (`encode_arrays`): its three arrays
+    as raw little-endian bytes. Other fields of the answer are ignored."""
+
+    request_id: str
+    token_ids: bytes
+    logprobs: bytes
+    versions: bytes
+    finish_reason: FinishReason
+    prompt_tokens: int = 0
+
+    @classmethod
+    def of(cls, c: Completion) -> PackedCompletion:
+        return cls(
+            request_id=c.request_id,
+            token_ids=pack(c.token_ids, I32),
+            logprobs=pack(c.logprobs, F32),
+            versions=pack(c.versions, I32),
+            finish_reason=c.finish_reason,
+            prompt_tokens=c.prompt_tokens,
+        )
+
+    def unpack(self) -> Completion:
+        return Completion(
+            request_id=self.request_id,
+            token_ids=unpack_array(self.token_ids, "i"),
+            logprobs=unpack_array(self.logprobs, "f"),
+            versions=unpack_array(self.versions, "i"),
+            finish_reason=self.finish_reason,
+            prompt_tokens=self.prompt_tokens,
+        )
 
 
 class Sample(msgspec.Struct, kw_only=True, array_like=True):

@@ -27,13 +27,14 @@ import heapq
 import math
 import time
 import zlib
+from array import array
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from dora.emulated.model import EmulatedModel, Plan
-from dora.protocol import Completion, FinishReason
+from dora.protocol import Completion, FinishReason, as_array
 from dora.sim.costs import Setup
 
 __all__ = ["EmulatedInstance", "ScaledClock", "Sequence"]
@@ -299,9 +300,9 @@ class EmulatedInstance:
         self.generated += count - carried
         return Completion(
             request_id=seq.id,
-            token_ids=seq.token_ids + ids,
-            logprobs=seq.logprobs + logprobs,
-            versions=seq.versions + [seq.version] * len(ids),
+            token_ids=as_array("i", seq.token_ids) + ids,
+            logprobs=as_array("f", seq.logprobs) + logprobs,
+            versions=as_array("i", seq.versions) + array("i", [seq.version]) * len(ids),
             finish_reason=finish,
             prompt_tokens=len(seq.prompt_ids),
         )

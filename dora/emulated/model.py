@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 import zlib
+from array import array
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -117,10 +118,14 @@ class EmulatedModel:
             done = 0
         return Plan(ep.key, ep.index, ep.turn, done, ep.length, ep.prefix if done == 0 else 0)
 
-    def tokens(self, plan: Plan, start: int, count: int) -> tuple[list[int], list[float]]:
-        """Token ids and behaviour logprobs of positions `start .. start + count` of the turn."""
+    def tokens(self, plan: Plan, start: int, count: int) -> tuple[array[int], array[float]]:
+        """Token ids and behaviour logprobs of positions `start .. start + count` of the turn, as
+        typed arrays (int32, float32)."""
         rng = np.random.default_rng([self.seed, plan.key, plan.index, plan.turn, 1])
         end = start + count
         ids = rng.integers(self.first_token, self.vocab_size, size=end)[start:]
         logprobs = -rng.exponential(1.0, size=end)[start:]
-        return ids.tolist(), logprobs.astype(np.float32).tolist()
+        return (
+            array("i", ids.astype(np.int32).tobytes()),
+            array("f", logprobs.astype(np.float32).tobytes()),
+        )

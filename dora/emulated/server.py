@@ -214,7 +214,11 @@ class EmulatedServer:
         else:
             return self._error(404, f"unknown request_id {req.request_id!r}")
         completions = [wire.completion_dict(out)]
-        return self._json({"request_id": req.request_id, "completions": completions})
+        return wire.answer(
+            {"request_id": req.request_id, "completions": completions},
+            request,
+            version=self.instance.version,
+        )
 
     async def on_export(self, request: web.Request) -> web.Response:
         req = await self._control(request, api.RequestIdBody)
@@ -230,9 +234,9 @@ class EmulatedServer:
             request_id=seq.id,
             version=self.instance.version,
             prompt_ids=seq.prompt_ids,
-            token_ids=out.token_ids,
-            logprobs=out.logprobs,
-            versions=out.versions,
+            token_ids=list(out.token_ids),
+            logprobs=list(out.logprobs),
+            versions=list(out.versions),
             params=_params(seq),
             key=0,
             kv=_KV_DTYPE.encode(),

@@ -127,8 +127,11 @@ class ControlRoutes:
             done = recent
         else:
             return self.server.error(404, f"unknown request_id {req.request_id!r}")
-        return web.json_response(
-            {"request_id": req.request_id, "completions": [wire.completion_dict(c) for c in done]}
+        completions = [wire.completion_dict(c) for c in done]
+        return wire.answer(
+            {"request_id": req.request_id, "completions": completions},
+            request,
+            version=self.server.version,
         )
 
     async def on_export(self, request: web.Request) -> web.Response:

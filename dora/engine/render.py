@@ -10,6 +10,7 @@ sent.
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -71,19 +72,26 @@ class Renderer:
     def completion_response(
         self, meta: Meta, req: api.CompletionRequest, seqs: list[Sequence]
     ) -> Json:
+        # The sampled tokens, their log-probs and versions as typed arrays: `wire.answer` sends
+        # them as raw bytes in msgpack (dora's client) and as lists in JSON.
         choices = []
         for i, seq in enumerate(seqs):
+            logprobs = self._legacy_logprobs(seq, 0) if req.logprobs is not None else None
+            if logprobs is not None:
+                logprobs["token_logprobs"] = array("f", seq.logprobs)
             choice: Json = {
                 "index": i,
                 "text": self.text(
                     seq, len(seq.token_ids), skip_special=req.skip_special_tokens, final=True
                 ),
                 "finish_reason": seq.finish_reason,
-                "logprobs": self._legacy_logprobs(seq, 0) if req.logprobs is not None else None,
+                "logprobs": logprobs,
             }
             if req.return_token_ids:
                 choice.update(
-                    token_ids=seq.token_ids, prompt_token_ids=seq.prompt_ids, versions=seq.versions
+                    token_ids=array("i", seq.token_ids),
+                    prompt_token_ids=seq.prompt_ids,
+                    versions=array("i", seq.versions),
                 )
             choices.append(choice)
         return self._envelope(meta, "text_completion", choices, seqs)

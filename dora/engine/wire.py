@@ -19,7 +19,14 @@ from aiohttp import web
 
 from dora.engine import api
 from dora.net import is_loopback
-from dora.protocol import MSGPACK, Completion
+from dora.protocol import (
+    MSGPACK,
+    Completion,
+    PackedCompletion,
+    arrays_as_lists,
+    as_array,
+    encode_arrays,
+)
 
 __all__ = [
     "ControlHandlers",
@@ -87,24 +94,32 @@ def error_body(status: int, message: str, version: int) -> Json:
     return {"error": {"message": message, "type": kind, "code": status}, "version": version}
 
 
+_msgpack_encode = msgspec.msgpack.Encoder(enc_hook=encode_arrays).encode
+_json_encode = msgspec.json.Encoder(enc_hook=arrays_as_lists).encode
+
+
 def answer(body: object, request: web.Request, *, version: object) -> web.Response:
     """A successful answer to `request`: msgpack when its `Accept` names `application/msgpack`
-    (dora's client asks so for completions: long token and logprob lists decode faster and
-    encode four times faster than as JSON), JSON otherwise. `X-Dora-Version` carries `version`."""
+    (dora's client asks so for completions), JSON otherwise. `X-Dora-Version` carries `version`.
+
+    A typed array in `body` (a completion's tokens, log-probs and versions) is raw little-endian
+    bytes in msgpack, which the client turns back into an array with one copy (a 3,000-token
+    completion: about 7 us instead of 1 ms through lists), and a list of numbers in JSON."""
     if MSGPACK in request.headers.get("Accept", ""):
-        data, kind = msgspec.msgpack.encode(body), MSGPACK
+        data, kind = _msgpack_encode(body), MSGPACK
     else:
-        data, kind = msgspec.json.encode(body), "application/json"
+        data, kind = _json_encode(body), "application/json"
     return web.Response(body=data, content_type=kind, headers={"X-Dora-Version": str(version)})
 
 
 def completion_dict(c: Completion) -> Json:
-    """A completion as the abort and import routes answer it (what `EngineClient` decodes)."""
+    """A completion as the abort and import routes answer it (what `EngineClient` decodes), its
+    sequences as typed arrays (`answer` sends them as bytes in msgpack, as lists in JSON)."""
     return {
         "request_id": c.request_id,
-        "token_ids": c.token_ids,
-        "logprobs": c.logprobs,
-        "versions": c.versions,
+        "token_ids": as_array("i", c.token_ids),
+        "logprobs": as_array("f", c.logprobs),
+        "versions": as_array("i", c.versions),
         "finish_reason": c.finish_reason,
         "prompt_tokens": c.prompt_tokens,
         "version": c.version,
@@ -116,16 +131,16 @@ class RecentCompletions:
 
     Kept msgpack-encoded: as Python objects, thousands of finished token lists would sit in the
     garbage collector's heap and every collection would walk each of their elements (at 128
-    emulated instances, that was most of a collection's pause)."""
+    emulated instances, that was most of a collection's pause). They come back with typed arrays."""
 
     def __init__(self, size: int) -> None:
         self.size = size
         self._items: OrderedDict[str, bytes] = OrderedDict()
         self._encode = msgspec.msgpack.Encoder().encode
-        self._decode = msgspec.msgpack.Decoder(list[Completion]).decode
+        self._decode = msgspec.msgpack.Decoder(list[PackedCompletion]).decode
 
     def add(self, request_id: str, completions: list[Completion]) -> None:
-        self._items[request_id] = self._encode(completions)
+        self._items[request_id] = self._encode([PackedCompletion.of(c) for c in completions])
         self._items.move_to_end(request_id)
         while len(self._items) > self.size:
             self._items.popitem(last=False)
@@ -135,4 +150,4 @@ class RecentCompletions:
 
     def get(self, request_id: str) -> list[Completion] | None:
         raw = self._items.get(request_id)
-        return None if raw is None else self._decode(raw)
+        return None if raw is None else [c.unpack() for c in self._decode(raw)]

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import io
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from types import TracebackType
 from typing import TYPE_CHECKING, Literal, TypedDict, TypeVar
 
@@ -29,7 +29,14 @@ from dora.errors import (
     VersionMismatch,
 )
 from dora.instance.interface import ExportedRequest
-from dora.protocol import MSGPACK, Completion, FinishReason, SamplingParams
+from dora.protocol import (
+    MSGPACK,
+    Completion,
+    FinishReason,
+    PackedCompletion,
+    SamplingParams,
+    unpack_array,
+)
 
 if TYPE_CHECKING:
     pass
@@ -57,12 +64,30 @@ class _CompletionsAnswer(msgspec.Struct):
     choices: list[_Choice]
 
 
+class _PackedTokenLogprobs(msgspec.Struct):
+    token_logprobs: bytes
+
+
+class _PackedChoice(msgspec.Struct):
+    token_ids: bytes
+    logprobs: _PackedTokenLogprobs
+    versions: bytes
+    finish_reason: FinishReason
+
+
+class _PackedCompletionsAnswer(msgspec.Struct):
+    """`_CompletionsAnswer` in msgpack: the arrays as raw little-endian bytes (`wire.answer`)."""
+
+    choices: list[_PackedChoice]
+
+
 _completions_answer = msgspec.json.Decoder(_CompletionsAnswer)
-_completions_answer_msgpack = msgspec.msgpack.Decoder(_CompletionsAnswer)
-_completion_msgpack = msgspec.msgpack.Decoder(Completion)
+_completions_answer_msgpack = msgspec.msgpack.Decoder(_PackedCompletionsAnswer)
+_completion_msgpack = msgspec.msgpack.Decoder(PackedCompletion)
 """Completion answers come in msgpack when the server speaks it (dora's engine and emulated
-instances: `Accept: application/msgpack`): a 3,000-token completion decodes in 0.28 ms instead of
-0.42 ms as JSON, and the server encodes it in a quarter of the time, at half the bytes."""
+instances: `Accept: application/msgpack`), with the tokens, log-probs and versions as raw bytes
+that become typed arrays in one copy each: a 3,000-token completion costs serve about 7 us instead
+of 0.3 ms to decode as lists (0.4 ms as JSON) and as much again to turn the lists into arrays."""
 
 
 KEEPALIVE_S = 120.0
@@ -135,19 +160,40 @@ class EngineClient:
         raw, kind = await self._post_raw(
             "/v1/completions", body, timeout_s or self.timeout_s, "generate", accept=MSGPACK
         )
-        decode = _completions_answer_msgpack if kind == MSGPACK else _completions_answer
-        answer = self._decode(raw, "generate", decode.decode)
-        if not answer.choices:
+
+        def completion(raw: bytes) -> Completion | None:
+            token_ids: Sequence[int]
+            logprobs: Sequence[float]
+            versions: Sequence[int]
+            if kind == MSGPACK:
+                packed = _completions_answer_msgpack.decode(raw).choices
+                if not packed:
+                    return None
+                p = packed[0]
+                token_ids = unpack_array(p.token_ids, "i")
+                logprobs = unpack_array(p.logprobs.token_logprobs, "f")
+                versions = unpack_array(p.versions, "i")
+                finish_reason = p.finish_reason
+            else:
+                choices = _completions_answer.decode(raw).choices
+                if not choices:
+                    return None
+                c = choices[0]
+                token_ids, logprobs, versions = c.token_ids, c.logprobs.token_logprobs, c.versions
+                finish_reason = c.finish_reason
+            return Completion(
+                request_id=request_id,
+                token_ids=token_ids,
+                logprobs=logprobs,
+                versions=versions,
+                finish_reason=finish_reason,
+                prompt_tokens=len(prompt_ids),
+            )
+
+        out = self._decode(raw, "generate", completion)
+        if out is None:
             raise ProtocolError(f"generate: {self.base_url} answered with no completion choice")
-        choice = answer.choices[0]
-        return Completion(
-            request_id=request_id,
-            token_ids=choice.token_ids,
-            logprobs=choice.logprobs.token_logprobs,
-            versions=choice.versions,
-            finish_reason=choice.finish_reason,
-            prompt_tokens=len(prompt_ids),
-        )
+        return out
 
     async def load_weights(
         self,
@@ -234,8 +280,9 @@ class EngineClient:
             "import",
             accept=MSGPACK,
         )
-        decode = _completion_msgpack if kind == MSGPACK else _completion
-        return self._decode(raw, "import", decode.decode)
+        if kind == MSGPACK:
+            return self._decode(raw, "import", _completion_msgpack.decode).unpack()
+        return self._decode(raw, "import", _completion.decode)
 
     async def health(self, *, timeout_s: float = 5.0) -> Json:
         raw, _ = await self._call("GET", "/health", None, None, timeout_s, "health")

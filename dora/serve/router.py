@@ -38,14 +38,14 @@ import asyncio
 import logging
 import time
 from array import array
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import msgspec
 
 from dora.errors import RequestError, ServerError, ServerUnavailable
 from dora.instance import ExportedRequest, InstanceClient
-from dora.protocol import Completion, FinishReason, SamplingParams
+from dora.protocol import Completion, FinishReason, SamplingParams, extend_array
 from dora.serve.stats import ServeStats
 from dora.serve.turns import Turns
 
@@ -394,9 +394,9 @@ class LeaseSampler:
             self._router.stats.resubmissions += 1
         return Completion(
             request_id=lease.id,
-            token_ids=sampled.tokens.tolist(),
-            logprobs=sampled.logprobs.tolist(),
-            versions=sampled.versions.tolist(),
+            token_ids=sampled.tokens,
+            logprobs=sampled.logprobs,
+            versions=sampled.versions,
             finish_reason=finish,
             prompt_tokens=len(prompt_ids),
         )
@@ -410,10 +410,12 @@ class _Sampled:
         self.logprobs = array("f")
         self.versions = array("i")
 
-    def add(self, tokens: list[int], logprobs: list[float], versions: list[int], skip: int) -> None:
-        """Append the items of a call's lists after the first `skip` (already here)."""
+    def add(
+        self, tokens: Sequence[int], logprobs: Sequence[float], versions: Sequence[int], skip: int
+    ) -> None:
+        """Append a call's tokens, log-probs and versions after the first `skip` (already here)."""
         if skip:
             tokens, logprobs, versions = tokens[skip:], logprobs[skip:], versions[skip:]
-        self.tokens.extend(array("i", tokens))
-        self.logprobs.extend(array("f", logprobs))
-        self.versions.extend(array("i", versions))
+        extend_array(self.tokens, tokens)
+        extend_array(self.logprobs, logprobs)
+        extend_array(self.versions, versions)

@@ -59,11 +59,13 @@ async def test_lengths_are_a_function_of_prompt_and_sample() -> None:
         first = await a.generate(PROMPT, params, request_id="g0/3#1", version=0)
         again = await b.generate(PROMPT, params, request_id="g9/3#1", version=0)
         other = await a.generate(PROMPT, params, request_id="g0/4#1", version=0)
-    assert first.token_ids == again.token_ids and first.logprobs == again.logprobs
+    assert list(first.token_ids) == list(again.token_ids) and list(first.logprobs) == list(
+        again.logprobs
+    )
     assert first.token_ids != other.token_ids
     assert first.finish_reason == "stop" and 1 <= len(first.token_ids) <= SETUP.response_max
     assert all(7 <= t < 100 for t in first.token_ids)
-    assert first.versions == [0] * len(first.token_ids)
+    assert list(first.versions) == [0] * len(first.token_ids)
     assert all(lp <= 0 for lp in first.logprobs)
 
 
@@ -76,12 +78,12 @@ async def test_an_interrupted_response_continues_where_it_stopped() -> None:
         await asyncio.sleep(0.2)  # some tokens sampled, not all
         cut = await a.abort(f"x/{i}#1")
         aborted = await call
-        assert aborted.finish_reason == "abort" and aborted.token_ids == cut.token_ids
+        assert aborted.finish_reason == "abort" and list(aborted.token_ids) == list(cut.token_ids)
         assert 0 < len(cut.token_ids) < len(whole.token_ids)
         rest = await b.generate(
             PROMPT + cut.token_ids, params, request_id=f"x/{i}#2", version=0
         )  # resubmitted with the tokens so far, as partial rollout does
-    assert cut.token_ids + rest.token_ids == whole.token_ids
+    assert [*cut.token_ids, *rest.token_ids] == list(whole.token_ids)
 
 
 async def test_export_and_import_move_a_request_without_losing_tokens() -> None:
@@ -95,7 +97,7 @@ async def test_export_and_import_move_a_request_without_losing_tokens() -> None:
         await call
         assert exported.kv and 0 < len(exported.token_ids) < len(whole.token_ids)
         moved = await b.import_request(exported)
-    assert moved.token_ids == whole.token_ids
+    assert list(moved.token_ids) == list(whole.token_ids)
 
 
 async def test_versions_loads_and_bad_requests() -> None:
@@ -105,7 +107,7 @@ async def test_versions_loads_and_bad_requests() -> None:
         out = await a.load_weights(1, path="/nowhere/needed")
         assert out["version"] == 1 and out["previous_version"] == 0
         done = await a.generate(PROMPT, SamplingParams(max_tokens=3), request_id="v/0#2", version=1)
-        assert done.versions == [1, 1, 1] and done.finish_reason == "length"
+        assert list(done.versions) == [1, 1, 1] and done.finish_reason == "length"
         with pytest.raises(RequestError, match="unknown field"):
             await a._post("/v1/completions", {"prompt": PROMPT, "max_token": 3}, 5, "generate")
         with pytest.raises(RequestError, match="unknown request_id"):

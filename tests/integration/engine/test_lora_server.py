@@ -5,6 +5,7 @@ together, and old adapters unload."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -44,7 +45,8 @@ async def test_adapter_versions_over_http(tmp_path: Path) -> None:
     folder = tmp_path / "v000002"
     save_published_adapter(folder, published[2], base_model=str(model_dir))
 
-    def reference(version: int, prompt: list[int], tokens: list[int]) -> torch.Tensor:
+    def reference(version: int, prompt: list[int], tokens: Sequence[int]) -> torch.Tensor:
+        tokens = list(tokens)
         with torch.no_grad():
             for name, p in peft_model.named_parameters():
                 if "lora_" in name:
@@ -72,13 +74,17 @@ async def test_adapter_versions_over_http(tmp_path: Path) -> None:
             )
         )
         for v, out in zip((0, 1, 2, 1, 2, 0), outs, strict=True):
-            assert out.versions == [v] * 12
+            assert list(out.versions) == [v] * 12
             torch.testing.assert_close(
                 torch.tensor(out.logprobs), reference(v, prompt, out.token_ids), atol=1e-4, rtol=0
             )
-        assert outs[0].token_ids == outs[5].token_ids  # the same seed, version and prompt
+        assert list(outs[0].token_ids) == list(
+            outs[5].token_ids
+        )  # the same seed, version and prompt
         unpinned = await client.generate(prompt, params, request_id="free")
-        assert unpinned.versions == [2] * 12 and unpinned.token_ids == outs[2].token_ids
+        assert list(unpinned.versions) == [2] * 12 and list(unpinned.token_ids) == list(
+            outs[2].token_ids
+        )
 
         with pytest.raises(VersionMismatch, match="newest"):
             await client.unload_weights(2)

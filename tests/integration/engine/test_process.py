@@ -28,7 +28,7 @@ async def test_process_prints_url_serves_and_stops(tiny_model: Path) -> None:
         async with EngineClient(url) as client:
             assert (await client.health())["version"] == 4
             out = await client.generate([5, 6], SamplingParams(max_tokens=3), request_id="p")
-            assert out.versions == [4] * len(out.token_ids)
+            assert list(out.versions) == [4] * len(out.token_ids)
     finally:
         proc.terminate()
         assert await asyncio.wait_for(proc.wait(), 30) == 0

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Sequence
 from pathlib import Path
 
 import aiohttp
 import msgspec
+import numpy as np
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -20,8 +22,9 @@ pytestmark = pytest.mark.timeout(60)
 
 
 def forward_logprobs(
-    model_dir: Path, prompt: list[int], tokens: list[int], temperature: float = 1.0
+    model_dir: Path, prompt: list[int], tokens: Sequence[int], temperature: float = 1.0
 ) -> list[float]:
+    tokens = list(tokens)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     with torch.no_grad():
         logits = model(torch.tensor([prompt + tokens])).logits[0].float()
@@ -65,7 +68,8 @@ async def test_completion_text_prompt_carries_version(server: EngineServer) -> N
 
 
 async def test_completions_answer_in_msgpack_when_asked(server: EngineServer) -> None:
-    """dora's client asks for msgpack (`Accept`): the same answer as the JSON one, in msgpack."""
+    """dora's client asks for msgpack (`Accept`): the same answer as the JSON one, in msgpack, with
+    the sampled tokens, log-probs and versions as raw little-endian int32 / float32 bytes."""
     body = {"prompt": [5, 6, 7], "max_tokens": 6, "seed": 2, "logprobs": 0}
     body["return_token_ids"] = True
     url = server.url + "/v1/completions"
@@ -78,6 +82,11 @@ async def test_completions_answer_in_msgpack_when_asked(server: EngineServer) ->
             as_msgpack = msgspec.msgpack.decode(await r.read())
     for answer in (as_json, as_msgpack):
         answer.pop("id"), answer.pop("created")
+    packed = as_msgpack["choices"][0]
+    packed["token_ids"] = np.frombuffer(packed["token_ids"], "<i4").tolist()
+    packed["versions"] = np.frombuffer(packed["versions"], "<i4").tolist()
+    lps = packed["logprobs"]["token_logprobs"]
+    packed["logprobs"]["token_logprobs"] = np.frombuffer(lps, "<f4").tolist()
     assert as_msgpack == as_json and len(as_json["choices"][0]["token_ids"]) == 6
 
 
@@ -86,7 +95,7 @@ async def test_logprobs_match_a_forward_pass(client: EngineClient, tiny_model: P
     for temperature in (1.0, 0.7):
         params = SamplingParams(max_tokens=40, temperature=temperature, seed=3, ignore_eos=True)
         out = await client.generate(prompt, params, request_id=f"lp-{temperature}")
-        assert len(out.token_ids) == 40 and out.versions == [0] * 40
+        assert len(out.token_ids) == 40 and list(out.versions) == [0] * 40
         ref = forward_logprobs(tiny_model, prompt, out.token_ids, temperature)
         assert max(abs(a - b) for a, b in zip(out.logprobs, ref, strict=True)) < 1e-4
 
@@ -124,7 +133,7 @@ async def test_64_concurrent_clients_get_independent_answers(
     assert all(len(c.token_ids) > 0 for c in together)
     for i in range(0, 64, 4):
         alone = await client.generate(prompts[i], params(i), request_id=f"a{i}")
-        assert alone.token_ids == together[i].token_ids
+        assert list(alone.token_ids) == list(together[i].token_ids)
         assert (
             max(abs(a - b) for a, b in zip(alone.logprobs, together[i].logprobs, strict=True))
             < 1e-4
@@ -200,7 +209,7 @@ async def test_abort_returns_tokens_so_far(server: EngineServer, client: EngineC
     chunks = await asyncio.wait_for(streaming, 20)
     assert chunks[-1]["choices"][0]["finish_reason"] == "abort"
     ids = [t for c in chunks for t in c["choices"][0]["token_ids"]]
-    assert ids == aborted.token_ids
+    assert ids == list(aborted.token_ids)
     with pytest.raises(RequestError):
         await client.abort("never-seen")
 
@@ -214,7 +223,7 @@ async def test_weight_load_changes_version_and_logprobs(
     assert result["version"] == 1 and result["previous_version"] == 0
     assert (await client.health())["version"] == 1
     after = await client.generate(prompt, params, request_id="w1")
-    assert after.versions == [1] * 12
+    assert list(after.versions) == [1] * 12
     ref = forward_logprobs(other_weights, prompt, after.token_ids)
     assert max(abs(a - b) for a, b in zip(after.logprobs, ref, strict=True)) < 1e-4
     assert after.logprobs != before.logprobs
@@ -227,7 +236,7 @@ async def test_weight_load_changes_version_and_logprobs(
     raw = {k: ("float32", list(v.shape), v.numpy().tobytes()) for k, v in tensors.items()}
     await client.load_weights(2, tensors=raw, mode="abort")
     again = await client.generate(prompt, params, request_id="w3", version=2)
-    assert again.token_ids == before.token_ids and again.versions == [2] * 12
+    assert list(again.token_ids) == list(before.token_ids) and list(again.versions) == [2] * 12
 
 
 async def test_abort_mode_load_ends_in_flight_requests(
@@ -278,7 +287,8 @@ async def test_migration_continues_bit_identically(tiny_model: Path) -> None:
         )
         await asyncio.wait_for(got.wait(), 20)
         exported = await ca.export_request("mover")
-        assert (await asyncio.wait_for(bystander, 30)).token_ids == bystander_ref.token_ids
+        bystander_done = await asyncio.wait_for(bystander, 30)
+        assert list(bystander_done.token_ids) == list(bystander_ref.token_ids)
         assert 10 <= len(exported.token_ids) < 80 and exported.kv
         chunks = await asyncio.wait_for(streaming, 20)
         assert chunks[-1]["choices"][0]["finish_reason"] == "abort"
@@ -286,7 +296,7 @@ async def test_migration_continues_bit_identically(tiny_model: Path) -> None:
         with pytest.raises(RequestError, match="cannot import"):
             await cb.import_request(bad)
         moved: Completion = await cb.import_request(exported)
-        assert moved.token_ids == reference.token_ids
+        assert list(moved.token_ids) == list(reference.token_ids)
         assert moved.finish_reason == "length"
         assert (
             max(abs(x - y) for x, y in zip(moved.logprobs, reference.logprobs, strict=True)) < 1e-5

@@ -96,7 +96,7 @@ async def test_tutorial_env_runs_against_the_embedded_engine(tiny_model, served)
             {
                 tuple(p): c
                 for p, c in sampler.calls
-                if tokens[: len(p) + len(c.token_ids)] == p + c.token_ids
+                if tokens[: len(p) + len(c.token_ids)] == p + list(c.token_ids)
             }.items(),
             key=lambda item: len(item[0]),
         )

@@ -129,8 +129,8 @@ async def test_move_in_flight_resubmits_tokens_so_far() -> None:
     await router.interrupt("g0/0", export=True)  # kv off: a plain abort
     done = await call
     assert done.finish_reason == "stop"
-    assert done.token_ids == list(range(4, 4 + 5)), "the tokens continue where a stopped"
-    assert done.versions == [0] * 5
+    assert list(done.token_ids) == list(range(4, 4 + 5)), "the tokens continue where a stopped"
+    assert list(done.versions) == [0] * 5
     (_, prompt, max_tokens) = b.calls[0]
     assert prompt == [*PROMPT, 4, 5, 6] and max_tokens == 10 - 3
     assert (
@@ -151,8 +151,8 @@ async def test_move_in_flight_with_kv_imports_the_request() -> None:
     assert router.move("g0/0", "b")
     await router.interrupt("g0/0", export=True)
     done = await call
-    assert done.token_ids == [4, 5, 6, 7, 8] and done.finish_reason == "stop"
-    assert done.logprobs == [-0.5, -0.5, -0.5, -0.25, -0.25]
+    assert list(done.token_ids) == [4, 5, 6, 7, 8] and done.finish_reason == "stop"
+    assert list(done.logprobs) == [-0.5, -0.5, -0.5, -0.25, -0.25]
     assert len(b.imports) == 1 and b.imports[0].token_ids == [4, 5, 6] and not b.calls
     assert router.stats.kv_migrations == 1 and router.stats.resubmissions == 0
 
@@ -203,7 +203,7 @@ async def test_park_then_resume_on_a_newer_version_records_token_versions() -> N
     assert not call.done(), "a parked request waits for its resume"
     router.resume("g0/0", "b", 1)
     done = await call
-    assert done.versions == [0, 0, 0, 1, 1]
+    assert list(done.versions) == [0, 0, 0, 1, 1]
     assert router.leases["g0/0"].version == 1
 
 
@@ -304,7 +304,7 @@ async def test_an_unreachable_instance_is_reported_and_the_call_resubmitted() ->
 
     router.on_failure = on_failure
     done = await router.sampler("g0/0").generate(PROMPT, PARAMS)
-    assert failed == ["a"] and done.token_ids == [4, 5] and router.stats.failed_calls == 1
+    assert failed == ["a"] and list(done.token_ids) == [4, 5] and router.stats.failed_calls == 1
 
 
 async def test_a_cut_instance_ends_its_calls_at_once_and_they_resubmit() -> None:
@@ -331,10 +331,10 @@ async def test_a_cut_instance_ends_its_calls_at_once_and_they_resubmit() -> None
         await a.blocked.wait()
     assert router.cut("a") == 2
     done = await asyncio.gather(*calls)
-    assert [d.token_ids for d in done] == [[4, 5], [4, 5]] and failed == ["a", "a"]
+    assert [list(d.token_ids) for d in done] == [[4, 5], [4, 5]] and failed == ["a", "a"]
     assert router.stats.failed_calls == 2 and router.instances["a"].inflight == 0
     router.open("g1/0", version=0, instance="a")  # a call placed on it after the cut ends too
-    assert (await router.sampler("g1/0").generate(PROMPT, PARAMS)).token_ids == [4, 5]
+    assert list((await router.sampler("g1/0").generate(PROMPT, PARAMS)).token_ids) == [4, 5]
     assert failed == ["a", "a", "a"]
 
 
@@ -349,4 +349,4 @@ async def test_a_refused_request_ends_the_episode_with_error() -> None:
     router = _router(False, a=RefusingInstance("a", 0))
     router.open("g0/0", version=0, instance="a")
     done = await router.sampler("g0/0").generate(PROMPT, PARAMS)
-    assert done.finish_reason == "error" and done.token_ids == []
+    assert done.finish_reason == "error" and list(done.token_ids) == []
