@@ -24,6 +24,7 @@ import math
 import zlib
 from array import array
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -91,7 +92,7 @@ class EmulatedModel:
         value = math.exp(math.log(s.response_median) + float(shared) + float(own))
         return int(min(s.response_max, max(1, round(value))))
 
-    def plan(self, request_id: str, prompt_ids: list[int]) -> Plan:
+    def plan(self, request_id: str, prompt_ids: Sequence[int]) -> Plan:
         """Where a call with this context stands in its episode (see the module docstring)."""
         episode = request_id.rsplit("#", 1)[0]
         ep = self._episodes.get(episode)

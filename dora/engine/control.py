@@ -170,7 +170,7 @@ class ControlRoutes:
             return self.server.error(400, f"request_id {req.request_id!r} is already in flight")
         seq = Sequence(
             id=req.request_id,
-            prompt_ids=req.prompt_ids,
+            prompt_ids=list(req.prompt_ids),
             params=req.params,
             key=req.key,
             version=req.version,

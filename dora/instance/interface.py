@@ -20,7 +20,7 @@ without loading the embedded engine.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -38,14 +38,19 @@ class ExportedRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     holds the keys and values of `prompt_ids + token_ids[:-1]` as a `[layers, 2, kv_heads, tokens,
     head_dim]` tensor of `kv_dtype`; empty when the request was still waiting (the importer
     prefills it).
+
+    On the wire the four token arrays are lists of numbers; decoded by an instance they are lists,
+    and the client (`EngineClient.export_request`) holds them as typed arrays: an exported request
+    of the long tail carries tens of thousands of tokens and may wait seconds for its import, and
+    the garbage collector walks every item of a list but sees an array as one object.
     """
 
     request_id: str
     version: int
-    prompt_ids: list[int]
-    token_ids: list[int]
-    logprobs: list[float]
-    versions: list[int]
+    prompt_ids: Sequence[int]
+    token_ids: Sequence[int]
+    logprobs: Sequence[float]
+    versions: Sequence[int]
     params: SamplingParams
     key: int
     kv: bytes = b""
