@@ -85,6 +85,12 @@ def arrays_as_lists(obj: object) -> object:
     raise NotImplementedError(f"cannot encode {type(obj).__name__}")
 
 
+encode_json = msgspec.json.Encoder(enc_hook=arrays_as_lists).encode
+"""JSON, with typed arrays as lists of numbers."""
+encode_msgpack = msgspec.msgpack.Encoder(enc_hook=arrays_as_lists).encode
+"""msgpack, with typed arrays as lists of numbers (the format every instance decodes)."""
+
+
 MSGPACK = "application/msgpack"
 """The HTTP content type of msgpack bodies between serve and its instances: control calls with
 binary payloads (weights, exported requests) and, when the client asks for it (`Accept`), the

@@ -23,9 +23,9 @@ from dora.protocol import (
     MSGPACK,
     Completion,
     PackedCompletion,
-    arrays_as_lists,
     as_array,
     encode_arrays,
+    encode_json,
 )
 
 __all__ = [
@@ -95,7 +95,7 @@ def error_body(status: int, message: str, version: int) -> Json:
 
 
 _msgpack_encode = msgspec.msgpack.Encoder(enc_hook=encode_arrays).encode
-_json_encode = msgspec.json.Encoder(enc_hook=arrays_as_lists).encode
+_json_encode = encode_json
 
 
 def answer(body: object, request: web.Request, *, version: object) -> web.Response:

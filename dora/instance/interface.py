@@ -66,7 +66,7 @@ class InstanceClient(Protocol):
 
     async def generate(
         self,
-        prompt_ids: list[int],
+        prompt_ids: Sequence[int],
         params: SamplingParams,
         *,
         request_id: str,

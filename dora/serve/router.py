@@ -45,7 +45,7 @@ import msgspec
 
 from dora.errors import RequestError, ServerError, ServerUnavailable
 from dora.instance import ExportedRequest, InstanceClient
-from dora.protocol import Completion, FinishReason, SamplingParams, extend_array
+from dora.protocol import Completion, FinishReason, SamplingParams, as_array, extend_array
 from dora.serve.stats import ServeStats
 from dora.serve.turns import Turns
 
@@ -271,7 +271,7 @@ class Router:
     async def call(
         self,
         lease: Lease,
-        prompt_ids: list[int],
+        prompt_ids: Sequence[int],
         params: SamplingParams,
         *,
         imported: ExportedRequest | None = None,
@@ -347,6 +347,10 @@ class LeaseSampler:
         return self._router.leases[self._lease_id]
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams) -> Completion:
+        # The prompt as a typed array from here on: the list given is freed now instead of being
+        # walked by every collection while the call is in flight.
+        prompt = as_array("i", prompt_ids)
+        del prompt_ids
         lease = self.lease
         turns = self._router.turns
         # What the calls so far sampled, in typed arrays: the episode waits for its loop turn
@@ -365,7 +369,7 @@ class LeaseSampler:
             try:
                 part, exported, interrupted = await self._router.call(
                     lease,
-                    prompt_ids + sampled.tokens.tolist() if sampled.tokens else prompt_ids,
+                    prompt + sampled.tokens if sampled.tokens else prompt,
                     msgspec.structs.replace(params, max_tokens=left),
                     imported=imported,
                 )
@@ -398,7 +402,7 @@ class LeaseSampler:
             logprobs=sampled.logprobs,
             versions=sampled.versions,
             finish_reason=finish,
-            prompt_tokens=len(prompt_ids),
+            prompt_tokens=len(prompt),
         )
 
 

@@ -27,7 +27,7 @@ import json
 import os
 import shutil
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Literal
 
 import msgspec
@@ -69,7 +69,7 @@ class VllmAdapterClient(VllmClient):
 
     async def generate(
         self,
-        prompt_ids: list[int],
+        prompt_ids: Sequence[int],
         params: SamplingParams,
         *,
         request_id: str,

@@ -34,7 +34,7 @@ import json
 import os
 import struct
 import uuid
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Literal
 
 import msgspec
@@ -90,7 +90,7 @@ class VllmClient(EngineClient):
 
     async def generate(
         self,
-        prompt_ids: list[int],
+        prompt_ids: Sequence[int],
         params: SamplingParams,
         *,
         request_id: str,
@@ -108,7 +108,7 @@ class VllmClient(EngineClient):
 
     async def _complete(
         self,
-        prompt_ids: list[int],
+        prompt_ids: Sequence[int],
         params: SamplingParams,
         request_id: str,
         version: int,

@@ -4,6 +4,7 @@ export and import), park and resume on a newer version (partial), and an interru
 from __future__ import annotations
 
 import asyncio
+import gc
 
 import pytest
 
@@ -28,6 +29,7 @@ class FakeInstance:
         self._stop: dict[str, asyncio.Event] = {}
         self._params: dict[str, SamplingParams] = {}
         self._prompts: dict[str, list[int]] = {}
+        self.prompt_items: list[int] = []  # of each call's prompt, that the collector walks
 
     def _tokens(self, prompt: list[int], n: int) -> list[int]:
         return [len(prompt) + i for i in range(n)]
@@ -46,6 +48,7 @@ class FakeInstance:
     ) -> Completion:
         assert version == self.version, "routed to an instance of another version"
         self.calls.append((request_id, list(prompt_ids), params.max_tokens))
+        self.prompt_items.append(len(gc.get_referents(prompt_ids)) - 1)
         stop = self._stop[request_id] = asyncio.Event()
         self._prompts[request_id], self._params[request_id] = list(prompt_ids), params
         self.blocked.set()
@@ -133,6 +136,8 @@ async def test_move_in_flight_resubmits_tokens_so_far() -> None:
     assert list(done.versions) == [0] * 5
     (_, prompt, max_tokens) = b.calls[0]
     assert prompt == [*PROMPT, 4, 5, 6] and max_tokens == 10 - 3
+    # a call in flight holds its prompt as a typed array: no item of it for the collector to walk
+    assert a.prompt_items == b.prompt_items == [0]
     assert (
         router.stats.resubmissions == 1
         and router.stats.migrations == 1
