@@ -22,7 +22,7 @@ import sys
 import time
 from pathlib import Path
 
-from dora.heap import settle_heap
+from dora.heap import collector_clock, settle_heap
 from dora.instance.client import SERVER_KEEPALIVE_S
 from dora.sim.costs import apply_overrides, preset
 
@@ -78,7 +78,8 @@ async def _serve(args: argparse.Namespace) -> dict[str, object]:
             print(f"http://{host}:{port}", flush=True)
         settle_heap()
         probe = asyncio.create_task(_lag_probe(lags))
-        await stop.wait()
+        async with collector_clock():
+            await stop.wait()
         probe.cancel()
     finally:
         for runner in runners:

@@ -32,7 +32,7 @@ import msgspec
 
 from dora.config import DoraConfig, load_config
 from dora.errors import ConfigError
-from dora.heap import settle_heap
+from dora.heap import collector_clock, settle_heap
 from dora.launch import mark_ready
 from dora.records import write_summary
 from dora.rundir import resolve_run_dir
@@ -158,7 +158,8 @@ async def run_serve(
             )
             mark_ready()  # instances up, prompts measured: a failure from now on is a fault
             settle_heap()
-            report = await rollout.run()
+            async with collector_clock():
+                report = await rollout.run()
     finally:
         serve_link.close()
     write_summary(run_dir / "summary.json", report)

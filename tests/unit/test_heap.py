@@ -29,6 +29,60 @@ def test_settle_heap_freezes_the_startup_objects_and_widens_the_young_generation
     assert threshold[0] == YOUNG_THRESHOLD
 
 
+_CLOCK_SCRIPT = """
+import asyncio, gc, json, weakref
+from dora.heap import collector_clock, settle_heap
+
+class Node:
+    pass
+
+def cycle():
+    node = Node()
+    node.me = node
+    return node
+
+async def main():
+    settle_heap()
+    out = {}
+    async with collector_clock(young_every_s=0.01, full_every_s=FULL):
+        out["automatic"] = gc.isenabled()
+        frozen = gc.get_freeze_count()
+        young = weakref.ref(cycle())  # garbage at once: the next young collection frees it
+        kept = cycle()  # survives a young collection, then is frozen
+        await asyncio.sleep(0.1)
+        out["young_freed"] = young() is None
+        out["survivors_frozen"] = gc.get_freeze_count() > frozen
+        old = weakref.ref(kept)
+        del kept  # garbage now, but frozen: only a full collection frees it
+        await asyncio.sleep(0.3)
+        out["old_freed"] = old() is None
+    out["automatic_after"] = gc.isenabled()
+    print(json.dumps(out))
+
+asyncio.run(main())
+"""
+
+
+def _clock(full_every_s: float) -> dict[str, bool]:
+    script = _CLOCK_SCRIPT.replace("FULL", repr(full_every_s))
+    out = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, check=True, timeout=60
+    )
+    result: dict[str, bool] = json.loads(out.stdout)
+    return result
+
+
+def test_the_collector_clock_collects_the_young_and_freezes_what_survives() -> None:
+    out = _clock(full_every_s=3600)
+    assert out["automatic"] is False and out["automatic_after"] is True
+    assert out["young_freed"] and out["survivors_frozen"]
+    assert out["old_freed"] is False  # a cycle that died frozen waits for the full collection
+
+
+def test_the_collector_clock_frees_frozen_cycles_at_its_full_collection() -> None:
+    assert _clock(full_every_s=0.15)["old_freed"] is True
+
+
 def _completion(i: int, n: int) -> Completion:
     return Completion(
         request_id=f"r{i}",
