@@ -111,7 +111,7 @@ async def test_logprobs_match_engine_and_forward_pass(
     # The same tokens scored by both: the engine samples at T = 1, vLLM scores its tokens.
     one = SamplingParams(max_tokens=48, temperature=1.0, ignore_eos=True, seed=2)
     sampled = await engine.generate(PROMPT, one, request_id="e1", version=0)
-    scored = await _prompt_logprobs(a.base_url, PROMPT + sampled.token_ids, len(PROMPT))
+    scored = await _prompt_logprobs(a.base_url, PROMPT + list(sampled.token_ids), len(PROMPT))
     engine_vs_vllm = max_abs_diff(sampled.logprobs, scored)
     print(
         f"\nmax |logprob diff| vLLM vs forward (T=0.7) {vllm_vs_forward:.2e}, engine vs "

@@ -7,6 +7,7 @@ test that starts one is marked `vllm` and skipped without it.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -47,8 +48,8 @@ def perturbed(model_dir: Path, out: Path, *, scale: float, seed: int) -> Path:
 
 def reference_logprobs(
     model_dir: Path,
-    prompt: list[int],
-    tokens: list[int],
+    prompt: Sequence[int],
+    tokens: Sequence[int],
     temperature: float,
     weights: Path | None = None,
 ) -> list[float]:
@@ -62,6 +63,7 @@ def reference_logprobs(
         state = load_file(str(next(weights.glob("*.safetensors"))))
         model.load_state_dict(state, strict=False)
         model.tie_weights()
+    prompt, tokens = list(prompt), list(tokens)  # completions may hold typed arrays
     ids = torch.tensor([prompt + tokens])
     with torch.no_grad():
         logits = model(ids).logits[0, len(prompt) - 1 : -1].float()
@@ -69,6 +71,6 @@ def reference_logprobs(
     return logp.gather(1, torch.tensor(tokens)[:, None])[:, 0].tolist()
 
 
-def max_abs_diff(a: list[float], b: list[float]) -> float:
+def max_abs_diff(a: Sequence[float], b: Sequence[float]) -> float:
     assert len(a) == len(b), (len(a), len(b))
     return max(abs(x - y) for x, y in zip(a, b, strict=True))
