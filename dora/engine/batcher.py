@@ -43,8 +43,8 @@ from dora.engine.lora import AdapterSet
 from dora.engine.sampling import SamplingBatch, sample, sequence_key
 from dora.protocol import Completion, FinishReason, SamplingParams
 
-# columns of Batcher._ints
-_LEN, _LAST, _GEN, _MAX, _MIN, _TOPK, _KEY, _VER, _SLOT = range(9)
+# columns of Batcher._ints (_LEN and _GEN side by side: a decode step advances both in one op)
+_LEN, _GEN, _LAST, _MAX, _MIN, _TOPK, _KEY, _VER, _SLOT = range(9)
 _INTS = 9
 # columns of Batcher._floats
 _TEMP, _TOPP = range(2)
@@ -164,6 +164,9 @@ class Batcher:
         self._floats = torch.zeros(0, 2, dtype=torch.float32)
         self._stop_mask = torch.zeros(0, self.vocab_size, dtype=torch.bool)
         self._stop_rows = 0  # running sequences with stop strings
+        self._min_rows = 0  # running sequences with min_tokens
+        self._greedy_rows = 0  # running sequences sampled at temperature 0
+        self._truncated_rows = 0  # running sequences with top-k or top-p
         self._fused = (
             FusedDecoder(model, self.max_model_len + 1, self.adapters)
             if self.config.fused_decode and supported(model) is None and not self._float_mask
@@ -345,7 +348,7 @@ class Batcher:
         if self._fused is not None:
             logits = self._fused.decode(
                 self._ints[:n, _LAST],
-                lens.clone(),
+                lens,
                 self._cache.k,
                 self._cache.v,
                 kv_len,
@@ -353,12 +356,11 @@ class Batcher:
             )
         else:
             mask = (torch.arange(kv_len)[None, :] <= lens[:, None])[:, None, None, :]
-            self._cache.begin_decode(n, lens.clone(), kv_len)
+            self._cache.begin_decode(n, lens, kv_len)
             with self.adapters.rows(self._ints[:n, _SLOT]):
                 hidden = self._forward(self._ints[:n, _LAST, None], mask, lens[:, None])
             logits = self._lm_head(hidden[:, 0])
-        self._ints[:n, _LEN] += 1
-        self._sample_rows(0, n, logits)
+        self._sample_rows(0, n, logits, decoded=True)
 
     def _forward(
         self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor
@@ -374,13 +376,19 @@ class Batcher:
         hidden: torch.Tensor = out.last_hidden_state
         return hidden
 
-    def _sample_rows(self, start: int, end: int, logits: torch.Tensor) -> None:
+    def _sample_rows(
+        self, start: int, end: int, logits: torch.Tensor, *, decoded: bool = False
+    ) -> None:
+        """Sample the next token of rows `[start, end)` from their `logits`; `decoded`: the
+        logits come from a decode step, whose token each row's cache now holds."""
         ints, floats = self._ints[start:end], self._floats[start:end]
         gen = ints[:, _GEN]
         banned = None
-        under_min = gen < ints[:, _MIN]
-        if bool(under_min.any()):
-            banned = self._stop_mask[start:end] & under_min[:, None]
+        if self._min_rows:
+            under_min = gen < ints[:, _MIN]
+            if bool(under_min.any()):
+                banned = self._stop_mask[start:end] & under_min[:, None]
+        everyone = start == 0 and end == len(self.running)  # the counters describe these rows
         batch = SamplingBatch(
             temperature=floats[:, _TEMP],
             top_p=floats[:, _TOPP],
@@ -388,12 +396,20 @@ class Batcher:
             keys=ints[:, _KEY],
             steps=gen,
             banned=banned,
+            any_greedy=self._greedy_rows > 0 if everyone else None,
+            any_truncation=self._truncated_rows > 0 if everyone else None,
+            max_step=self.max_model_len,
         )
         tokens, logprobs = sample(logits, batch)
         ints[:, _LAST] = tokens
-        ints[:, _GEN] += 1
+        if decoded:
+            ints[:, _LEN : _GEN + 1] += 1
+        else:
+            ints[:, _GEN] += 1
         stopped = self._stop_mask[start:end].gather(1, tokens[:, None])[:, 0]
-        full = (ints[:, _GEN] >= ints[:, _MAX]) | (ints[:, _LEN] + 1 >= self.max_model_len)
+        # _MAX is at most max_model_len - prompt, so it also ends a row about to outgrow the
+        # model (a row's cache holds its prompt and every token but the last)
+        full = ints[:, _GEN] >= ints[:, _MAX]
         done = (stopped | full).nonzero()[:, 0].tolist()
         seqs = self.running[start:end]
         lps = logprobs.tolist()
@@ -470,8 +486,7 @@ class Batcher:
         self._stop_mask[row, [t for t in stop_ids if 0 <= t < self.vocab_size]] = True
         seq.row = row
         self.running.append(seq)
-        if p.stop:
-            self._stop_rows += 1
+        self._count(p, 1)
 
     @torch.inference_mode()  # also runs between steps (abort, export) on inference tensors
     def _remove(self, row: int) -> None:
@@ -490,8 +505,14 @@ class Batcher:
         seq.row = -1
         self._longest = max((self._reservation(s) for s in self.running), default=0)
         self.reserved_tokens = len(self.running) * self._longest
-        if seq.params.stop:
-            self._stop_rows -= 1
+        self._count(seq.params, -1)
+
+    def _count(self, p: SamplingParams, sign: int) -> None:
+        """Keep the counts of running rows that need the optional parts of sampling."""
+        self._stop_rows += sign * bool(p.stop)
+        self._min_rows += sign * (p.min_tokens > 0)
+        self._greedy_rows += sign * (p.temperature <= 0)
+        self._truncated_rows += sign * (p.top_k > 0 or p.top_p < 1)
 
     # -- versions ----------------------------------------------------------------------------------
 

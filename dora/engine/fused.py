@@ -9,11 +9,11 @@ rows and columns, the output projection, and one matmul for gate and up together
 
 Invariants:
 - Numerics are the model's own: the same RMSNorm formula (torch's fused `rms_norm`, which gives
-  Hugging Face's LlamaRMSNorm bit for bit in float32), the same
-  rotary cos/sin values (the model's rotary embedding evaluated once at every position), the same
-  SDPA scale, the same MLP; only the grouping of matmuls differs (concatenated weights), which
-  changes logits by float rounding only. The engine's logprob parity tests hold against the
-  trainer's forward pass.
+  Hugging Face's LlamaRMSNorm bit for bit in float32), the same rotary cos/sin values (the
+  model's rotary embedding evaluated once at every position), the same SDPA scale, the same MLP;
+  only the grouping of matmuls differs (concatenated weights), and the rotary's multiply and add
+  are one `addcmul`, which changes logits by float rounding only. The engine's logprob parity
+  tests hold against the trainer's forward pass.
 - The concatenated weights are copies, so they are rebuilt whenever the model's weights change:
   every step compares the parameters' in-place version counters with those they were built from
   (weight loads copy into the parameters in place, which bumps them), so a new version can never
@@ -83,7 +83,8 @@ class FusedDecoder:
         self._params = list(model.parameters())
         self._weights: list[tuple[Any, ...]] = []
         self._stamp: tuple[int, ...] = ()
-        self._cos = self._sin = torch.zeros(0)
+        self._rope = torch.zeros(0)
+        self._arange = torch.arange(max_positions)
         self.refresh()
 
     def refresh(self) -> None:
@@ -105,7 +106,7 @@ class FusedDecoder:
                         names,
                         layer.input_layernorm.weight,
                         qkv_w,
-                        qkv_b if qkv_b is not None else torch.zeros(0),
+                        qkv_b,
                         att.o_proj.weight,
                         layer.post_attention_layernorm.weight,
                         gate_up,
@@ -116,7 +117,11 @@ class FusedDecoder:
             probe = self.base.embed_tokens.weight[:1, None]
             positions = torch.arange(self.max_positions)[None]
             cos, sin = self.base.rotary_emb(probe, positions)
-            self._cos, self._sin = cos[0, :, None], sin[0, :, None]  # [positions, 1, head_dim]
+            # rotate_half(x) * sin == roll(x, half) * (sin with its first half negated): one
+            # roll per layer instead of two slices, a negation and a concatenation
+            half = self.head_dim // 2
+            signed = torch.cat((-sin[0, :, :half], sin[0, :, half:]), -1)
+            self._rope = torch.stack((cos[0], signed), 1)[:, :, None]  # [positions, 2, 1, dim]
         self._stamp = self._versions()
 
     def _versions(self) -> tuple[int, ...]:
@@ -138,7 +143,7 @@ class FusedDecoder:
         if self._versions() != self._stamp:
             self.refresh()
         adapters = self.adapters
-        if adapters is None or slots is None or not bool(slots.any()):
+        if adapters is None or not adapters.slot_of or slots is None or not bool(slots.any()):
             adapters = None
 
         def linear(
@@ -154,9 +159,10 @@ class FusedDecoder:
             return out + delta(h, stacks[0], stacks[1], slots)
 
         n = ids.shape[0]
-        rows = torch.arange(n)
-        mask = (torch.arange(kv_len)[None, :] <= positions[:, None])[:, None, None, :]
-        cos, sin = self._cos[positions], self._sin[positions]  # [n, 1, head_dim]
+        rows = self._arange[:n]
+        mask = (self._arange[:kv_len] <= positions[:, None])[:, None, None, :]
+        rope = self._rope[positions]
+        cos, sin = rope[:, 0], rope[:, 1]  # [n, 1, head_dim]
         half = self.head_dim // 2
         q_size, kv_size = self.heads * self.head_dim, self.kv_heads * self.head_dim
         gqa = self.heads != self.kv_heads
@@ -165,10 +171,10 @@ class FusedDecoder:
         for i, layer in enumerate(self._weights):
             names, w_in, qkv_w, qkv_b, o_w, w_post, gate_up, down = layer
             h = F.rms_norm(x, (hidden,), w_in, self.eps)
-            qkv = linear(h, qkv_w, qkv_b if qkv_b.numel() else None, names[0])
+            qkv = linear(h, qkv_w, qkv_b, names[0])
             # q and k heads side by side, so that one rotary expression turns both
             qk = qkv[:, : q_size + kv_size].view(n, self.heads + self.kv_heads, self.head_dim)
-            qk = qk * cos + torch.cat((-qk[..., half:], qk[..., :half]), -1) * sin
+            qk = torch.addcmul(qk * cos, qk.roll(half, -1), sin)
             q, k = qk[:, : self.heads], qk[:, self.heads :]
             v = qkv[:, q_size + kv_size :].view(n, self.kv_heads, self.head_dim)
             k_all, v_all = k_cache[i], v_cache[i]

@@ -43,12 +43,13 @@ def mix32(x: int) -> int:
 
 def mix32_tensor(x: torch.Tensor) -> torch.Tensor:
     """The lowbias32 hash of every element of an int64 tensor (its low 32 bits)."""
-    x = x & _M32
-    x = x ^ (x >> 16)
-    x = (x * 0x7FEB352D) & _M32
-    x = x ^ (x >> 15)
-    x = (x * 0x846CA68B) & _M32
-    return x ^ (x >> 16)
+    x = x & _M32  # a new tensor: the rest works in place on it
+    x ^= x >> 16
+    x.mul_(0x7FEB352D).bitwise_and_(_M32)
+    x ^= x >> 15
+    x.mul_(0x846CA68B).bitwise_and_(_M32)
+    x ^= x >> 16
+    return x
 
 
 def sequence_key(seed: int, index: int = 0) -> int:
@@ -57,12 +58,17 @@ def sequence_key(seed: int, index: int = 0) -> int:
     return mix32(mix32(mix32(seed >> 32) ^ (seed & _M32)) ^ mix32(index + _GOLDEN))
 
 
-def uniform_noise(keys: torch.Tensor, steps: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """u in (0, 1), shape [rows, vocab], a pure function of (keys[i], steps[i], v)."""
-    row = mix32_tensor(keys ^ mix32_tensor(steps + _GOLDEN))
+def uniform_noise(
+    keys: torch.Tensor, steps: torch.Tensor, vocab_size: int, max_step: int | None = None
+) -> torch.Tensor:
+    """u in (0, 1), shape [rows, vocab], a pure function of (keys[i], steps[i], v).
+    `max_step`: a bound on `steps` if the caller knows one (saves looking)."""
+    if max_step is None:
+        max_step = int(steps.max()) if steps.numel() else 0
+    row = mix32_tensor(keys ^ _step_hash(max_step)[steps])
     col = _column_hash(vocab_size)
     bits = mix32_tensor(row[:, None] ^ col[None, :]) >> 8  # 24 bits: exact in float32
-    return (bits.to(torch.float32) + 0.5) * (1.0 / (1 << 24))
+    return bits.to(torch.float32).add_(0.5).mul_(1.0 / (1 << 24))
 
 
 @functools.lru_cache(maxsize=8)
@@ -70,6 +76,21 @@ def _column_hash(vocab_size: int) -> torch.Tensor:
     """The per-vocabulary-entry half of the noise hash: the same at every step, so made once."""
     with torch.inference_mode(False):
         return mix32_tensor(torch.arange(vocab_size, dtype=torch.int64) * 0x632BE5AB + 0x85EBCA6B)
+
+
+@functools.lru_cache(maxsize=4)
+def _step_hash_table(size: int) -> torch.Tensor:
+    with torch.inference_mode(False):
+        return mix32_tensor(torch.arange(size, dtype=torch.int64) + _GOLDEN)
+
+
+def _step_hash(max_step: int) -> torch.Tensor:
+    """The per-step half of a row's noise hash for steps `[0, max_step]`, as a table: a decode
+    step looks its rows' up instead of hashing them (the table doubles as steps grow)."""
+    size = 1024
+    while size <= max_step:
+        size *= 2
+    return _step_hash_table(size)
 
 
 @dataclass
@@ -82,25 +103,48 @@ class SamplingBatch:
     keys: torch.Tensor  # int64 [m], 32-bit noise keys
     steps: torch.Tensor  # int64 [m], tokens sampled so far
     banned: torch.Tensor | None = None  # bool [m, vocab]: tokens that may not be sampled now
+    any_greedy: bool | None = None
+    """Whether some row is greedy, if the caller knows (None: look at `temperature`)."""
+    any_truncation: bool | None = None
+    """Whether some row has top-k or top-p, if the caller knows (None: look)."""
+    max_step: int | None = None
+    """A bound on `steps`, if the caller knows one (None: look)."""
 
 
 def sample(logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor]:
     """Sample one token per row; return (token ids int64 [m], behaviour logprobs float32 [m])."""
     logits = logits.float()
-    greedy = batch.temperature <= 0
-    temp = torch.where(greedy, torch.ones_like(batch.temperature), batch.temperature)
+    greedy = _greedy_rows(batch)
+    temp = batch.temperature
+    if greedy is not None:
+        temp = torch.where(greedy, torch.ones_like(temp), temp)
     scaled = logits / temp[:, None]
     logprobs = torch.log_softmax(scaled, dim=-1)
     scores = scaled
     if batch.banned is not None:
         scores = scores.masked_fill(batch.banned, float("-inf"))
-    if bool(((batch.top_k > 0) | (batch.top_p < 1)).any()):
+    truncation = batch.any_truncation
+    if truncation is None:
+        truncation = bool(((batch.top_k > 0) | (batch.top_p < 1)).any())
+    if truncation:
         scores = _truncate(scores, batch.top_k, batch.top_p)
-    u = uniform_noise(batch.keys, batch.steps, logits.shape[-1])
-    gumbel = -torch.log(-torch.log(u))
-    noisy = torch.where(greedy[:, None], scores, scores + gumbel)
+    # scores + g with Gumbel noise g = -log(-log(u)), computed in place on the noise tensor
+    minus_gumbel = uniform_noise(batch.keys, batch.steps, logits.shape[-1], batch.max_step)
+    noisy = scores - minus_gumbel.log_().neg_().log_()
+    if greedy is not None:
+        noisy = torch.where(greedy[:, None], scores, noisy)
     tokens = noisy.argmax(dim=-1)
     return tokens, logprobs.gather(1, tokens[:, None])[:, 0]
+
+
+def _greedy_rows(batch: SamplingBatch) -> torch.Tensor | None:
+    """The mask of greedy rows (temperature 0), or None when no row is greedy."""
+    if batch.any_greedy is False:
+        return None
+    greedy = batch.temperature <= 0
+    if batch.any_greedy is None and not bool(greedy.any()):
+        return None
+    return greedy
 
 
 def _truncate(scores: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:

@@ -94,6 +94,18 @@ def test_caps_bound_running_sequences_and_kv(model_and_tok: tuple[torch.nn.Modul
     assert all(len(s.token_ids) == 20 for s in seqs)
 
 
+def test_a_sequence_ends_at_max_model_len(model_and_tok: tuple[torch.nn.Module, object]) -> None:
+    """Prompt and output together never outgrow the model: the answer ends "length" there, and
+    rows that ask for less are untouched by their long batch mate."""
+    b = make(model_and_tok, max_model_len=40)
+    long = b.new_sequence("l", [9] * 10, SamplingParams(max_tokens=100, seed=1, ignore_eos=True))
+    short = b.new_sequence("s", [9] * 3, SamplingParams(max_tokens=7, seed=2, ignore_eos=True))
+    run(b, [long, short])
+    assert (long.finish_reason, len(long.token_ids)) == ("length", 30)
+    assert (short.finish_reason, len(short.token_ids)) == ("length", 7)
+    assert b.cache.cols_cap <= 41
+
+
 def test_min_tokens_and_stop_token_ids(model_and_tok: tuple[torch.nn.Module, object]) -> None:
     b = make(model_and_tok)
     probe = b.new_sequence("p", [9, 9], SamplingParams(max_tokens=40, seed=5, ignore_eos=True))

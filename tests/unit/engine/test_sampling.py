@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
-from dora.engine.sampling import SamplingBatch, sample, sequence_key, uniform_noise
+from dora.engine.sampling import SamplingBatch, mix32, sample, sequence_key, uniform_noise
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -71,3 +73,39 @@ def test_banned_tokens_are_never_sampled() -> None:
     b.banned[:, 2] = True
     tokens, _ = sample(logits, b)
     assert 2 not in tokens.tolist()
+
+
+def test_noise_is_the_documented_hash_at_every_step() -> None:
+    """u[i, v] is lowbias32 of (key, step, v) at any step, also past the step-hash table's first
+    size (steps are looked up in a table that doubles as they grow)."""
+    keys = torch.tensor([sequence_key(3, i) for i in range(4)])
+    steps = torch.tensor([0, 1023, 1024, 5000])
+    u = uniform_noise(keys, steps, 40)
+    for i in range(4):
+        row = mix32(int(keys[i]) ^ mix32(int(steps[i]) + 0x9E3779B9))
+        for v in (0, 17, 39):
+            bits = mix32(row ^ mix32(v * 0x632BE5AB + 0x85EBCA6B)) >> 8
+            expected = (torch.tensor(bits, dtype=torch.float32) + 0.5) / (1 << 24)  # in float32
+            assert float(u[i, v]) == float(expected)
+    assert torch.equal(uniform_noise(keys, steps, 40, max_step=6000), u)
+
+
+def test_what_the_caller_knows_changes_no_token_or_logprob() -> None:
+    """Telling `sample` that no row is greedy or truncated, or a bound on the steps, only saves it
+    looking: a batch mixing greedy, top-k, top-p and plain rows samples the same either way."""
+    m = 12
+    logits = torch.randn(m, 30, generator=torch.Generator().manual_seed(4))
+    b = batch(m, seed=8)
+    b.steps = torch.arange(m) * 300
+    told = replace(b, any_greedy=False, any_truncation=False, max_step=4000)
+    tokens, lps = sample(logits, b)
+    assert torch.equal(tokens, sample(logits, told)[0])
+    assert torch.equal(lps, sample(logits, told)[1])
+    b.temperature[::3] = 0.0
+    b.top_k[1::3] = 4
+    b.top_p[2::3] = 0.6
+    told = replace(b, any_greedy=True, any_truncation=True)
+    tokens, lps = sample(logits, b)
+    assert torch.equal(tokens, sample(logits, told)[0])
+    assert torch.equal(lps, sample(logits, told)[1])
+    assert torch.equal(tokens[::3], logits[::3].argmax(-1))
