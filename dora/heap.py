@@ -36,6 +36,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
+import resource
 from collections.abc import AsyncIterator
 
 __all__ = ["FULL_EVERY_S", "YOUNG_EVERY_S", "YOUNG_THRESHOLD", "collector_clock", "settle_heap"]
@@ -87,3 +88,8 @@ async def _collect(young_every_s: float, full_every_s: float) -> None:
         else:
             gc.collect(0)
         gc.freeze()
+
+
+def peak_rss_mb() -> float:
+    """The most resident memory this process has held so far, in MB (Linux reports KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024

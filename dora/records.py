@@ -253,6 +253,11 @@ class Tick(Record, tag="tick", omit_defaults=True):
     link: LinkCounts
     cpu_s: float = 0.0
     """CPU seconds of the serve process (all its threads) since it started."""
+    peak_rss_mb: float = 0.0
+    """The most resident memory the serve process has held so far (MB)."""
+    loop_stall_ms: float = 0.0
+    """The longest any wake-up of serve's event loop waited since the previous tick (a probe
+    sleeping 10 ms at a time); `loop_lag_ms` is how late this tick itself woke."""
     eval: TickEval | None = None
 
 
@@ -281,6 +286,8 @@ class RolloutReport(Record, tag="summary"):
     trainer_wait_s: float
     max_loop_lag_ms: float
     steps_trained: int
+    max_loop_stall_ms: float = 0.0
+    """The longest event-loop stall any tick saw (`Tick.loop_stall_ms`)."""
     tick_versions_serving: int = 0
     """Most versions with calls in flight seen by a metrics tick (coarser than the router's)."""
     masked_reasons: dict[str, int] = msgspec.field(default_factory=dict)

@@ -347,6 +347,7 @@ SUMMARY_KEYS = (
     "admission_wait_s",
     "trainer_wait_s",
     "max_loop_lag_ms",
+    "max_loop_stall_ms",
 )
 
 

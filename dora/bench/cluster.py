@@ -16,10 +16,12 @@ the groups admitted at version 0, while every instance held it, may be trained o
 Printed: the table of `dora bench modes` (real seconds), then emulated against simulated in
 modelled units (tokens/s and step time; prompt and response tokens, as the simulator counts), and
 the real overheads of the real code: serve's own CPU (the `dora serve` process, without the
-emulated instances' process), its event-loop lag (median and p99 of the ticks), the emulated
-cluster's own lag, link messages and bytes per second, journal writes per second, and the time
-spent inside the transfer queue and the orchestrator per step. Every run is checked
-(`dora.emulated.checks`: C1-C3 and the accounting on every consumed group). The ratio lines come
+emulated instances' process), its event-loop lag (median and p99 of the ticks) and stall (the
+longest wait of any wake-up between two ticks: p99 over the ticks and the run's longest), the
+emulated cluster's own lag, the peak resident memory of serve and of the emulated cluster, link
+messages and bytes per second, journal writes per second, and the time spent inside the
+transfer queue and the orchestrator per step. Every run is checked (`dora.emulated.checks`:
+C1-C3 and the accounting on every consumed group). The ratio lines come
 last, `dora/sync throughput ratio: X.XX` the very last.
 
 The default time scale fits the whole preset in about `--budget-min` minutes: the simulator's
@@ -152,7 +154,14 @@ class Overheads:
     cluster_cores: float | None
     lag_ms_median: float
     lag_ms_p99: float
+    stall_ms_p99: float
+    """Serve's longest event-loop stall per tick (`Tick.loop_stall_ms`), p99 over the ticks."""
+    stall_ms_max: float
     cluster_lag_ms_p99: float
+    serve_rss_mb: float
+    """Peak resident memory of the `dora serve` process."""
+    cluster_rss_mb: float
+    """Peak resident memory of the emulated instances' process."""
     link_msgs_per_s: float
     link_mb_per_s: float
     journal_writes_per_s: float
@@ -162,6 +171,10 @@ class Overheads:
     """The run's orchestration seconds by `Type.method` (its summary record)."""
     checked_groups: int
     problems: list[str]
+
+
+def _p99(ordered: list[float]) -> float:
+    return ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
 
 
 def overheads(
@@ -181,6 +194,7 @@ def overheads(
     seq_tokens = sum(r.numbers().get("sequence_tokens", 0.0) for r in trained[1:])
     ticks = [t for t in run.ticks if t.time_s <= t1]
     lags = sorted(t.loop_lag_ms for t in ticks) or [0.0]
+    stalls = sorted(t.loop_stall_ms for t in ticks) or [0.0]
 
     def rate(of: Callable[[Tick], float]) -> float:
         """Per second between the run's first and last tick (0 with fewer than two)."""
@@ -201,8 +215,12 @@ def overheads(
         serve_self_cores=serve_cores if len(ticks) >= 2 else None,
         cluster_cores=cluster["cpu_s"] / cluster["wall_s"] if cluster.get("wall_s") else None,
         lag_ms_median=statistics.median(lags),
-        lag_ms_p99=lags[min(len(lags) - 1, int(0.99 * len(lags)))],
+        lag_ms_p99=_p99(lags),
+        stall_ms_p99=_p99(stalls),
+        stall_ms_max=stalls[-1],
         cluster_lag_ms_p99=float(cluster.get("loop_lag_ms_p99", 0.0)),
+        serve_rss_mb=max((t.peak_rss_mb for t in run.ticks), default=0.0),
+        cluster_rss_mb=float(cluster.get("peak_rss_mb", 0.0)),
         link_msgs_per_s=msgs,
         link_mb_per_s=mb,
         journal_writes_per_s=rate(lambda t: t.journal_writes),
@@ -229,7 +247,9 @@ def comparison_table(
         "serve CPU",
         "cluster CPU",
         "lag ms med/p99",
+        "stall ms p99/max",
         "cluster lag p99",
+        "RSS MB serve/cluster",
         "link msg/s",
         "link MB/s",
         "journal w/s",
@@ -250,7 +270,9 @@ def comparison_table(
                 "-" if o.serve_self_cores is None else f"{o.serve_self_cores:.2f}",
                 "-" if o.cluster_cores is None else f"{o.cluster_cores:.2f}",
                 f"{o.lag_ms_median:.1f}/{o.lag_ms_p99:.1f}",
+                f"{o.stall_ms_p99:.1f}/{o.stall_ms_max:.1f}",
                 f"{o.cluster_lag_ms_p99:.1f}",
+                f"{o.serve_rss_mb:.0f}/{o.cluster_rss_mb:.0f}",
                 f"{o.link_msgs_per_s:.1f}",
                 f"{o.link_mb_per_s:.1f}",
                 f"{o.journal_writes_per_s:.1f}",
@@ -351,7 +373,8 @@ def main(argv: list[str] | None = None) -> int:
     print("\nemulated vs simulated (modelled units: prompt + response tokens, seconds), and the")
     print(
         "real code's overheads over the whole run (serve CPU: the dora serve process in cores,"
-        " cluster CPU: the emulated instances' process; lag: serve's event loop)"
+        " cluster CPU: the emulated instances' process; lag: how late serve's one-second tick"
+        " woke; stall: the longest any of serve's wake-ups waited between two ticks)"
     )
     print(comparison_table(modes, over, sims))
     failed = False

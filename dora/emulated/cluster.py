@@ -22,7 +22,7 @@ import sys
 import time
 from pathlib import Path
 
-from dora.heap import collector_clock, settle_heap
+from dora.heap import collector_clock, peak_rss_mb, settle_heap
 from dora.instance.client import SERVER_KEEPALIVE_S
 from dora.sim.costs import apply_overrides, preset
 
@@ -89,6 +89,7 @@ async def _serve(args: argparse.Namespace) -> dict[str, object]:
         "instances": len(instances),
         "cpu_s": time.process_time() - started,
         "wall_s": time.monotonic() - began,
+        "peak_rss_mb": peak_rss_mb(),
         "loop_lag_ms_median": statistics.median(ordered),
         "loop_lag_ms_p99": ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))],
         "generated_tokens": sum(i.generated for i in instances),

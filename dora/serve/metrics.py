@@ -6,7 +6,8 @@ Records (one JSON object per line, `kind` first; one struct per kind in `dora/re
   live episodes per version (in an LLM call, in the environment, parked), calls in flight per
   version, the transfer queue's groups per version
   and state, the staleness histogram, admitted/completed/assigned counts, migrations, weight loads,
-  admission waits by reason (seconds), and event-loop lag (how late the tick woke, in ms);
+  admission waits by reason (seconds), event-loop lag (how late the tick woke, in ms) and stall
+  (the longest any wake-up waited since the previous tick, in ms);
 - `step`, when a step's last group is sent: its groups' versions and staleness, and how long the
   step took to fill; the trainer's metrics are added by a `trained` record at `StepDone`;
 - `eval`, per evaluation (`evaluate.py`): step, version, greedy accuracy, reward_mean, n, masked,
@@ -131,36 +132,60 @@ class Progress:
 
 
 class Ticker:
-    """Every `every_s`: take a snapshot, log it, show it, and measure event-loop lag."""
+    """Every `every_s`: take a snapshot, log it, show it, and measure event-loop lag.
+
+    Two measures of the loop: `lag_ms`, how late the tick itself woke (one sample per tick), and
+    `stall_ms`, the longest any wake-up waited since the previous tick, from a probe that sleeps
+    `probe_s` at a time: a pause between two ticks shows in the second, where a one-second tick
+    would see it only if it fell due during the pause."""
 
     def __init__(
         self,
         log: MetricsLog,
-        snapshot: Callable[[float], Tick],
+        snapshot: Callable[[float, float], Tick],
         *,
         every_s: float,
         progress: Progress | None = None,
+        probe_s: float = 0.01,
     ) -> None:
         self._log = log
         self._snapshot = snapshot
         self._every_s = every_s
         self._progress = progress
+        self._probe_s = probe_s
+        self._stall_ms = 0.0
         self.max_lag_ms = 0.0
+        self.max_stall_ms = 0.0
 
     async def run(self) -> None:
         loop = asyncio.get_running_loop()
-        due = loop.time() + self._every_s
+        probe = asyncio.ensure_future(self._probe())
+        try:
+            due = loop.time() + self._every_s
+            while True:
+                await asyncio.sleep(max(0.0, due - loop.time()))
+                lag_ms = max(0.0, (loop.time() - due) * 1000.0)
+                self.max_lag_ms = max(self.max_lag_ms, lag_ms)
+                self.emit(lag_ms)
+                due += self._every_s
+                if due < loop.time():  # fell behind (a stalled loop): skip, do not burst
+                    due = loop.time() + self._every_s
+        finally:
+            probe.cancel()
+
+    async def _probe(self) -> None:
+        loop = asyncio.get_running_loop()
         while True:
-            await asyncio.sleep(max(0.0, due - loop.time()))
-            lag_ms = max(0.0, (loop.time() - due) * 1000.0)
-            self.max_lag_ms = max(self.max_lag_ms, lag_ms)
-            self.emit(lag_ms)
-            due += self._every_s
-            if due < loop.time():  # fell behind (a stalled loop): skip, do not burst
-                due = loop.time() + self._every_s
+            asleep = loop.time()
+            await asyncio.sleep(self._probe_s)
+            late_ms = (loop.time() - asleep - self._probe_s) * 1000.0
+            self._stall_ms = max(self._stall_ms, late_ms)
 
     def emit(self, lag_ms: float) -> Tick:
-        snap = self._snapshot(lag_ms)
+        """Log a snapshot now; its stall is the longest since the previous one."""
+        stall_ms, self._stall_ms = max(self._stall_ms, lag_ms), 0.0
+        self.max_stall_ms = max(self.max_stall_ms, stall_ms)
+        snap = self._snapshot(lag_ms, stall_ms)
         self._log.write(snap)
         if self._progress is not None:
             self._progress.update(snap)

@@ -230,7 +230,9 @@ class Rollout:
             if self._progress is not None:
                 self._progress.close()
             report = self._snapshots.report(
-                restored_starts=starts, max_lag_ms=self.ticker.max_lag_ms
+                restored_starts=starts,
+                max_lag_ms=self.ticker.max_lag_ms,
+                max_stall_ms=self.ticker.max_stall_ms,
             )
             self.metrics.write(report)
             self.metrics.close()

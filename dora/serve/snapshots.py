@@ -7,6 +7,7 @@ import dataclasses
 import time
 from collections.abc import Callable
 
+from dora.heap import peak_rss_mb
 from dora.link import ServeLink
 from dora.records import InstanceTick, LinkCounts, Tick, TickEval
 from dora.serve.coretime import CoreClock
@@ -52,7 +53,7 @@ class Snapshots:
         self._last_busy: dict[str, tuple[float, float]] = {}
         self._tick_versions_serving = 0
 
-    def take(self, lag_ms: float) -> Tick:
+    def take(self, lag_ms: float, stall_ms: float) -> Tick:
         q, st = self._queue, self._stats
         now = time.monotonic()
         instances = []
@@ -111,7 +112,9 @@ class Snapshots:
             admission_wait_s={k: round(v, 4) for k, v in st.admission_wait_s.items() if v},
             trainer_wait_s=round(st.trainer_wait_s, 4),
             loop_lag_ms=round(lag_ms, 3),
+            loop_stall_ms=round(stall_ms, 3),
             cpu_s=round(time.process_time(), 3),
+            peak_rss_mb=round(peak_rss_mb(), 1),
             core_s=round(self._core.seconds, 6),
             core_calls=self._core.calls,
             journal_writes=q.journal_writes()[0],
@@ -125,10 +128,12 @@ class Snapshots:
             eval=TickEval(version=evals[-1][0], accuracy=evals[-1][1]) if evals else None,
         )
 
-    def report(self, *, restored_starts: int, max_lag_ms: float) -> RolloutReport:
+    def report(
+        self, *, restored_starts: int, max_lag_ms: float, max_stall_ms: float = 0.0
+    ) -> RolloutReport:
         """The whole run's report: this serve's counters, and what earlier serves of the run
         recorded (`history`) added to them (`restored_starts`: serves before this one;
-        `max_lag_ms`: the ticker's)."""
+        `max_lag_ms`, `max_stall_ms`: the ticker's)."""
         q, st, h = self._queue, self._stats, self._history
         now = time.monotonic()
         wall = now - self._trainer.started_at
@@ -186,6 +191,7 @@ class Snapshots:
             admission_wait_s={k: round(v, 4) for k, v in st.admission_wait_s.items()},
             trainer_wait_s=round(st.trainer_wait_s, 4),
             max_loop_lag_ms=round(max_lag_ms, 3),
+            max_loop_stall_ms=round(max_stall_ms, 3),
             steps_trained=self._trainer.trained_step + 1,
             tick_versions_serving=self._tick_versions_serving,
             masked_reasons=reasons,

@@ -81,3 +81,8 @@ def test_four_modes_on_16_emulated_instances_keep_c1_c3(tmp_path: Path) -> None:
         assert over.serve_self_cores is not None and 0.01 < over.serve_self_cores < 2.0
         assert over.cluster_cores is not None and 0.01 < over.cluster_cores < 2.0
         assert over.lag_ms_p99 >= over.lag_ms_median >= 0.0
+        # every tick's stall is at least its own lag: the longest wait the probe saw includes it
+        assert over.stall_ms_max >= over.stall_ms_p99 >= 0.0
+        assert over.stall_ms_max >= over.lag_ms_p99
+        # both processes hold torch and the run: hundreds of MB, nowhere near the machine's size
+        assert 100 < over.serve_rss_mb < 8000 and 100 < over.cluster_rss_mb < 8000

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -21,7 +22,7 @@ async def test_metrics_log_and_ticker(tmp_path: Path) -> None:
     class FakeTick(Record, tag="tick"):
         n: int
 
-    def snapshot(lag_ms: float) -> FakeTick:
+    def snapshot(lag_ms: float, stall_ms: float) -> FakeTick:
         seen.append(lag_ms)
         return FakeTick(n=len(seen))
 
@@ -41,6 +42,35 @@ async def test_metrics_log_and_ticker(tmp_path: Path) -> None:
     assert len(lines) >= 3 and lines[0]["kind"] == "tick" and lines[0]["n"] == 1
     assert lines[-1] == {"kind": "summary", "time_s": lines[-1]["time_s"], "ok": True}
     assert all(lag >= 0 for lag in seen)
+
+
+async def test_a_pause_between_ticks_shows_as_the_next_ticks_stall(tmp_path: Path) -> None:
+    """The tick's own lag misses a pause that ends before the tick falls due; the stall probe
+    sees it, in the next tick."""
+    log = MetricsLog(tmp_path)
+    seen: list[tuple[float, float]] = []
+    ticked = asyncio.Event()
+
+    class FakeTick(Record, tag="tick"):
+        n: int
+
+    def snapshot(lag_ms: float, stall_ms: float) -> FakeTick:
+        seen.append((lag_ms, stall_ms))
+        ticked.set()
+        return FakeTick(n=len(seen))
+
+    ticker = Ticker(log, snapshot, every_s=0.5)  # type: ignore[arg-type]
+    task = asyncio.ensure_future(ticker.run())
+    await asyncio.sleep(0.05)
+    time.sleep(0.15)  # noqa: ASYNC251 - the whole loop stops, well before the tick is due
+    await ticked.wait()
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    log.close()
+    lag_ms, stall_ms = seen[0]
+    assert stall_ms >= 100.0 and ticker.max_stall_ms >= 100.0
+    assert lag_ms < stall_ms
 
 
 def test_a_group_must_fit_one_instance() -> None:
