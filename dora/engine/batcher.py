@@ -32,7 +32,7 @@ import math
 import random
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -41,6 +41,7 @@ from dora.engine.fused import FusedDecoder, supported
 from dora.engine.kvcache import SlotCache
 from dora.engine.lora import AdapterSet
 from dora.engine.sampling import SamplingBatch, sample, sequence_key
+from dora.engine.sequence import Sequence
 from dora.protocol import Completion, FinishReason, SamplingParams
 
 # columns of Batcher._ints (_LEN and _GEN side by side: a decode step advances both in one op)
@@ -69,40 +70,6 @@ class BatcherConfig:
     """Decode Llama-style models with the fused step (fused.py) where the model supports it."""
     max_adapters: int = 8
     """Most LoRA adapter versions held: a load beyond it drops the oldest ones no request uses."""
-
-
-@dataclass(eq=False, kw_only=True)
-class Sequence:
-    """One output sequence: what was asked, what has been sampled, who to tell."""
-
-    id: str
-    prompt_ids: list[int]
-    params: SamplingParams
-    key: int
-    version: int | None = None
-    """Pinned weight version: admission fails if the engine holds another one."""
-    listener: Callable[[Sequence], None] | None = None
-    """Called on the batcher thread when the sequence finishes (and after each step if `stream`)."""
-    stream: bool = False
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    versions: list[int] = field(default_factory=list)
-    finish_reason: FinishReason | None = None
-    error: str | None = None
-    error_status: int = 500
-    row: int = -1
-    kv_import: torch.Tensor | None = None
-    """KV of an imported sequence (prompt + tokens so far but the last), used at admission."""
-
-    def completion(self) -> Completion:
-        return Completion(
-            request_id=self.id,
-            token_ids=list(self.token_ids),
-            logprobs=list(self.logprobs),
-            versions=list(self.versions),
-            finish_reason=self.finish_reason or "abort",
-            prompt_tokens=len(self.prompt_ids),
-        )
 
 
 class Batcher:

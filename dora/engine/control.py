@@ -17,7 +17,8 @@ import torch
 from aiohttp import web
 
 from dora.engine import api, render, wire
-from dora.engine.batcher import Batcher, Sequence
+from dora.engine.batcher import Batcher
+from dora.engine.sequence import Sequence
 from dora.engine.worker import read_safetensors
 from dora.instance.interface import ExportedRequest
 from dora.protocol import MSGPACK

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from dora.engine import api
-from dora.engine.batcher import Sequence
+from dora.engine.sequence import Sequence
 from dora.tool_calls import parse_tool_calls
 
 TensorSource = Callable[[], dict[str, torch.Tensor]]

@@ -34,8 +34,9 @@ import torch
 from aiohttp import web
 
 from dora.engine import api, render, wire
-from dora.engine.batcher import Batcher, BatcherConfig, Sequence
+from dora.engine.batcher import Batcher, BatcherConfig
 from dora.engine.control import ControlRoutes
+from dora.engine.sequence import Sequence
 from dora.engine.worker import EngineWorker
 from dora.errors import ConfigError
 from dora.instance.client import SERVER_KEEPALIVE_S

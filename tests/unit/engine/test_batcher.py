@@ -8,7 +8,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from dora.engine.batcher import Batcher, BatcherConfig, Sequence
+from dora.engine.batcher import Batcher, BatcherConfig
+from dora.engine.sequence import Sequence
 from dora.models.tiny import build_tiny_model
 from dora.protocol import SamplingParams
 

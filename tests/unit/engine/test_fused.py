@@ -6,8 +6,9 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from dora.engine.batcher import Batcher, BatcherConfig, Sequence
+from dora.engine.batcher import Batcher, BatcherConfig
 from dora.engine.fused import supported
+from dora.engine.sequence import Sequence
 from dora.protocol import SamplingParams
 
 pytestmark = pytest.mark.timeout(120)

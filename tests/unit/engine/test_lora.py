@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from dora.config import LoraSettings
-from dora.engine.batcher import Batcher, BatcherConfig, Sequence
+from dora.engine.batcher import Batcher, BatcherConfig
+from dora.engine.sequence import Sequence
 from dora.learn.lora import adapter_tensors, apply_lora
 from dora.protocol import SamplingParams
 from tests.unit.engine.test_fused import _model as fused_model

@@ -15,8 +15,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dora.engine.batcher import Sequence
 from dora.engine.render import Renderer
+from dora.engine.sequence import Sequence
 from dora.models.tiny import char_tokenizer
 from dora.protocol import SamplingParams
 from dora.tools import parse_tool_calls
