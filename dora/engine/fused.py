@@ -159,6 +159,8 @@ class FusedDecoder:
             return out + delta(h, stacks[0], stacks[1], slots)
 
         n = ids.shape[0]
+        if n > self._arange.numel():  # more rows than positions (a short max_model_len)
+            self._arange = torch.arange(n)
         rows = self._arange[:n]
         mask = (self._arange[:kv_len] <= positions[:, None])[:, None, None, :]
         rope = self._rope[positions]

@@ -97,6 +97,36 @@ def test_weights_copied_in_place_reach_the_fused_step() -> None:
     assert (ref - torch.tensor(seq.logprobs)).abs().max() < 1e-4
 
 
+def test_more_rows_than_positions_decode_together() -> None:
+    """A short max_model_len and many running rows: every row still decodes in the fused step,
+    with the tokens the HF modules give."""
+    model = _model("llama")
+
+    def run(fused: bool) -> list[Sequence]:
+        b = Batcher(
+            model,
+            eos_token_ids=[EOS],
+            decode=lambda ids: "",
+            config=BatcherConfig(max_running=32, max_model_len=12, fused_decode=fused),
+        )
+        seqs = [
+            b.new_sequence(
+                f"r{i}", [3 + i % 5, 4], SamplingParams(max_tokens=8, seed=i, ignore_eos=True)
+            )
+            for i in range(24)
+        ]
+        b.add_all(seqs)
+        b.step()
+        assert len(b.running) == 24
+        while b.has_work():
+            b.step()
+        return seqs
+
+    fused, plain = run(True), run(False)
+    assert [s.token_ids for s in fused] == [s.token_ids for s in plain]
+    assert all(len(s.token_ids) == 8 for s in fused)
+
+
 def test_a_groups_prompt_is_prefilled_once(monkeypatch: pytest.MonkeyPatch) -> None:
     model = _model("llama")
     b = _batcher(model, fused=True)
