@@ -24,7 +24,9 @@ every process of the run (utime + stime, reaped children included, from /proc), 
 stacked in `OUT/modes.png`. The machine's bound is the trained tokens/s the machine would give if
 every core were busy at the best CPU cost per trained token measured in this benchmark (the lowest
 CPU-seconds per token of any run of any mode): `cores / best CPU-s per token`; each mode's
-tokens/s is printed as a share of it. The last line is `dora/sync throughput ratio: X.XX`.
+tokens/s is printed as a share of it. With `--repeats N` (round robin), the table shows each
+mode's median run, then every run's tokens/s and dora's ratio over each baseline within each
+round (dora.bench.rounds). The last line is `dora/sync throughput ratio: X.XX`, the medians'.
 """
 
 from __future__ import annotations
@@ -43,7 +45,8 @@ from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 
-from dora.bench.proc import TrainedCounter, own_cpu_s, tree_cpu_s
+from dora.bench.proc import TrainedCounter, cpu_model, own_cpu_s, tree_cpu_s
+from dora.bench.rounds import round_ratio_lines
 from dora.launch import free_port, sigterm_interrupts, start_side, stop_all
 from dora.placement import KINDS, Kind, Placement, place
 from dora.report import RunData, load_run
@@ -549,9 +552,12 @@ def main(argv: list[str] | None = None) -> int:
     print("\nwhere the time goes (trainer waits: share of its step spent waiting for groups)")
     print(profile_table(results))
     if args.repeats > 1:
-        print("(the run with the median tokens/s of each mode; all runs, tokens/s:)")
+        print("(the run with the median tokens/s of each mode; all runs, tokens/s, and dora's")
+        print(" ratio over each baseline within each round, where the host's speed is alike:)")
         for name, rs in runs.items():
             print(f"  {name}: " + ", ".join(f"{r.tokens_per_s:.0f}" for r in rs))
+        for line in round_ratio_lines(runs):
+            print(line)
     bound = machine_bound([r for rs in runs.values() for r in rs], len(cores))
     print()
     for line in bound_lines(results, bound):
@@ -566,7 +572,7 @@ def main(argv: list[str] | None = None) -> int:
                 "date": started,
                 "machine": {
                     "cores": cores,
-                    "cpu": _cpu_model(),
+                    "cpu": cpu_model(),
                     "python": platform.python_version(),
                 },
                 "placements": [asdict(p) for p in placements],
@@ -582,17 +588,6 @@ def main(argv: list[str] | None = None) -> int:
     for line in ratios:
         print(line)
     return 0
-
-
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
 
 
 if __name__ == "__main__":

@@ -9,11 +9,12 @@ where the last poll stopped).
 from __future__ import annotations
 
 import os
+import platform
 from pathlib import Path
 
 from dora.records import Trained, decode_record
 
-__all__ = ["TICKS_PER_S", "TrainedCounter", "own_cpu_s", "tree_cpu_s"]
+__all__ = ["TICKS_PER_S", "TrainedCounter", "cpu_model", "own_cpu_s", "tree_cpu_s"]
 
 TICKS_PER_S = os.sysconf("SC_CLK_TCK")
 
@@ -68,3 +69,15 @@ class TrainedCounter:
             *lines, self._rest = (self._rest + data).split(b"\n")
             self.count += sum(isinstance(decode_record(line), Trained) for line in lines)
         return self.count
+
+
+def cpu_model() -> str:
+    """The CPU's model name, as /proc/cpuinfo gives it."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()

@@ -1,0 +1,29 @@
+"""dora's ratio over each baseline within each round of `dora bench modes --repeats N`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from dora.bench.rounds import round_ratio_lines, round_ratios
+
+
+@dataclass
+class Run:
+    tokens_per_s: float
+
+
+def test_each_round_pairs_the_runs_it_made() -> None:
+    """A host twice as fast in round 1 moves both modes; the per-round ratio does not move,
+    where the ratio of the medians mixes rounds."""
+    runs = {
+        "sync": [Run(1000.0), Run(2000.0), Run(1100.0)],
+        "dora": [Run(1500.0), Run(3000.0), Run(1650.0)],
+        "partial": [Run(1200.0), Run(0.0)],  # a round it did not finish, and one it skipped
+    }
+    assert round_ratios(runs, "sync") == [1.5, 1.5, 1.5]
+    assert round_ratios(runs, "partial") == [1.25]
+    assert round_ratio_lines(runs) == [
+        "  dora/sync per round: 1.50, 1.50, 1.50 (median 1.50)",
+        "  dora/partial per round: 1.25 (median 1.25)",
+    ]
+    assert round_ratio_lines({"sync": runs["sync"]}) == []  # no dora run, no ratio
