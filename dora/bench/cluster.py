@@ -45,6 +45,7 @@ from pathlib import Path
 
 from dora.bench.modes import ModeResult, Placement, ratio_lines, run_mode, summarise, table
 from dora.emulated.checks import check_run
+from dora.looplag import p99
 from dora.records import Tick
 from dora.report import load_run
 from dora.sim.costs import Setup, apply_overrides, preset
@@ -173,10 +174,6 @@ class Overheads:
     problems: list[str]
 
 
-def _p99(ordered: list[float]) -> float:
-    return ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
-
-
 def overheads(
     result: ModeResult, *, scale: float, warmup: int, checked: tuple[int, list[str]]
 ) -> Overheads:
@@ -215,8 +212,8 @@ def overheads(
         serve_self_cores=serve_cores if len(ticks) >= 2 else None,
         cluster_cores=cluster["cpu_s"] / cluster["wall_s"] if cluster.get("wall_s") else None,
         lag_ms_median=statistics.median(lags),
-        lag_ms_p99=_p99(lags),
-        stall_ms_p99=_p99(stalls),
+        lag_ms_p99=p99(lags),
+        stall_ms_p99=p99(stalls),
         stall_ms_max=stalls[-1],
         cluster_lag_ms_p99=float(cluster.get("loop_lag_ms_p99", 0.0)),
         serve_rss_mb=max((t.peak_rss_mb for t in run.ticks), default=0.0),

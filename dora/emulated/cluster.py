@@ -24,20 +24,13 @@ from pathlib import Path
 
 from dora.heap import collector_clock, peak_rss_mb, settle_heap
 from dora.instance.client import SERVER_KEEPALIVE_S
+from dora.looplag import LoopProbe, p99
 from dora.sim.costs import apply_overrides, preset
 
 __all__ = ["main"]
 
 log = logging.getLogger("dora.emulated")
 _LAG_EVERY_S = 0.05
-
-
-async def _lag_probe(samples: list[float]) -> None:
-    loop = asyncio.get_running_loop()
-    while True:
-        due = loop.time() + _LAG_EVERY_S
-        await asyncio.sleep(_LAG_EVERY_S)
-        samples.append(max(0.0, loop.time() - due) * 1000.0)
 
 
 async def _serve(args: argparse.Namespace) -> dict[str, object]:
@@ -58,7 +51,7 @@ async def _serve(args: argparse.Namespace) -> dict[str, object]:
         loop.add_signal_handler(sig, stop.set)
     runners: list[web.AppRunner] = []
     instances: list[EmulatedInstance] = []
-    lags: list[float] = []
+    probe = LoopProbe(_LAG_EVERY_S, keep_samples=True)
     started, began = time.process_time(), time.monotonic()
     try:
         for i in range(args.instances):
@@ -77,21 +70,21 @@ async def _serve(args: argparse.Namespace) -> dict[str, object]:
             host, port = runner.addresses[0][:2]
             print(f"http://{host}:{port}", flush=True)
         settle_heap()
-        probe = asyncio.create_task(_lag_probe(lags))
+        probe_task = asyncio.create_task(probe.run())
         async with collector_clock():
             await stop.wait()
-        probe.cancel()
+        probe_task.cancel()
     finally:
         for runner in runners:
             await runner.cleanup()
-    ordered = sorted(lags) or [0.0]
+    ordered = sorted(probe.samples) or [0.0]
     return {
         "instances": len(instances),
         "cpu_s": time.process_time() - started,
         "wall_s": time.monotonic() - began,
         "peak_rss_mb": peak_rss_mb(),
         "loop_lag_ms_median": statistics.median(ordered),
-        "loop_lag_ms_p99": ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))],
+        "loop_lag_ms_p99": p99(ordered),
         "generated_tokens": sum(i.generated for i in instances),
         "preemptions": sum(i.preemptions for i in instances),
         "busy_s": [round(i.busy_s, 3) for i in instances],

@@ -32,6 +32,7 @@ from typing import IO, TYPE_CHECKING
 
 import msgspec
 
+from dora.looplag import LoopProbe
 from dora.records import Record, RolloutReport, Tick
 
 if TYPE_CHECKING:
@@ -152,14 +153,13 @@ class Ticker:
         self._snapshot = snapshot
         self._every_s = every_s
         self._progress = progress
-        self._probe_s = probe_s
-        self._stall_ms = 0.0
+        self._probe = LoopProbe(probe_s)
         self.max_lag_ms = 0.0
         self.max_stall_ms = 0.0
 
     async def run(self) -> None:
         loop = asyncio.get_running_loop()
-        probe = asyncio.ensure_future(self._probe())
+        probe = asyncio.ensure_future(self._probe.run())
         try:
             due = loop.time() + self._every_s
             while True:
@@ -173,17 +173,9 @@ class Ticker:
         finally:
             probe.cancel()
 
-    async def _probe(self) -> None:
-        loop = asyncio.get_running_loop()
-        while True:
-            asleep = loop.time()
-            await asyncio.sleep(self._probe_s)
-            late_ms = (loop.time() - asleep - self._probe_s) * 1000.0
-            self._stall_ms = max(self._stall_ms, late_ms)
-
     def emit(self, lag_ms: float) -> Tick:
         """Log a snapshot now; its stall is the longest since the previous one."""
-        stall_ms, self._stall_ms = max(self._stall_ms, lag_ms), 0.0
+        stall_ms = max(self._probe.take_worst(), lag_ms)
         self.max_stall_ms = max(self.max_stall_ms, stall_ms)
         snap = self._snapshot(lag_ms, stall_ms)
         self._log.write(snap)
