@@ -262,6 +262,13 @@ class LearnConfig(_Section):
     micro_batch_tokens: Annotated[
         int, M(ge=16, description="Token budget of one packed micro-batch")
     ] = 8192
+    shared_prefix: Annotated[
+        bool,
+        M(
+            description="Run a group's prompt once per micro-batch: its sequences packed in one "
+            "row under a 4D attention mask (eager or SDPA attention); false: one padded row each"
+        ),
+    ] = True
     recv_timeout_s: Annotated[
         float, M(gt=0, description="Deadline for dora serve's next message to the trainer")
     ] = 600.0

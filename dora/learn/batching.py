@@ -9,9 +9,14 @@ Invariants:
 - `plan_micro_batches` is deterministic (every rank computes the same plan from the same group)
   and gives every rank the same number of micro-batches, padding with empty (zero-weight) ones, so a
   collective never waits for a rank that has nothing left to run.
-- Micro-batches are rows padded to their longest row; the budget `micro_batch_tokens` bounds
-  `rows * longest` (what the forward really costs). A single sequence longer than the budget gets a
-  micro-batch of its own.
+- With `learn.shared_prefix` (the default) a micro-batch is one packed row: the leading tokens
+  every sequence of the group shares (its prompt, `shared_prefix`) once, then each sequence's
+  own tokens, under a 4D attention mask that lets a sequence see the prefix and itself only, with
+  its own positions. The model computes exactly what it computes on each sequence alone; the
+  prompt runs once for the group instead of once per sample. The budget `micro_batch_tokens` bounds
+  the row's length. Without it, micro-batches are one sequence per row, padded to the longest, and
+  the budget bounds `rows * longest`. Either way a single sequence longer than the budget gets a
+  micro-batch of its own, and the loss sees per-sequence tensors (`MicroBatch.unpack`).
 - Masked samples (failed episodes) and samples without sampled tokens stay in the group's metrics
   but produce no sequence: they contribute no gradient and nothing to `Z`.
 """
@@ -118,19 +123,41 @@ def prepare_group(
     return PreparedGroup(group=group, items=items, filtered=False, masked_samples=masked)
 
 
-def pack(lengths: Sequence[int], budget: int) -> list[list[int]]:
-    """First-fit decreasing: indices into `lengths`, so that rows * longest <= budget per bin."""
+def shared_prefix(items: Sequence[SequenceItem]) -> int:
+    """How many leading tokens a packed row holds once for all of `items`: the tokens they all
+    share, up to the position of the first trained target of any of them (so that every trained
+    token is predicted inside its own sequence's part of the row). 0 for fewer than two items."""
+    if len(items) < 2:
+        return 0
+    first = items[0].tokens
+    common = min(int(np.flatnonzero(item.loss_mask)[0]) for item in items)
+    for item in items[1:]:
+        n = min(common, len(item.tokens))
+        differ = np.flatnonzero(first[:n] != item.tokens[:n])
+        common = int(differ[0]) if len(differ) else n
+    return common
+
+
+def pack(lengths: Sequence[int], budget: int, *, shared: int | None = None) -> list[list[int]]:
+    """First-fit decreasing: indices into `lengths`, binned within `budget` tokens. `shared` None:
+    padded rows, `rows * longest <= budget`; `shared = s`: one packed row holding the first `s`
+    tokens once, `s + sum(n - s) <= budget`."""
     order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
     bins: list[list[int]] = []
-    longest: list[int] = []
+    cost: list[int] = []
     for i in order:
+        n = lengths[i]
         for b, members in enumerate(bins):
-            if (len(members) + 1) * longest[b] <= budget:
+            # decreasing order: a padded bin's longest row is its first
+            grown = cost[b] + n - shared if shared is not None else (len(members) + 1) * cost[b]
+            if grown <= budget:
                 members.append(i)
+                if shared is not None:
+                    cost[b] = grown
                 break
         else:
             bins.append([i])
-            longest.append(lengths[i])
+            cost.append(n)
     return bins
 
 
@@ -145,12 +172,14 @@ def split_over_ranks(lengths: Sequence[int], world: int) -> list[list[int]]:
     return shares
 
 
-def plan_micro_batches(lengths: Sequence[int], *, world: int, budget: int) -> list[list[list[int]]]:
-    """plan[rank] = that rank's micro-batches (indices into `lengths`); every rank gets the same
-    number, the missing ones empty (zero-weight padding)."""
+def plan_micro_batches(
+    lengths: Sequence[int], *, world: int, budget: int, shared: int | None = None
+) -> list[list[list[int]]]:
+    """plan[rank] = that rank's micro-batches (indices into `lengths`), packed as `pack` does with
+    `shared`; every rank gets the same number, the missing ones empty (zero-weight padding)."""
     plan: list[list[list[int]]] = []
     for share in split_over_ranks(lengths, world):
-        bins = pack([lengths[i] for i in share], budget)
+        bins = pack([lengths[i] for i in share], budget, shared=shared)
         plan.append([[share[j] for j in b] for b in bins])
     count = max(len(p) for p in plan)
     for p in plan:
@@ -159,18 +188,67 @@ def plan_micro_batches(lengths: Sequence[int], *, world: int, budget: int) -> li
 
 
 @dataclass(frozen=True, kw_only=True)
-class MicroBatch:
-    """Padded tensors of one micro-batch; targets are `input_ids[:, 1:]`."""
+class PackedRow:
+    """What the model runs for a micro-batch of several sequences: one row, their shared prefix
+    once, then each sequence's own tokens (see the module docstring)."""
 
-    input_ids: torch.Tensor  # [N, T] int64
-    behaviour: torch.Tensor  # [N, T - 1]
-    proximal: torch.Tensor | None  # [N, T - 1], when every item carries one
+    input_ids: torch.Tensor  # [1, L] int64
+    position_ids: torch.Tensor  # [1, L]: each sequence's own positions
+    attention: torch.Tensor  # [1, 1, L, L] bool: True where a query may attend to a key
+    index: torch.Tensor  # [N, W - 1]: where each sequence's target sits in the row's L - 1; -1 none
+
+    def to(self, device: torch.device) -> PackedRow:
+        return PackedRow(
+            input_ids=self.input_ids.to(device),
+            position_ids=self.position_ids.to(device),
+            attention=self.attention.to(device),
+            index=self.index.to(device),
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class MicroBatch:
+    """Padded per-sequence tensors of one micro-batch (targets are `input_ids[:, 1:]`), and the
+    packed row the model runs instead of `input_ids` when there is one."""
+
+    input_ids: torch.Tensor  # [N, W] int64
+    behaviour: torch.Tensor  # [N, W - 1]
+    proximal: torch.Tensor | None  # [N, W - 1], when every item carries one
     advantages: torch.Tensor  # [N]
-    weights: torch.Tensor  # [N, T - 1]: w on loss tokens, 0 elsewhere
+    weights: torch.Tensor  # [N, W - 1]: w on loss tokens, 0 elsewhere
+    packed: PackedRow | None = None
 
     @property
     def targets(self) -> torch.Tensor:
         return self.input_ids[:, 1:]
+
+    @property
+    def row_targets(self) -> torch.Tensor:
+        """The next-token targets of what the model runs: [rows, length - 1]."""
+        rows = self.input_ids if self.packed is None else self.packed.input_ids
+        return rows[:, 1:]
+
+    def model_inputs(self, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        """Keyword arguments of the model's forward; a packed row's mask is additive, in `dtype`
+        (what both the eager and the SDPA attention of Hugging Face models take)."""
+        if self.packed is None:
+            return {"input_ids": self.input_ids}
+        mask = torch.zeros(self.packed.attention.shape, dtype=dtype)
+        mask.masked_fill_(~self.packed.attention, torch.finfo(dtype).min)
+        return {
+            "input_ids": self.packed.input_ids,
+            "position_ids": self.packed.position_ids,
+            "attention_mask": mask.to(self.packed.input_ids.device),
+        }
+
+    def unpack(self, per_row: torch.Tensor) -> torch.Tensor:
+        """A per-target tensor of what the model ran ([rows, length - 1]) as per-sequence
+        [N, W - 1]; 0 where a sequence has no target (padding)."""
+        if self.packed is None:
+            return per_row
+        index = self.packed.index
+        taken = per_row.reshape(-1)[index.clamp_min(0)]
+        return torch.where(index >= 0, taken, torch.zeros_like(taken))
 
     def to(self, device: torch.device) -> MicroBatch:
         """The same micro-batch on `device` (the trainer's accelerator)."""
@@ -182,11 +260,39 @@ class MicroBatch:
             proximal=None if self.proximal is None else self.proximal.to(device),
             advantages=self.advantages.to(device),
             weights=self.weights.to(device),
+            packed=None if self.packed is None else self.packed.to(device),
         )
 
 
-def collate(items: Sequence[SequenceItem], *, pad_id: int) -> MicroBatch:
-    """Right-pad `items` into one micro-batch; no items gives a 1 x 2 zero-weight batch."""
+def pack_row(items: Sequence[SequenceItem], width: int) -> PackedRow:
+    """One row for `items`: their `shared_prefix` once, then each item's remaining tokens."""
+    s = shared_prefix(items)
+    parts = [items[0].tokens[:s]] + [item.tokens[s:] for item in items]
+    row = np.concatenate(parts).astype(np.int64)
+    owner = np.concatenate([np.full(len(p), k - 1) for k, p in enumerate(parts)])  # -1: prefix
+    positions = np.concatenate([np.arange(s)] + [np.arange(s, item.length) for item in items])
+    causal = np.tril(np.ones((len(row), len(row)), dtype=bool))
+    attention = causal & ((owner[None, :] < 0) | (owner[None, :] == owner[:, None]))
+    index = np.full((len(items), width - 1), -1, dtype=np.int64)
+    start = s
+    for k, item in enumerate(items):
+        t = np.arange(item.length - 1)
+        q = np.where(t < s, t, start + t - s)
+        # a target in the prefix is another item's token when the items part right after it
+        ok = row[q + 1] == item.tokens[1:]
+        index[k, : item.length - 1] = np.where(ok, q, -1)
+        start += item.length - s
+    return PackedRow(
+        input_ids=torch.from_numpy(row)[None],
+        position_ids=torch.from_numpy(positions.astype(np.int64))[None],
+        attention=torch.from_numpy(attention)[None, None],
+        index=torch.from_numpy(index),
+    )
+
+
+def collate(items: Sequence[SequenceItem], *, pad_id: int, packed: bool = False) -> MicroBatch:
+    """Right-pad `items` into one micro-batch, and with `packed` (and two items or more) give it
+    the packed row the model runs; no items gives a 1 x 2 zero-weight batch."""
     if not items:
         return MicroBatch(
             input_ids=torch.full((1, 2), pad_id, dtype=torch.long),
@@ -216,4 +322,5 @@ def collate(items: Sequence[SequenceItem], *, pad_id: int) -> MicroBatch:
         proximal=proximal,
         advantages=advantages,
         weights=weights,
+        packed=pack_row(items, width) if packed and n > 1 else None,
     )

@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 
 from dora.config import DoraConfig
-from dora.errors import ProtocolError, TrainingError
+from dora.errors import ConfigError, ProtocolError, TrainingError
 from dora.learn.batching import (
     MicroBatch,
     PreparedGroup,
@@ -45,6 +45,7 @@ from dora.learn.batching import (
     collate,
     plan_micro_batches,
     prepare_group,
+    shared_prefix,
 )
 from dora.learn.checkpoint import (
     CheckpointInfo,
@@ -152,6 +153,7 @@ class Trainer:
         init_path = prepare_model(config, log=self.rank == 0)
         model_path = checkpoint.model_dir if checkpoint else init_path
         dtype = getattr(torch, config.model.dtype)
+        self.dtype = dtype
         lora = config.model.lora
         self.init_path = str(init_path)
         model: torch.nn.Module
@@ -164,6 +166,12 @@ class Trainer:
         else:
             model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
         self.lora = enabled(lora)
+        attention = getattr(model.config, "_attn_implementation", None) or "eager"
+        if self.cfg.shared_prefix and attention not in ("eager", "sdpa"):
+            raise ConfigError(
+                f"learn.shared_prefix packs a group into one row under a 4D attention mask, "
+                f"which {attention!r} attention ignores; set learn.shared_prefix = false"
+            )
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.pad_id = int(self.tokenizer.pad_token_id or 0)
         self.ref: torch.nn.Module | None = None
@@ -283,6 +291,7 @@ class Trainer:
             [item.length for item in prepared.items],
             world=self.world,
             budget=self.cfg.micro_batch_tokens,
+            shared=shared_prefix(prepared.items) if self.cfg.shared_prefix else None,
         )
         return u, prepared, plan
 
@@ -306,7 +315,7 @@ class Trainer:
         if self.settings.off_policy == "none":
             return items
         # an empty (padding) micro-batch still runs: under FSDP every forward is a collective
-        mb = collate(items, pad_id=self.pad_id).to(self.accelerator.device)
+        mb = self._collate(items)
         logprobs = self._logprobs(self.raw, mb)[0].cpu()
         self.parallel.after_forward_only(self.raw)
         return [
@@ -317,13 +326,18 @@ class Trainer:
     def _logprobs(
         self, model: torch.nn.Module, mb: MicroBatch
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Logprobs of the targets and the logits, at the sampling temperature (docs/engine.md)."""
-        logits = model(input_ids=mb.input_ids, use_cache=False).logits[:, :-1]
+        """Each sequence's logprobs of its targets, at the sampling temperature (docs/engine.md),
+        and the logits of what the model ran (a packed row, or the padded sequences)."""
+        logits = model(**mb.model_inputs(self.dtype), use_cache=False).logits[:, :-1]
         logits = logits / self.config.rollout.temperature
-        return token_logprobs(logits, mb.targets), logits
+        return mb.unpack(token_logprobs(logits, mb.row_targets)), logits
+
+    def _collate(self, items: list[SequenceItem]) -> MicroBatch:
+        packed = self.cfg.shared_prefix
+        return collate(items, pad_id=self.pad_id, packed=packed).to(self.accelerator.device)
 
     def _backward(self, items: list[SequenceItem], update: _Update, *, sync: bool) -> None:
-        mb = collate(items, pad_id=self.pad_id).to(self.accelerator.device)
+        mb = self._collate(items)
         context: AbstractContextManager[object] = nullcontext()
         if not sync:
             context = self.parallel.accumulate(self.model)
@@ -355,7 +369,7 @@ class Trainer:
             self.accelerator.backward(terms.loss_sum)
         active = (mb.weights > 0).float()
         update.sums["loss"] += loss
-        update.sums["entropy_sum"] += float((token_entropy(logits) * active).sum())
+        update.sums["entropy_sum"] += float((mb.unpack(token_entropy(logits)) * active).sum())
         for key in SUMS[1:-1]:
             update.sums[key] += terms.stats[key]
         if terms.stats["tokens"]:

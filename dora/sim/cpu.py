@@ -316,7 +316,7 @@ def _time_training(
     import torch
     from transformers import AutoModelForCausalLM
 
-    from dora.learn.batching import SequenceItem, collate, plan_micro_batches
+    from dora.learn.batching import SequenceItem, collate, plan_micro_batches, shared_prefix
     from dora.learn.loss import LossSettings, policy_loss, token_entropy, token_logprobs
 
     torch.set_num_threads(threads)
@@ -343,13 +343,18 @@ def _time_training(
                 )
                 for n in group
             ]
+            packed = config.learn.shared_prefix
             plan = plan_micro_batches(
-                [it.length for it in items], world=1, budget=config.learn.micro_batch_tokens
+                [it.length for it in items],
+                world=1,
+                budget=config.learn.micro_batch_tokens,
+                shared=shared_prefix(items) if packed else None,
             )
             for indices in plan[0]:
-                mb = collate([items[i] for i in indices], pad_id=0)
-                logits = model(input_ids=mb.input_ids, use_cache=False).logits[:, :-1]
-                logprobs = token_logprobs(logits / config.rollout.temperature, mb.targets)
+                mb = collate([items[i] for i in indices], pad_id=0, packed=packed)
+                logits = model(**mb.model_inputs(torch.float32), use_cache=False).logits[:, :-1]
+                logits = logits / config.rollout.temperature
+                logprobs = mb.unpack(token_logprobs(logits, mb.row_targets))
                 terms = policy_loss(
                     logprobs=logprobs,
                     behaviour_logprobs=mb.behaviour,
@@ -359,7 +364,7 @@ def _time_training(
                     settings=settings,
                 )
                 terms.loss_sum.backward()
-                float((token_entropy(logits) * (mb.weights > 0).float()).sum())
+                float((mb.unpack(token_entropy(logits)) * (mb.weights > 0).float()).sum())
         torch.nn.utils.clip_grad_norm_(model.parameters(), config.learn.grad_clip)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+from tiny_lm import small_lm
 
 from dora.engine.batcher import Batcher, BatcherConfig
 from dora.engine.fused import supported
@@ -17,21 +17,7 @@ EOS = 2
 
 
 def _model(arch: str, **extra: object) -> torch.nn.Module:
-    torch.manual_seed(0)
-    common: dict[str, object] = dict(
-        vocab_size=64,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        max_position_embeddings=256,
-        tie_word_embeddings=True,
-    )
-    common["num_key_value_heads"] = 4  # Qwen2Config's default would be 32
-    common.update(extra)
-    if arch == "qwen2":
-        return Qwen2ForCausalLM(Qwen2Config(**common)).eval()
-    return LlamaForCausalLM(LlamaConfig(**common)).eval()
+    return small_lm(arch, **extra)
 
 
 def _batcher(model: torch.nn.Module, *, fused: bool) -> Batcher:

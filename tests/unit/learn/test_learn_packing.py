@@ -1,0 +1,148 @@
+"""Packed micro-batches: a group's sequences in one row, their prompt once, under a 4D mask."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from tiny_lm import small_lm
+
+from dora.learn.batching import SequenceItem, collate, pack, plan_micro_batches, shared_prefix
+from dora.learn.loss import LossSettings, policy_loss, token_logprobs
+
+VOCAB = 24
+
+
+def _item(tokens: list[int], prompt: int, advantage: float = 1.0) -> SequenceItem:
+    n = len(tokens)
+    mask = np.zeros(n - 1, dtype=np.float32)
+    mask[prompt - 1 :] = 1.0  # targets from the first sampled token on
+    return SequenceItem(
+        group_id="g",
+        tokens=np.array(tokens, dtype=np.int32),
+        loss_mask=mask,
+        behaviour=np.full(n - 1, -2.0, dtype=np.float32),
+        advantage=advantage,
+        weight=1.0,
+        norm=float(mask.sum()),
+    )
+
+
+def _model(attention: str, arch: str = "llama") -> torch.nn.Module:
+    return small_lm(arch, attn_implementation=attention, num_key_value_heads=2)
+
+
+def _loss(model: torch.nn.Module, items: list[SequenceItem], *, packed: bool) -> torch.Tensor:
+    mb = collate(items, pad_id=0, packed=packed)
+    logits = model(**mb.model_inputs(torch.float32), use_cache=False).logits[:, :-1]
+    logprobs = mb.unpack(token_logprobs(logits, mb.row_targets))
+    return policy_loss(
+        logprobs=logprobs,
+        behaviour_logprobs=mb.behaviour,
+        advantages=mb.advantages,
+        weights=mb.weights,
+        settings=LossSettings(off_policy="none"),
+    ).loss_sum
+
+
+def _logprobs(model: torch.nn.Module, items: list[SequenceItem], *, packed: bool) -> torch.Tensor:
+    mb = collate(items, pad_id=0, packed=packed)
+    with torch.no_grad():
+        logits = model(**mb.model_inputs(torch.float32), use_cache=False).logits[:, :-1]
+    return mb.unpack(token_logprobs(logits, mb.row_targets))
+
+
+GROUP = [  # a 9-token prompt; two answers start alike, one is a single token
+    [1, 5, 6, 7, 8, 9, 10, 11, 12, 3, 4, 4, 2],
+    [1, 5, 6, 7, 8, 9, 10, 11, 12, 3, 4, 17, 18, 19, 2],
+    [1, 5, 6, 7, 8, 9, 10, 11, 12, 2],
+    [1, 5, 6, 7, 8, 9, 10, 11, 12, 20, 21, 22, 23, 13, 14, 2],
+]
+
+
+@pytest.mark.parametrize(("attention", "arch"), [("sdpa", "llama"), ("eager", "qwen2")])
+def test_a_packed_row_gives_every_sequence_its_own_logprobs_and_gradient(
+    attention: str, arch: str
+) -> None:
+    model = _model(attention, arch)
+    advantages = [1.0, -0.5, 2.0, -1.0]
+    items = [_item(t, prompt=9, advantage=a) for t, a in zip(GROUP, advantages, strict=True)]
+    mb = collate(items, pad_id=0, packed=True)
+    assert mb.packed is not None
+    # the prompt's first 8 tokens once (the 9th starts every sequence's own part), then the rest
+    assert mb.packed.input_ids.shape[1] == 8 + sum(len(t) - 8 for t in GROUP)
+
+    padded = _loss(model, items, packed=False)
+    padded.backward()
+    expected = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    packed = _loss(model, items, packed=True)
+    packed.backward()
+
+    assert packed.item() == pytest.approx(padded.item(), abs=1e-5)
+    for name, param in model.named_parameters():
+        assert param.grad is not None
+        torch.testing.assert_close(param.grad, expected[name], atol=1e-5, rtol=1e-4)
+    trained = mb.weights > 0
+    torch.testing.assert_close(
+        _logprobs(model, items, packed=True)[trained],
+        _logprobs(model, items, packed=False)[trained],
+        atol=1e-5,
+        rtol=1e-5,
+    )
+
+
+@st.composite
+def _groups(draw: st.DrawFn) -> tuple[list[list[int]], int]:
+    prompt = draw(st.integers(2, 10))
+    head = draw(st.lists(st.integers(1, VOCAB - 1), min_size=prompt, max_size=prompt))
+    answers = draw(
+        st.lists(
+            st.lists(st.integers(1, VOCAB - 1), min_size=1, max_size=8), min_size=1, max_size=5
+        )
+    )
+    return [head + a for a in answers], prompt
+
+
+@given(_groups())
+@settings(max_examples=25, deadline=None)
+def test_every_target_a_packed_row_computes_is_the_sequences_own(
+    group: tuple[list[list[int]], int],
+) -> None:
+    """Wherever the unpacked logprobs are not the 0 of 'no target', they equal the padded
+    forward's; and every trained target has one."""
+    sequences, prompt = group
+    items = [_item(t, prompt=prompt) for t in sequences]
+    model = _model("sdpa")
+    mb = collate(items, pad_id=0, packed=True)
+    packed = _logprobs(model, items, packed=True)
+    padded = _logprobs(model, items, packed=False)
+    computed = (
+        mb.packed.index >= 0 if mb.packed is not None else torch.ones_like(packed, dtype=torch.bool)
+    )
+    assert bool(computed[mb.weights > 0].all())
+    torch.testing.assert_close(packed[computed], padded[computed], atol=1e-5, rtol=1e-5)
+
+
+def test_the_shared_prefix_stops_where_the_sequences_part_or_training_starts() -> None:
+    a = _item([1, 2, 3, 4, 5, 6], prompt=4)
+    b = _item([1, 2, 3, 4, 7], prompt=4)
+    assert shared_prefix([a, b]) == 3  # the 4th token starts each sequence's part: it predicts
+    assert shared_prefix([a, _item([1, 2, 9, 4, 7], prompt=4)]) == 2  # prompts part at the 3rd
+    assert shared_prefix([a, _item([1, 2, 3, 4, 5, 6, 8], prompt=6)]) == 3  # the earliest trained
+    assert shared_prefix([a]) == 0
+
+
+@given(st.lists(st.integers(4, 40), max_size=30), st.integers(3, 3), st.integers(16, 100))
+@settings(max_examples=100, deadline=None)
+def test_packed_bins_keep_within_the_budget_and_keep_every_sequence(
+    lengths: list[int], shared: int, budget: int
+) -> None:
+    bins = pack(lengths, budget, shared=shared)
+    assert sorted(i for b in bins for i in b) == list(range(len(lengths)))
+    for b in bins:
+        assert len(b) == 1 or shared + sum(lengths[i] - shared for i in b) <= budget
+    plan = plan_micro_batches(lengths or [4], world=2, budget=budget, shared=shared)
+    assert len({len(p) for p in plan}) == 1
