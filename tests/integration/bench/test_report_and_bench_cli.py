@@ -120,3 +120,28 @@ def test_dora_bench_modes_end_to_end(tmp_path: Path) -> None:
     assert re.search(r"dora: \d+ tokens/s, \d+% of the bound", done.stdout), done.stdout
     assert all(r["cpu_s"] is not None for r in result["results"])
     assert (out / "dora" / "rollout.jsonl").is_file() and (out / "sync" / "summary.json").is_file()
+
+
+def test_dora_bench_trainer_runs_fewer_tokens_packed(tmp_path: Path) -> None:
+    config = tmp_path / "tiny.toml"
+    config.write_text(TINY)
+    done = _dora(
+        "bench",
+        "trainer",
+        str(config),
+        "--steps",
+        "2",
+        "--rounds",
+        "1",
+        cwd=tmp_path,
+        timeout_s=300,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    last = done.stdout.strip().splitlines()[-1]
+    assert re.fullmatch(r"padded/packed CPU per trained token: \d+\.\d\d", last), done.stdout
+    rows = {
+        m.group(1): float(m.group(2))
+        for m in re.finditer(r"^\s*0\s+(padded|packed)\s+\S+\s+(\S+)", done.stdout, re.M)
+    }
+    # the prompt runs once per group instead of once per sample (2 samples here)
+    assert set(rows) == {"padded", "packed"} and rows["packed"] < rows["padded"], done.stdout

@@ -27,7 +27,7 @@ from dora.sim.cpu import (
     write_lengths,
 )
 from dora.sim.report import summarize
-from dora.sim.workload import Workload, _read_lengths
+from dora.sim.workload import Workload, read_lengths
 from tests.unit.sim.test_engine import check_run
 
 COSTS = Costs(
@@ -135,7 +135,7 @@ def test_the_cpu_bench_preset_is_the_benchmark_config() -> None:
     assert s.shared_cores and s.pool_instances == bench.serve.instances
     # the stored groups are of the benchmark's group size and max_tokens, and the stored costs'
     # length statistics are theirs
-    groups = [[int(n) for n in g] for g in _read_lengths(str(BENCH_LENGTHS))]
+    groups = [[int(n) for n in g] for g in read_lengths(str(BENCH_LENGTHS))]
     assert {len(g) for g in groups} == {bench.rollout.group_size}
     assert max(n for g in groups for n in g) == bench.rollout.max_tokens
     every = [float(n) for g in groups for n in g]
