@@ -340,7 +340,12 @@ def _time_training(
         tokens = sum(prompt + n for prompt, answers in chosen for n in answers)
         steps.append((float(tokens), time.perf_counter() - start))
     torch.set_num_threads(1)
-    per_token, per_step = fit_linear([[t, 1.0] for t, _ in steps[1:]], [s for _, s in steps[1:]])
+    sizes, seconds = [t for t, _ in steps[1:]], [s for _, s in steps[1:]]
+    per_token, per_step = fit_linear([[t, 1.0] for t in sizes], seconds)
+    if per_step == 0.0:
+        # the fit wanted a negative overhead: a step's cost grows faster than its tokens (attention
+        # over long rows), and the clipped fit's slope would overstate the cost of a mean step
+        per_token = sum(seconds) / sum(sizes)
     return per_token, per_step
 
 
