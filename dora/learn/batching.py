@@ -233,12 +233,13 @@ class MicroBatch:
         (what both the eager and the SDPA attention of Hugging Face models take)."""
         if self.packed is None:
             return {"input_ids": self.input_ids}
-        mask = torch.zeros(self.packed.attention.shape, dtype=dtype)
-        mask.masked_fill_(~self.packed.attention, torch.finfo(dtype).min)
+        allowed = self.packed.attention
+        mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
+        mask.masked_fill_(~allowed, torch.finfo(dtype).min)
         return {
             "input_ids": self.packed.input_ids,
             "position_ids": self.packed.position_ids,
-            "attention_mask": mask.to(self.packed.input_ids.device),
+            "attention_mask": mask,
         }
 
     def unpack(self, per_row: torch.Tensor) -> torch.Tensor:
