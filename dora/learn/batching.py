@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 import numpy.typing as npt
@@ -136,6 +136,27 @@ def shared_prefix(items: Sequence[SequenceItem]) -> int:
         differ = np.flatnonzero(first[:n] != item.tokens[:n])
         common = int(differ[0]) if len(differ) else n
     return common
+
+
+def packing_refusal(model_config: Any, budget: int) -> str | None:
+    """Why a packed row of up to `budget` tokens would not compute, for every sequence, what the
+    model computes on it alone; None when it does. A packed row's 4D mask is full causal attention
+    within each sequence: attention that ignores 4D masks, layers that are not plain attention,
+    and sliding windows shorter than the row are out."""
+    attention = getattr(model_config, "_attn_implementation", None) or "eager"
+    if attention not in ("eager", "sdpa"):
+        return f"{attention!r} attention ignores a 4D attention mask"
+    kinds = set(getattr(model_config, "layer_types", None) or ["full_attention"])
+    if kinds - {"full_attention", "sliding_attention"}:
+        return f"layers of kinds {sorted(kinds)} do not all take a 4D attention mask"
+    window = getattr(model_config, "sliding_window", None)
+    slides = "sliding_attention" in kinds or getattr(model_config, "use_sliding_window", True)
+    if window and slides and window < budget:
+        return (
+            f"its sliding window of {window} tokens is shorter than a packed row "
+            f"(learn.micro_batch_tokens = {budget}), and the row's mask does not slide"
+        )
+    return None
 
 
 def pack(lengths: Sequence[int], budget: int, *, shared: int | None = None) -> list[list[int]]:

@@ -43,6 +43,7 @@ from dora.learn.batching import (
     PreparedGroup,
     SequenceItem,
     collate,
+    packing_refusal,
     plan_micro_batches,
     prepare_group,
     shared_prefix,
@@ -166,11 +167,11 @@ class Trainer:
         else:
             model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
         self.lora = enabled(lora)
-        attention = getattr(model.config, "_attn_implementation", None) or "eager"
-        if self.cfg.shared_prefix and attention not in ("eager", "sdpa"):
+        refusal = packing_refusal(model.config, self.cfg.micro_batch_tokens)
+        if self.cfg.shared_prefix and refusal is not None:
             raise ConfigError(
-                f"learn.shared_prefix packs a group into one row under a 4D attention mask, "
-                f"which {attention!r} attention ignores; set learn.shared_prefix = false"
+                f"learn.shared_prefix packs a group into one row under a 4D attention mask, but "
+                f"{refusal}; set learn.shared_prefix = false"
             )
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.pad_id = int(self.tokenizer.pad_token_id or 0)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 import torch
@@ -9,7 +11,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tiny_lm import small_lm
 
-from dora.learn.batching import SequenceItem, collate, pack, plan_micro_batches, shared_prefix
+from dora.learn.batching import (
+    SequenceItem,
+    collate,
+    pack,
+    packing_refusal,
+    plan_micro_batches,
+    shared_prefix,
+)
 from dora.learn.loss import LossSettings, policy_loss, token_logprobs
 
 VOCAB = 24
@@ -146,3 +155,17 @@ def test_packed_bins_keep_within_the_budget_and_keep_every_sequence(
         assert len(b) == 1 or shared + sum(lengths[i] - shared for i in b) <= budget
     plan = plan_micro_batches(lengths or [4], world=2, budget=budget, shared=shared)
     assert len({len(p) for p in plan}) == 1
+
+
+def test_packing_is_refused_where_a_row_would_not_compute_each_sequence_alone() -> None:
+    assert packing_refusal(small_lm("llama", attn_implementation="sdpa").config, 8192) is None
+    assert packing_refusal(small_lm("qwen2", attn_implementation="eager").config, 8192) is None
+    sliding = small_lm(
+        "qwen2", use_sliding_window=True, sliding_window=64, max_window_layers=0
+    ).config
+    assert "sliding window of 64" in str(packing_refusal(sliding, 128))
+    assert packing_refusal(sliding, 64) is None  # no row is longer than the window
+    flash = SimpleNamespace(_attn_implementation="flash_attention_2")
+    assert "ignores a 4D attention mask" in str(packing_refusal(flash, 8192))
+    linear = SimpleNamespace(layer_types=["full_attention", "linear_attention"])
+    assert "do not all take" in str(packing_refusal(linear, 8192))
