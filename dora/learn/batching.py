@@ -130,7 +130,7 @@ def shared_prefix(items: Sequence[SequenceItem]) -> int:
     if len(items) < 2:
         return 0
     first = items[0].tokens
-    common = min(int(np.flatnonzero(item.loss_mask)[0]) for item in items)
+    common = min(_first_trained(item) for item in items)
     for item in items[1:]:
         n = min(common, len(item.tokens))
         differ = np.flatnonzero(first[:n] != item.tokens[:n])
@@ -138,11 +138,16 @@ def shared_prefix(items: Sequence[SequenceItem]) -> int:
     return common
 
 
-def packing_refusal(model_config: Any, budget: int) -> str | None:
-    """Why a packed row of up to `budget` tokens would not compute, for every sequence, what the
+def _first_trained(item: SequenceItem) -> int:
+    trained = np.flatnonzero(item.loss_mask)
+    return int(trained[0]) if len(trained) else len(item.loss_mask)
+
+
+def packing_refusal(model_config: Any, longest: int) -> str | None:
+    """Why a packed row would not compute, for every sequence of up to `longest` tokens, what the
     model computes on it alone; None when it does. A packed row's 4D mask is full causal attention
     within each sequence: attention that ignores 4D masks, layers that are not plain attention,
-    and sliding windows shorter than the row are out."""
+    and sliding windows shorter than a sequence are out."""
     attention = getattr(model_config, "_attn_implementation", None) or "eager"
     if attention not in ("eager", "sdpa"):
         return f"{attention!r} attention ignores a 4D attention mask"
@@ -151,10 +156,10 @@ def packing_refusal(model_config: Any, budget: int) -> str | None:
         return f"layers of kinds {sorted(kinds)} do not all take a 4D attention mask"
     window = getattr(model_config, "sliding_window", None)
     slides = "sliding_attention" in kinds or getattr(model_config, "use_sliding_window", True)
-    if window and slides and window < budget:
+    if window and slides and window < longest:
         return (
-            f"its sliding window of {window} tokens is shorter than a packed row "
-            f"(learn.micro_batch_tokens = {budget}), and the row's mask does not slide"
+            f"its sliding window of {window} tokens is shorter than a sequence may be "
+            f"(model.max_model_len = {longest}), and a packed row's mask does not slide"
         )
     return None
 

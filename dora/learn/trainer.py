@@ -167,7 +167,7 @@ class Trainer:
         else:
             model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
         self.lora = enabled(lora)
-        refusal = packing_refusal(model.config, self.cfg.micro_batch_tokens)
+        refusal = packing_refusal(model.config, config.model.max_model_len)
         if self.cfg.shared_prefix and refusal is not None:
             raise ConfigError(
                 f"learn.shared_prefix packs a group into one row under a 4D attention mask, but "

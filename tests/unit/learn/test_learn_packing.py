@@ -164,7 +164,7 @@ def test_packing_is_refused_where_a_row_would_not_compute_each_sequence_alone() 
         "qwen2", use_sliding_window=True, sliding_window=64, max_window_layers=0
     ).config
     assert "sliding window of 64" in str(packing_refusal(sliding, 128))
-    assert packing_refusal(sliding, 64) is None  # no row is longer than the window
+    assert packing_refusal(sliding, 64) is None  # no sequence is longer than the window
     flash = SimpleNamespace(_attn_implementation="flash_attention_2")
     assert "ignores a 4D attention mask" in str(packing_refusal(flash, 8192))
     linear = SimpleNamespace(layer_types=["full_attention", "linear_attention"])
