@@ -73,9 +73,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"{config.model.path}: {args.steps} steps of {b} groups x {config.rollout.group_size}, "
         f"learn.micro_batch_tokens {config.learn.micro_batch_tokens}, {args.threads} thread(s)"
     )
-    print(
-        f"{'round':>5} {'rows':>7} {'CPU-ms/trained tok':>19} {'run/trained tok':>16} {'s/step':>7}"
-    )
+    print(f"{'round':>5} {'rows':>7} {'CPU-ms/trained':>15} {'run/trained':>12} {'s/step':>7}")
     ratios = []
     for r in range(args.rounds):
         cost: dict[bool, float] = {}

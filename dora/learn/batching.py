@@ -31,7 +31,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from dora.learn.loss import LossKind, group_advantages
+from dora.learn.loss import LossKind, group_advantages, token_logprobs
 from dora.protocol import Group
 
 Aggregation = Literal["token", "sequence"]
@@ -289,6 +289,15 @@ class MicroBatch:
             weights=self.weights.to(device),
             packed=None if self.packed is None else self.packed.to(device),
         )
+
+
+def forward_logprobs(
+    model: torch.nn.Module, mb: MicroBatch, *, temperature: float, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each sequence's logprobs of its targets at the sampling `temperature` ([N, W - 1]), and the
+    logits of what the model ran (the packed row, or the padded sequences)."""
+    logits = model(**mb.model_inputs(dtype), use_cache=False).logits[:, :-1] / temperature
+    return mb.unpack(token_logprobs(logits, mb.row_targets)), logits
 
 
 def pack_row(items: Sequence[SequenceItem], width: int) -> PackedRow:

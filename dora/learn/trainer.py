@@ -43,6 +43,7 @@ from dora.learn.batching import (
     PreparedGroup,
     SequenceItem,
     collate,
+    forward_logprobs,
     packing_refusal,
     plan_micro_batches,
     prepare_group,
@@ -57,7 +58,7 @@ from dora.learn.checkpoint import (
     start_incarnation,
 )
 from dora.learn.lora import adapter_tensors, apply_lora, enabled, resume_lora
-from dora.learn.loss import LossSettings, policy_loss, token_entropy, token_logprobs
+from dora.learn.loss import LossSettings, policy_loss, token_entropy
 from dora.learn.metrics import SUMS, step_metrics
 from dora.learn.parallel import make_parallel, refuse_accelerate_plugins
 from dora.learn.publish import inline_chunks, publish_filesystem
@@ -329,9 +330,9 @@ class Trainer:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Each sequence's logprobs of its targets, at the sampling temperature (docs/engine.md),
         and the logits of what the model ran (a packed row, or the padded sequences)."""
-        logits = model(**mb.model_inputs(self.dtype), use_cache=False).logits[:, :-1]
-        logits = logits / self.config.rollout.temperature
-        return mb.unpack(token_logprobs(logits, mb.row_targets)), logits
+        return forward_logprobs(
+            model, mb, temperature=self.config.rollout.temperature, dtype=self.dtype
+        )
 
     def _collate(self, items: list[SequenceItem]) -> MicroBatch:
         packed = self.cfg.shared_prefix

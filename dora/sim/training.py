@@ -5,7 +5,7 @@ fits the simulator's training cost on, and what `dora bench trainer` times with 
 A group here is `G` sequences of one prompt: the same random prompt tokens, then random answers
 of the given lengths, loss on the answers only, exactly as the trainer receives a group from
 serve. Each micro-batch runs the trainer's code: `plan_micro_batches`, `collate`, the model's
-forward on what `MicroBatch.model_inputs` gives, the policy loss on the unpacked logprobs,
+forward (`forward_logprobs`), the policy loss on the unpacked logprobs,
 backward; then one clipped AdamW step.
 """
 
@@ -18,7 +18,13 @@ from typing import Any
 import numpy as np
 
 from dora.config import DoraConfig
-from dora.learn.batching import SequenceItem, collate, plan_micro_batches, shared_prefix
+from dora.learn.batching import (
+    SequenceItem,
+    collate,
+    forward_logprobs,
+    plan_micro_batches,
+    shared_prefix,
+)
 
 __all__ = ["TrainStep", "synthetic_group", "train_step"]
 
@@ -66,7 +72,7 @@ def train_step(
     """One step of the trainer on `groups`, packed (`learn.shared_prefix`) or padded."""
     import torch
 
-    from dora.learn.loss import LossSettings, policy_loss, token_entropy, token_logprobs
+    from dora.learn.loss import LossSettings, policy_loss, token_entropy
 
     settings = LossSettings.from_config(config.learn)
     done = TrainStep()
@@ -79,10 +85,9 @@ def train_step(
         )
         for indices in plan[0]:
             mb = collate([items[i] for i in indices], pad_id=0, packed=packed)
-            inputs = mb.model_inputs(torch.float32)
-            logits = model(**inputs, use_cache=False).logits[:, :-1]
-            logits = logits / config.rollout.temperature
-            logprobs = mb.unpack(token_logprobs(logits, mb.row_targets))
+            logprobs, logits = forward_logprobs(
+                model, mb, temperature=config.rollout.temperature, dtype=torch.float32
+            )
             terms = policy_loss(
                 logprobs=logprobs,
                 behaviour_logprobs=mb.behaviour,
@@ -95,7 +100,7 @@ def train_step(
             active = (mb.weights > 0).float()
             float((mb.unpack(token_entropy(logits)) * active).sum())
             done.trained += int(active.sum())
-            done.run += int(inputs["input_ids"].numel())
+            done.run += int(logits.shape[0] * (logits.shape[1] + 1))
     torch.nn.utils.clip_grad_norm_(model.parameters(), config.learn.grad_clip)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)

@@ -14,12 +14,13 @@ from tiny_lm import small_lm
 from dora.learn.batching import (
     SequenceItem,
     collate,
+    forward_logprobs,
     pack,
     packing_refusal,
     plan_micro_batches,
     shared_prefix,
 )
-from dora.learn.loss import LossSettings, policy_loss, token_logprobs
+from dora.learn.loss import LossSettings, policy_loss
 
 VOCAB = 24
 
@@ -45,8 +46,7 @@ def _model(attention: str, arch: str = "llama") -> torch.nn.Module:
 
 def _loss(model: torch.nn.Module, items: list[SequenceItem], *, packed: bool) -> torch.Tensor:
     mb = collate(items, pad_id=0, packed=packed)
-    logits = model(**mb.model_inputs(torch.float32), use_cache=False).logits[:, :-1]
-    logprobs = mb.unpack(token_logprobs(logits, mb.row_targets))
+    logprobs = forward_logprobs(model, mb, temperature=1.0, dtype=torch.float32)[0]
     return policy_loss(
         logprobs=logprobs,
         behaviour_logprobs=mb.behaviour,
@@ -59,8 +59,7 @@ def _loss(model: torch.nn.Module, items: list[SequenceItem], *, packed: bool) ->
 def _logprobs(model: torch.nn.Module, items: list[SequenceItem], *, packed: bool) -> torch.Tensor:
     mb = collate(items, pad_id=0, packed=packed)
     with torch.no_grad():
-        logits = model(**mb.model_inputs(torch.float32), use_cache=False).logits[:, :-1]
-    return mb.unpack(token_logprobs(logits, mb.row_targets))
+        return forward_logprobs(model, mb, temperature=1.0, dtype=torch.float32)[0]
 
 
 GROUP = [  # a 9-token prompt; two answers start alike, one is a single token
