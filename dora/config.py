@@ -269,6 +269,14 @@ class LearnConfig(_Section):
             "row under a 4D attention mask (eager or SDPA attention); false: one padded row each"
         ),
     ] = True
+    shared_prefix_tokens: Annotated[
+        int,
+        M(
+            ge=16,
+            description="Longest packed row: a group that needs more such rows than padded "
+            "micro-batches trains padded (a row's masked attention grows with its square)",
+        ),
+    ] = 1024
     recv_timeout_s: Annotated[
         float, M(gt=0, description="Deadline for dora serve's next message to the trainer")
     ] = 600.0

@@ -199,10 +199,29 @@ def split_over_ranks(lengths: Sequence[int], world: int) -> list[list[int]]:
 
 
 def plan_micro_batches(
-    lengths: Sequence[int], *, world: int, budget: int, shared: int | None = None
+    lengths: Sequence[int],
+    *,
+    world: int,
+    budget: int,
+    shared: int | None = None,
+    row_cap: int | None = None,
 ) -> list[list[list[int]]]:
-    """plan[rank] = that rank's micro-batches (indices into `lengths`), packed as `pack` does with
-    `shared`; every rank gets the same number, the missing ones empty (zero-weight padding)."""
+    """plan[rank] = that rank's micro-batches (indices into `lengths`); every rank gets the same
+    number, the missing ones empty (zero-weight padding).
+
+    Padded bins within `budget`; with `shared` (the group's `shared_prefix`), packed rows of at
+    most `min(budget, row_cap)` tokens instead, where that takes no more micro-batches than
+    padding does (a group whose answers are too long to share rows trains padded, `packs`)."""
+    padded = _plan(lengths, world, budget, None)
+    if shared is None:
+        return padded
+    packed = _plan(lengths, world, min(budget, row_cap or budget), shared)
+    return packed if len(packed[0]) <= len(padded[0]) else padded
+
+
+def _plan(
+    lengths: Sequence[int], world: int, budget: int, shared: int | None
+) -> list[list[list[int]]]:
     plan: list[list[list[int]]] = []
     for share in split_over_ranks(lengths, world):
         bins = pack([lengths[i] for i in share], budget, shared=shared)
@@ -211,6 +230,17 @@ def plan_micro_batches(
     for p in plan:
         p.extend([] for _ in range(count - len(p)))
     return plan
+
+
+def packs(items: Sequence[SequenceItem], row_cap: int | None) -> bool:
+    """Whether `collate` packs these items: two or more, in one row of at most `row_cap` tokens
+    (None: never). The packed row's attention runs over the whole row under its mask, so its
+    cost grows with the square of the row's length, while what the shared prompt saves grows
+    with the number of sequences: past a short row the padded rows are cheaper."""
+    if row_cap is None or len(items) < 2:
+        return False
+    s = shared_prefix(items)
+    return s + sum(item.length - s for item in items) <= row_cap
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -80,10 +80,24 @@ def _launch(config: DoraConfig, args: argparse.Namespace, run_dir: Path) -> int:
     ).returncode
 
 
+def check_ranks_fit(config: DoraConfig, gpus: int) -> None:
+    """On a machine with `gpus` GPUs every rank takes one of its own (NCCL refuses two ranks on
+    one GPU, after its timeout); the emulated trainer computes nothing on them."""
+    n = config.learn.processes
+    if gpus and n > gpus and not config.emulate.trainer:
+        raise ConfigError(
+            f"learn.processes = {n} ranks, but this machine has {gpus} GPU(s) and each rank takes "
+            f"one: set learn.processes to {gpus} or fewer"
+        )
+
+
 def main(args: argparse.Namespace) -> int:
     """Run the trainer (or launch its ranks); 0 when it trained its steps or serve shut it down."""
+    import torch
+
     config = load_config(args.config, args.overrides)
     run_dir = resolve_run_dir(config, resume=args.resume)
+    check_ranks_fit(config, torch.cuda.device_count())
     if config.learn.processes > 1 and not _in_distributed_env():
         return _launch(config, args, run_dir)
     if _in_distributed_env():

@@ -45,6 +45,7 @@ from dora.learn.batching import (
     collate,
     forward_logprobs,
     packing_refusal,
+    packs,
     plan_micro_batches,
     prepare_group,
     shared_prefix,
@@ -294,6 +295,7 @@ class Trainer:
             world=self.world,
             budget=self.cfg.micro_batch_tokens,
             shared=shared_prefix(prepared.items) if self.cfg.shared_prefix else None,
+            row_cap=self.cfg.shared_prefix_tokens,
         )
         return u, prepared, plan
 
@@ -335,8 +337,9 @@ class Trainer:
         )
 
     def _collate(self, items: list[SequenceItem]) -> MicroBatch:
-        packed = self.cfg.shared_prefix
-        return collate(items, pad_id=self.pad_id, packed=packed).to(self.accelerator.device)
+        cap = self.cfg.shared_prefix_tokens if self.cfg.shared_prefix else None
+        mb = collate(items, pad_id=self.pad_id, packed=packs(items, cap))
+        return mb.to(self.accelerator.device)
 
     def _backward(self, items: list[SequenceItem], update: _Update, *, sync: bool) -> None:
         mb = self._collate(items)

@@ -19,14 +19,17 @@ import numpy as np
 
 from dora.config import DoraConfig
 from dora.learn.batching import (
+    MicroBatch,
     SequenceItem,
     collate,
     forward_logprobs,
+    packs,
     plan_micro_batches,
     shared_prefix,
 )
+from dora.learn.loss import LossSettings
 
-__all__ = ["TrainStep", "synthetic_group", "train_step"]
+__all__ = ["TrainStep", "micro_batch_backward", "synthetic_group", "train_step"]
 
 
 def synthetic_group(
@@ -61,6 +64,34 @@ class TrainStep:
     run: int = 0
 
 
+def micro_batch_backward(
+    model: Any,
+    items: Sequence[SequenceItem],
+    *,
+    packed: bool,
+    settings: LossSettings,
+    dtype: Any,
+    temperature: float = 1.0,
+) -> tuple[MicroBatch, Any, Any, float]:
+    """The trainer's forward, policy loss and backward of one micro-batch of `items` (a packed
+    row or padded rows) on the model's device: the micro-batch, its per-sequence logprobs, the
+    logits of what the model ran, and the (unnormalised) loss."""
+    from dora.learn.loss import policy_loss
+
+    mb = collate(items, pad_id=0, packed=packed).to(next(model.parameters()).device)
+    logprobs, logits = forward_logprobs(model, mb, temperature=temperature, dtype=dtype)
+    terms = policy_loss(
+        logprobs=logprobs,
+        behaviour_logprobs=mb.behaviour,
+        proximal_logprobs=logprobs.detach(),
+        advantages=mb.advantages,
+        weights=mb.weights,
+        settings=settings,
+    )
+    terms.loss_sum.backward()
+    return mb, logprobs, logits, float(terms.loss_sum.detach())
+
+
 def train_step(
     model: Any,
     optimizer: Any,
@@ -69,10 +100,11 @@ def train_step(
     config: DoraConfig,
     packed: bool,
 ) -> TrainStep:
-    """One step of the trainer on `groups`, packed (`learn.shared_prefix`) or padded."""
+    """One step of the trainer on `groups`, packed as `learn.shared_prefix` and
+    `learn.shared_prefix_tokens` say, or padded."""
     import torch
 
-    from dora.learn.loss import LossSettings, policy_loss, token_entropy
+    from dora.learn.loss import LossSettings, token_entropy
 
     settings = LossSettings.from_config(config.learn)
     done = TrainStep()
@@ -82,21 +114,19 @@ def train_step(
             world=1,
             budget=config.learn.micro_batch_tokens,
             shared=shared_prefix(items) if packed else None,
+            row_cap=config.learn.shared_prefix_tokens,
         )
+        cap = config.learn.shared_prefix_tokens if packed else None
         for indices in plan[0]:
-            mb = collate([items[i] for i in indices], pad_id=0, packed=packed)
-            logprobs, logits = forward_logprobs(
-                model, mb, temperature=config.rollout.temperature, dtype=torch.float32
-            )
-            terms = policy_loss(
-                logprobs=logprobs,
-                behaviour_logprobs=mb.behaviour,
-                proximal_logprobs=logprobs.detach(),
-                advantages=mb.advantages,
-                weights=mb.weights,
+            batch = [items[i] for i in indices]
+            mb, _, logits, _ = micro_batch_backward(
+                model,
+                batch,
+                packed=packs(batch, cap),
                 settings=settings,
+                dtype=torch.float32,
+                temperature=config.rollout.temperature,
             )
-            terms.loss_sum.backward()
             active = (mb.weights > 0).float()
             float((mb.unpack(token_entropy(logits)) * active).sum())
             done.trained += int(active.sum())
