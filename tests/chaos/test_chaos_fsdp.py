@@ -42,6 +42,7 @@ STEPS, B, G, K, EVERY = 8, 2, 4, 2, 3
 SEED = 7
 
 
+@pytest.mark.two_ranks
 def test_chaos_with_the_fsdp_trainer(tmp_path: Path) -> None:
     rng = random.Random(SEED)
     run_dir = tmp_path / "run"

@@ -36,6 +36,7 @@ def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp("tiny") / "m", TinyModelSpec(seed=1))
 
 
+@pytest.mark.two_ranks
 async def test_fsdp_on_two_ranks_matches_one_process(tmp_path: Path, tiny_dir: Path) -> None:
     one = await run_fixed(tmp_path / "one", tiny_dir, processes=1)
     fsdp = await run_fixed(tmp_path / "fsdp", tiny_dir, processes=2, strategy="fsdp")
@@ -114,6 +115,7 @@ def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     return max(float((a[k].double() - b[k].double()).abs().max()) for k in a)
 
 
+@pytest.mark.two_ranks
 async def test_fsdp_resumed_after_a_kill_ends_like_an_uninterrupted_run(
     tmp_path: Path, tiny_dir: Path
 ) -> None:

@@ -290,6 +290,7 @@ async def run_fixed(
 
 
 @pytest.mark.slow
+@pytest.mark.two_ranks
 async def test_two_gloo_ranks_match_one_process(tmp_path: Path, tiny_dir: Path) -> None:
     one = await run_fixed(tmp_path / "one", tiny_dir, processes=1)
     two = await run_fixed(tmp_path / "two", tiny_dir, processes=2)
@@ -301,6 +302,7 @@ async def test_two_gloo_ranks_match_one_process(tmp_path: Path, tiny_dir: Path) 
 
 
 @pytest.mark.slow
+@pytest.mark.two_ranks
 async def test_rank_zero_timeout_stops_every_rank(tmp_path: Path, tiny_dir: Path) -> None:
     """Serve goes quiet: rank 0's deadline expires and rank 1 stops too, well before any
     collective timeout (which is learn.recv_timeout_s + 300 s)."""

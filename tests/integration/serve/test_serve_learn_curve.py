@@ -42,6 +42,7 @@ def _shared(model: Path) -> list[str]:
     ]
 
 
+@pytest.mark.two_ranks
 async def test_two_rank_trainer_over_the_curve_link(tmp_path: Path, long_tail_model: Path) -> None:
     keys = tmp_path / "keys"
     keys.mkdir()
