@@ -27,7 +27,7 @@ from dora.learn.batching import (
     plan_micro_batches,
     shared_prefix,
 )
-from dora.learn.loss import LossSettings
+from dora.learn.loss import LossSettings, policy_loss, token_entropy
 
 __all__ = ["TrainStep", "micro_batch_backward", "synthetic_group", "train_step"]
 
@@ -76,8 +76,6 @@ def micro_batch_backward(
     """The trainer's forward, policy loss and backward of one micro-batch of `items` (a packed
     row or padded rows) on the model's device: the micro-batch, its per-sequence logprobs, the
     logits of what the model ran, and the (unnormalised) loss."""
-    from dora.learn.loss import policy_loss
-
     mb = collate(items, pad_id=0, packed=packed).to(next(model.parameters()).device)
     logprobs, logits = forward_logprobs(model, mb, temperature=temperature, dtype=dtype)
     terms = policy_loss(
@@ -103,8 +101,6 @@ def train_step(
     """One step of the trainer on `groups`, packed as `learn.shared_prefix` and
     `learn.shared_prefix_tokens` say, or padded."""
     import torch
-
-    from dora.learn.loss import LossSettings, token_entropy
 
     settings = LossSettings.from_config(config.learn)
     done = TrainStep()
