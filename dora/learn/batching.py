@@ -13,10 +13,13 @@ Invariants:
   every sequence of the group shares (its prompt, `shared_prefix`) once, then each sequence's
   own tokens, under a 4D attention mask that lets a sequence see the prefix and itself only, with
   its own positions. The model computes exactly what it computes on each sequence alone; the
-  prompt runs once for the group instead of once per sample. The budget `micro_batch_tokens` bounds
-  the row's length. Without it, micro-batches are one sequence per row, padded to the longest, and
-  the budget bounds `rows * longest`. Either way a single sequence longer than the budget gets a
-  micro-batch of its own, and the loss sees per-sequence tensors (`MicroBatch.unpack`).
+  prompt runs once for the group instead of once per sample. A packed row is at most
+  `shared_prefix_tokens` long (its masked attention grows with the square of its length), and a
+  group that would need more packed rows than padded micro-batches trains padded. Without it,
+  micro-batches are one sequence per row, padded to the longest, and the budget
+  `micro_batch_tokens` bounds `rows * longest`. Either way a single sequence longer than the
+  budget gets a micro-batch of its own, and the loss sees per-sequence tensors
+  (`MicroBatch.unpack`).
 - Masked samples (failed episodes) and samples without sampled tokens stay in the group's metrics
   but produce no sequence: they contribute no gradient and nothing to `Z`.
 """
