@@ -166,7 +166,6 @@ def _count(run_dir: Path, kind: str) -> int:
     [
         pytest.param(1, FAULTS, id="seed1-kills"),
         pytest.param(2, FAULTS, id="seed2-kills"),
-        pytest.param(3, FAULTS, id="seed3-kills"),
         pytest.param(4, ("stall",), id="seed4-stall"),
     ],
 )
