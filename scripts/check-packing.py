@@ -30,6 +30,7 @@ from dora.learn.batching import (
     shared_prefix,
 )
 from dora.learn.loss import LossSettings
+from dora.models.tiny import TinyModelSpec
 from dora.sim.training import micro_batch_backward, synthetic_group
 
 SMOLLM2_135M = dict(
@@ -43,12 +44,13 @@ SMOLLM2_135M = dict(
     rope_theta=100000.0,
     tie_word_embeddings=True,
 )
+_SPEC = TinyModelSpec()  # the tiny benchmark model's shape, its defaults
 TINY = dict(
-    hidden_size=128,
-    intermediate_size=512,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=4,
+    hidden_size=_SPEC.hidden_size,
+    intermediate_size=_SPEC.intermediate_size,
+    num_hidden_layers=_SPEC.num_layers,
+    num_attention_heads=_SPEC.num_heads,
+    num_key_value_heads=_SPEC.num_heads,
     vocab_size=128,
     max_position_embeddings=16384,
 )
