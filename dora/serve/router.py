@@ -279,10 +279,10 @@ class Router:
         """One call on the lease's instance: a generate, or the import of an exported request
         (continues without re-prefill; its completion holds the exported tokens too). Returns
         (completion, the export if the router interrupted it with KV, interrupted?)."""
-        await lease.placed.wait()
-        if lease.failed is not None:
-            raise RequestError(f"episode {lease.id} can run on no instance: {lease.failed}")
-        assert lease.instance is not None
+        while lease.instance is None:  # parked; a resume may be followed by another park
+            await lease.placed.wait()  # before this task runs again, so look once more
+            if lease.failed is not None:
+                raise RequestError(f"episode {lease.id} can run on no instance: {lease.failed}")
         inst = self.instances[lease.instance]
         lease.calls += 1
         call_id = f"{lease.id}#{lease.calls}"

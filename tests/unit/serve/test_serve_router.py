@@ -195,8 +195,8 @@ async def test_a_plan_moving_many_requests_interrupts_a_few_at_a_time() -> None:
     assert all(d.finish_reason == "stop" for d in done) and len(b.imports) == len(leases)
 
 
-async def test_park_then_resume_on_a_newer_version_records_token_versions() -> None:
-    a, b = FakeInstance("a", 0), FakeInstance("b", 1, first=0, rest=2)
+async def _parked(a: FakeInstance, b: FakeInstance) -> tuple[Router, asyncio.Future[Completion]]:
+    """A call of lease g0/0 that started on `a` and was parked (`b` answers at once)."""
     b.release.set()
     router = _router(False, a=a, b=b)
     router.open("g0/0", version=0, instance="a")
@@ -206,10 +206,31 @@ async def test_park_then_resume_on_a_newer_version_records_token_versions() -> N
     await router.interrupt("g0/0", export=False)
     await asyncio.sleep(0.01)
     assert not call.done(), "a parked request waits for its resume"
+    return router, call
+
+
+async def test_park_then_resume_on_a_newer_version_records_token_versions() -> None:
+    router, call = await _parked(FakeInstance("a", 0), FakeInstance("b", 1, first=0, rest=2))
     router.resume("g0/0", "b", 1)
     done = await call
     assert list(done.versions) == [0, 0, 0, 1, 1]
     assert router.leases["g0/0"].version == 1
+
+
+async def test_a_lease_parked_again_before_its_call_wakes_waits_for_the_next_resume() -> None:
+    """Partial mode: a resume wakes the parked call, and a newer version parks the lease again
+    before that call has run (both in one pass of the loop). The call waits for the resume that
+    follows, on the instance it names, instead of finding no instance."""
+    a, b = FakeInstance("a", 0), FakeInstance("b", 2, first=0, rest=2)
+    router, call = await _parked(a, b)
+    router.resume("g0/0", "a", 0)
+    assert not router.park("g0/0"), "no call in flight to interrupt"
+    await asyncio.sleep(0.01)
+    assert not call.done(), "parked again: it waits"
+    router.resume("g0/0", "b", 2)
+    done = await call
+    assert list(done.versions) == [0, 0, 0, 2, 2]
+    assert len(a.calls) == 1 and len(b.calls) == 1
 
 
 async def test_interrupt_that_misses_does_not_hang() -> None:
