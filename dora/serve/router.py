@@ -238,7 +238,9 @@ class Router:
 
     async def wait_idle(self, instance_id: str) -> None:
         """Until no call is in flight on the instance (before loading other weights)."""
-        await self.instances[instance_id].idle.wait()
+        inst = self.instances[instance_id]
+        while inst.inflight:  # a call may begin between the last one's end and this task's turn
+            await inst.idle.wait()
 
     def _begin(self, inst: InstanceState, version: int) -> None:
         if inst.inflight == 0:

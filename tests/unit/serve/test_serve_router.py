@@ -274,6 +274,22 @@ async def test_wait_idle_and_versions_serving() -> None:
     assert router.instances["a"].busy_s > 0 and router.instances["a"].tokens == 5
 
 
+async def test_wait_idle_does_not_return_when_a_call_began_before_it_woke() -> None:
+    """The last call ends (the instance is idle) and another begins in the same pass of the
+    loop, before the waiter runs: the instance is busy again, so the waiter goes on waiting."""
+    router = _router(False, a=FakeInstance("a", 0))
+    inst = router.instances["a"]
+    router._begin(inst, 0)
+    idle = asyncio.ensure_future(router.wait_idle("a"))
+    await asyncio.sleep(0.01)
+    router._end(inst, 0, 0)
+    router._begin(inst, 0)
+    await asyncio.sleep(0.01)
+    assert not idle.done(), "a call is in flight"
+    router._end(inst, 0, 0)
+    await asyncio.wait_for(idle, 1)
+
+
 class AdapterInstance(FakeInstance):
     """Holds several versions (LoRA adapters): a call is pinned to any of them."""
 
