@@ -26,7 +26,8 @@ every core were busy at the best CPU cost per trained token measured in this ben
 CPU-seconds per token of any run of any mode): `cores / best CPU-s per token`; each mode's
 tokens/s is printed as a share of it. With `--repeats N` (round robin), the table shows each
 mode's median run, then every run's tokens/s and dora's ratio over each baseline within each
-round (dora.bench.rounds). The last line is `dora/sync throughput ratio: X.XX`, the medians'.
+round, and dora's share of each round's own bound (dora.bench.rounds). The last line is
+`dora/sync throughput ratio: X.XX`, the medians'.
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from dora.bench.proc import TrainedCounter, cpu_model, own_cpu_s, tree_cpu_s
-from dora.bench.rounds import round_ratio_lines
+from dora.bench.rounds import round_bound_line, round_bound_shares, round_ratio_lines
 from dora.launch import free_port, sigterm_interrupts, start_side, stop_all
 from dora.placement import KINDS, Kind, Placement, place
 from dora.report import RunData, load_run
@@ -562,6 +563,9 @@ def main(argv: list[str] | None = None) -> int:
     print()
     for line in bound_lines(results, bound):
         print(line)
+    if args.repeats > 1:
+        for line in round_bound_line(runs, len(cores)):
+            print(line)
     picture = plot_modes(results, out / "modes.png")
     print(f"\ntimelines of these runs, side by side: {picture}")
     ratios = ratio_lines(results)
@@ -580,6 +584,7 @@ def main(argv: list[str] | None = None) -> int:
                 "runs": {name: [asdict(r) for r in rs] for name, rs in runs.items()},
                 "ratios": ratios,
                 "bound_tokens_per_s": bound[0] if bound else None,
+                "dora_round_bound_shares": round_bound_shares(runs, len(cores)),
             },
             indent=2,
         )
