@@ -266,7 +266,7 @@ class LearnConfig(_Section):
         bool,
         M(
             description="Run a group's prompt once per micro-batch: its sequences packed in one "
-            "row under a 4D attention mask (eager or SDPA attention); false: one padded row each"
+            "row (SDPA attention by segments, eager under a 4D mask); false: one padded row each"
         ),
     ] = True
     shared_prefix_tokens: Annotated[

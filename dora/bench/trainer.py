@@ -1,15 +1,19 @@
 """`dora bench trainer`: the trainer's compute per trained token, a group's prompt once per
-micro-batch (`learn.shared_prefix`, the default) against one padded row per sequence.
+micro-batch (`learn.shared_prefix`, the default) against one padded row per sequence, and a packed
+row attended by segments (the trainer's default with SDPA attention) against the same row under
+its dense mask.
 
 The model is the config's (prepared as `dora learn` prepares it); each group is one of the
 config's task prompts, as serve renders them, with `G` answers whose lengths are those of groups
 sampled on this workload (the stored lengths of `python -m dora.sim.cpu`, or `--lengths`) and
 whose tokens are random (the compute does not depend on them). Each round runs `--steps` trainer
-steps of `B` groups padded, then packed (the order alternates between rounds), on the same groups,
-in one process with the same torch thread count, and prints CPU-milliseconds per trained token,
-tokens the model ran per trained token, and the padded/packed ratio within the round.
+steps of `B` groups padded, packed under the mask and packed by segments (the order reverses
+between rounds), on the same groups, in one process with the same torch thread count, and prints
+CPU-milliseconds per trained token, tokens the model ran per trained token, and the round's
+ratios. A model whose attention is not SDPA has no segments: its packed rows run under the mask.
 
-The last line is `padded/packed CPU per trained token: X.XX` (the median of the rounds).
+The last two lines are `mask/segments CPU per trained token: X.XX` and `padded/packed CPU per
+trained token: X.XX` (medians of the rounds; packed is the trainer's own way).
 """
 
 from __future__ import annotations
@@ -28,6 +32,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from dora.config import load_config
+    from dora.learn.segment_attention import NAME as SEGMENT_ATTENTION
+    from dora.learn.segment_attention import use_segment_attention
     from dora.models.prepare import prepare_model
     from dora.sim.cpu import BENCH_LENGTHS, task_prompts
     from dora.sim.training import synthetic_group, train_step
@@ -47,6 +53,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     path = prepare_model(config)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).train()
+    segments = use_segment_attention(model)  # as the trainer's: padded rows are plain sdpa
     prompts = task_prompts(config, AutoTokenizer.from_pretrained(path))
     cap, g = config.rollout.max_tokens, config.rollout.group_size
     lines = read_lengths(str(args.lengths))
@@ -73,11 +80,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"{config.model.path}: {args.steps} steps of {b} groups x {config.rollout.group_size}, "
         f"learn.micro_batch_tokens {config.learn.micro_batch_tokens}, {args.threads} thread(s)"
     )
-    print(f"{'round':>5} {'rows':>7} {'CPU-ms/trained':>15} {'run/trained':>12} {'s/step':>7}")
-    ratios = []
+    print(f"{'round':>5} {'rows':>17} {'CPU-ms/trained':>15} {'run/trained':>12} {'s/step':>7}")
+    variants = [("padded", False, None), ("packed", True, SEGMENT_ATTENTION if segments else None)]
+    if segments:
+        variants.insert(1, ("packed under mask", True, "sdpa"))
+    ratios: dict[str, list[float]] = {"padded/packed": [], "mask/segments": []}
     for r in range(args.rounds):
-        cost: dict[bool, float] = {}
-        for packed in (False, True) if r % 2 == 0 else (True, False):
+        cost: dict[str, float] = {}
+        for name, packed, attention in variants if r % 2 == 0 else variants[::-1]:
+            if attention is not None:
+                model.set_attn_implementation(attention)
             cpu, wall = time.process_time(), time.perf_counter()
             trained = run = 0
             for groups in steps:
@@ -85,14 +97,21 @@ def main(argv: Sequence[str] | None = None) -> int:
                 trained += done.trained
                 run += done.run
             cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
-            cost[packed] = 1e3 * cpu / trained
+            cost[name] = 1e3 * cpu / trained
             print(
-                f"{r:>5} {'packed' if packed else 'padded':>7} {cost[packed]:>15.3f} "
-                f"{run / trained:>12.2f} {wall / len(steps):>7.3f}"
+                f"{r:>5} {name:>17} {cost[name]:>15.3f} {run / trained:>12.2f} "
+                f"{wall / len(steps):>7.3f}"
             )
-        ratios.append(cost[False] / cost[True])
-        print(f"round {r}: padded/packed {ratios[-1]:.2f}")
-    print(f"padded/packed CPU per trained token: {statistics.median(ratios):.2f}")
+        ratios["padded/packed"].append(cost["padded"] / cost["packed"])
+        line = f"round {r}: padded/packed {ratios['padded/packed'][-1]:.2f}"
+        if segments:
+            ratios["mask/segments"].append(cost["packed under mask"] / cost["packed"])
+            line += f", mask/segments {ratios['mask/segments'][-1]:.2f}"
+        print(line)
+    if segments:
+        median = statistics.median(ratios["mask/segments"])
+        print(f"mask/segments CPU per trained token: {median:.2f}")
+    print(f"padded/packed CPU per trained token: {statistics.median(ratios['padded/packed']):.2f}")
     return 0
 
 

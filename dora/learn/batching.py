@@ -35,6 +35,8 @@ import numpy.typing as npt
 import torch
 
 from dora.learn.loss import LossKind, group_advantages, token_logprobs
+from dora.learn.segment_attention import KWARG as SEGMENTS_KWARG
+from dora.learn.segment_attention import NAME as SEGMENT_ATTENTION
 from dora.protocol import Group
 
 Aggregation = Literal["token", "sequence"]
@@ -152,7 +154,7 @@ def packing_refusal(model_config: Any, longest: int) -> str | None:
     within each sequence: attention that ignores 4D masks, layers that are not plain attention,
     and sliding windows shorter than a sequence are out."""
     attention = getattr(model_config, "_attn_implementation", None) or "eager"
-    if attention not in ("eager", "sdpa"):
+    if attention not in ("eager", "sdpa", SEGMENT_ATTENTION):
         return f"{attention!r} attention ignores a 4D attention mask"
     kinds = set(getattr(model_config, "layer_types", None) or ["full_attention"])
     if kinds - {"full_attention", "sliding_attention"}:
@@ -255,6 +257,7 @@ class PackedRow:
     position_ids: torch.Tensor  # [1, L]: each sequence's own positions
     attention: torch.Tensor  # [1, 1, L, L] bool: True where a query may attend to a key
     index: torch.Tensor  # [N, W - 1]: where each sequence's target sits in the row's L - 1; -1 none
+    bounds: tuple[int, ...]  # where the prefix ends, then where each sequence's part ends (L)
 
     def to(self, device: torch.device) -> PackedRow:
         return PackedRow(
@@ -262,6 +265,7 @@ class PackedRow:
             position_ids=self.position_ids.to(device),
             attention=self.attention.to(device),
             index=self.index.to(device),
+            bounds=self.bounds,
         )
 
 
@@ -287,9 +291,11 @@ class MicroBatch:
         rows = self.input_ids if self.packed is None else self.packed.input_ids
         return rows[:, 1:]
 
-    def model_inputs(self, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-        """Keyword arguments of the model's forward; a packed row's mask is additive, in `dtype`
-        (what both the eager and the SDPA attention of Hugging Face models take)."""
+    def model_inputs(self, dtype: torch.dtype) -> dict[str, Any]:
+        """Keyword arguments of the model's forward. A packed row's mask is additive, in `dtype`
+        (what both the eager and the SDPA attention of Hugging Face models take), and its
+        segment bounds go along for a model that attends by segments
+        (`dora.learn.segment_attention`; other attention functions ignore them)."""
         if self.packed is None:
             return {"input_ids": self.input_ids}
         allowed = self.packed.attention
@@ -299,6 +305,7 @@ class MicroBatch:
             "input_ids": self.packed.input_ids,
             "position_ids": self.packed.position_ids,
             "attention_mask": mask,
+            SEGMENTS_KWARG: self.packed.bounds,
         }
 
     def unpack(self, per_row: torch.Tensor) -> torch.Tensor:
@@ -343,6 +350,7 @@ def pack_row(items: Sequence[SequenceItem], width: int) -> PackedRow:
     causal = np.tril(np.ones((len(row), len(row)), dtype=bool))
     attention = causal & ((owner[None, :] < 0) | (owner[None, :] == owner[:, None]))
     index = np.full((len(items), width - 1), -1, dtype=np.int64)
+    bounds = tuple(int(b) for b in np.cumsum([s] + [item.length - s for item in items]))
     start = s
     for k, item in enumerate(items):
         t = np.arange(item.length - 1)
@@ -356,6 +364,7 @@ def pack_row(items: Sequence[SequenceItem], width: int) -> PackedRow:
         position_ids=torch.from_numpy(positions.astype(np.int64))[None],
         attention=torch.from_numpy(attention)[None, None],
         index=torch.from_numpy(index),
+        bounds=bounds,
     )
 
 

@@ -64,6 +64,7 @@ from dora.learn.metrics import SUMS, step_metrics
 from dora.learn.parallel import make_parallel, refuse_accelerate_plugins
 from dora.learn.publish import inline_chunks, publish_filesystem
 from dora.learn.receiver import Receiver
+from dora.learn.segment_attention import use_segment_attention
 from dora.protocol import (
     Assigned,
     Durable,
@@ -134,7 +135,7 @@ class Trainer:
 
     def _load(self, config: DoraConfig, run_dir: Path, *, resume: bool) -> None:
         """Incarnation, start step, `Hello`, then the model and optimizer (from the checkpoint)."""
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoTokenizer
 
         from dora.models.prepare import prepare_model
 
@@ -161,13 +162,13 @@ class Trainer:
         self.init_path = str(init_path)
         model: torch.nn.Module
         if enabled(lora):  # the base is always the initial model; a checkpoint holds the adapter
-            model = AutoModelForCausalLM.from_pretrained(init_path, dtype=dtype)
+            model = self._pretrained(init_path)
             if checkpoint is not None:
                 model = resume_lora(model, checkpoint.model_dir, lora)
             else:
                 model = apply_lora(model, lora)
         else:
-            model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
+            model = self._pretrained(model_path)
         self.lora = enabled(lora)
         refusal = packing_refusal(model.config, config.model.max_model_len)
         if self.cfg.shared_prefix and refusal is not None:
@@ -179,7 +180,7 @@ class Trainer:
         self.pad_id = int(self.tokenizer.pad_token_id or 0)
         self.ref: torch.nn.Module | None = None
         if self.cfg.kl_coef > 0:  # KL to the initial policy, also after a resume
-            self.ref = AutoModelForCausalLM.from_pretrained(init_path, dtype=dtype).eval()
+            self.ref = self._pretrained(init_path).eval()
             self.ref.requires_grad_(False)
             self.ref.to(self.accelerator.device)
         self.model, self.optimizer, self.raw = self.parallel.prepare(
@@ -191,6 +192,16 @@ class Trainer:
             ),
             checkpoint.path if checkpoint else None,
         )
+
+    def _pretrained(self, path: str | Path) -> torch.nn.Module:
+        """A model from `path`; with `learn.shared_prefix`, attending by segments in packed rows
+        (`dora.learn.segment_attention`) where its attention is `sdpa`."""
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=self.dtype)
+        if self.cfg.shared_prefix:
+            use_segment_attention(model)
+        return model
 
     # --- the loop ---------------------------------------------------------------------------
 

@@ -320,10 +320,12 @@ def _time_training(
     import torch
     from transformers import AutoModelForCausalLM
 
+    from dora.learn.segment_attention import use_segment_attention
     from dora.sim.training import synthetic_group, train_step
 
     torch.set_num_threads(threads)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).train()
+    use_segment_attention(model)  # as the trainer's: padded rows are plain sdpa, packed ones not
     vocab = int(model.get_output_embeddings().weight.shape[0])
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.learn.lr)
     rng = np.random.default_rng(0)

@@ -141,7 +141,12 @@ def test_dora_bench_trainer_runs_fewer_tokens_packed(tmp_path: Path) -> None:
     assert re.fullmatch(r"padded/packed CPU per trained token: \d+\.\d\d", last), done.stdout
     rows = {
         m.group(1): float(m.group(2))
-        for m in re.finditer(r"^\s*0\s+(padded|packed)\s+\S+\s+(\S+)", done.stdout, re.M)
+        for m in re.finditer(
+            r"^\s*0\s+(padded|packed under mask|packed)\s+\S+\s+(\S+)", done.stdout, re.M
+        )
     }
-    # the prompt runs once per group instead of once per sample (2 samples here)
-    assert set(rows) == {"padded", "packed"} and rows["packed"] < rows["padded"], done.stdout
+    # the prompt runs once per group instead of once per sample (2 samples here), by segments
+    # or under the mask alike
+    assert set(rows) == {"padded", "packed under mask", "packed"}, done.stdout
+    assert rows["packed"] == rows["packed under mask"] < rows["padded"], done.stdout
+    assert re.search(r"^mask/segments CPU per trained token: \d+\.\d\d$", done.stdout, re.M)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from types import SimpleNamespace
+from typing import Any
 
 import numpy as np
 import pytest
@@ -10,7 +11,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from tiny_lm import small_lm
+from transformers import AttentionInterface
 
+from dora.learn import segment_attention
 from dora.learn.batching import (
     SequenceItem,
     collate,
@@ -22,6 +25,7 @@ from dora.learn.batching import (
     shared_prefix,
 )
 from dora.learn.loss import LossSettings, policy_loss
+from dora.learn.segment_attention import use_segment_attention
 
 VOCAB = 24
 
@@ -42,7 +46,12 @@ def _item(tokens: list[int], prompt: int, advantage: float = 1.0) -> SequenceIte
 
 
 def _model(attention: str, arch: str = "llama") -> torch.nn.Module:
-    return small_lm(arch, attn_implementation=attention, num_key_value_heads=2)
+    """`attention` "segments": sdpa switched to attention by segments, as the trainer's."""
+    impl = "sdpa" if attention == "segments" else attention
+    model = small_lm(arch, attn_implementation=impl, num_key_value_heads=2)
+    if attention == "segments":
+        assert use_segment_attention(model)
+    return model
 
 
 def _loss(model: torch.nn.Module, items: list[SequenceItem], *, packed: bool) -> torch.Tensor:
@@ -71,7 +80,10 @@ GROUP = [  # a 9-token prompt; two answers start alike, one is a single token
 ]
 
 
-@pytest.mark.parametrize(("attention", "arch"), [("sdpa", "llama"), ("eager", "qwen2")])
+@pytest.mark.parametrize(
+    ("attention", "arch"),
+    [("sdpa", "llama"), ("eager", "qwen2"), ("segments", "llama"), ("segments", "qwen2")],
+)
 def test_a_packed_row_gives_every_sequence_its_own_logprobs_and_gradient(
     attention: str, arch: str
 ) -> None:
@@ -124,15 +136,76 @@ def test_every_target_a_packed_row_computes_is_the_sequences_own(
     forward's; and every trained target has one."""
     sequences, prompt = group
     items = [_item(t, prompt=prompt) for t in sequences]
-    model = _model("sdpa")
     mb = collate(items, pad_id=0, packed=True)
-    packed = _logprobs(model, items, packed=True)
-    padded = _logprobs(model, items, packed=False)
-    computed = (
-        mb.packed.index >= 0 if mb.packed is not None else torch.ones_like(packed, dtype=torch.bool)
-    )
-    assert bool(computed[mb.weights > 0].all())
-    torch.testing.assert_close(packed[computed], padded[computed], atol=1e-5, rtol=1e-5)
+    for attention in ("sdpa", "segments"):
+        model = _model(attention)
+        packed = _logprobs(model, items, packed=True)
+        padded = _logprobs(model, items, packed=False)
+        computed = (
+            mb.packed.index >= 0
+            if mb.packed is not None
+            else torch.ones_like(packed, dtype=torch.bool)
+        )
+        assert bool(computed[mb.weights > 0].all())
+        torch.testing.assert_close(packed[computed], padded[computed], atol=1e-5, rtol=1e-5)
+
+
+def test_attention_by_segments_runs_each_chunk_of_a_packed_row_against_the_prefix_and_itself() -> (
+    None
+):
+    """Long and short answers mixed: short ones share a chunk, a long one is a chunk of its
+    own; every attention call of a packed row sees the row's bounds, and the loss and the
+    gradient are the padded ones."""
+    calls: list[tuple[int, ...] | None] = []
+    real = segment_attention.segment_attention
+
+    def spy(*args: Any, dora_segments: tuple[int, ...] | None = None, **kwargs: Any) -> Any:
+        calls.append(dora_segments)
+        return real(*args, dora_segments=dora_segments, **kwargs)
+
+    model = _model("segments")
+    AttentionInterface.register(segment_attention.NAME, spy)
+    try:
+        _check_segments_against_padded(model, calls)
+    finally:
+        AttentionInterface.register(segment_attention.NAME, real)
+
+
+def _check_segments_against_padded(
+    model: torch.nn.Module, calls: list[tuple[int, ...] | None]
+) -> None:
+    head = [1 + i % 7 for i in range(12)]
+    answers = [[8 + (k * 5 + i) % 50 for i in range(n)] for k, n in enumerate([70, 3, 5, 90, 2])]
+    items = [_item(head + a, prompt=12, advantage=k - 2.0) for k, a in enumerate(answers)]
+    mb = collate(items, pad_id=0, packed=True)
+    assert mb.packed is not None
+    assert mb.packed.bounds == (11, 82, 86, 92, 183, 186)
+    chunks = [
+        (a, b) for a, b, _ in segment_attention._chunks(mb.packed.bounds, torch.device("cpu"))
+    ]
+    assert chunks == [(11, 82), (82, 92), (92, 183), (183, 186)]
+
+    padded = _loss(model, items, packed=False)
+    padded.backward()
+    expected = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    calls.clear()
+    packed = _loss(model, items, packed=True)
+    packed.backward()
+    assert calls == [mb.packed.bounds] * 2  # one call per layer, with the row's bounds
+    assert packed.item() == pytest.approx(padded.item(), abs=1e-5)
+    for name, param in model.named_parameters():
+        assert param.grad is not None
+        torch.testing.assert_close(param.grad, expected[name], atol=1e-5, rtol=1e-4)
+
+
+def test_only_sdpa_attention_is_switched_to_segments() -> None:
+    eager = small_lm("qwen2", attn_implementation="eager")
+    assert not use_segment_attention(eager)
+    assert eager.config._attn_implementation == "eager"
+    sdpa = small_lm("llama", attn_implementation="sdpa")
+    assert use_segment_attention(sdpa)
+    assert packing_refusal(sdpa.config, 8192) is None
 
 
 def test_the_shared_prefix_stops_where_the_sequences_part_or_training_starts() -> None:
