@@ -110,6 +110,13 @@ class ServeConfig(_Section):
     max_running: Annotated[
         int, M(ge=1, description="Most sequences an instance decodes at once (its capacity)")
     ] = 64
+    cpu_priority: Annotated[
+        bool,
+        M(
+            description="Engine processes without a call of the oldest version in flight run "
+            "under SCHED_IDLE (needs root, CAP_SYS_NICE or ulimit -e >= 20; else off)"
+        ),
+    ] = True
     urls: Annotated[
         list[str], M(description="Attach to instances already running at these URLs (vllm)")
     ] = msgspec.field(default_factory=list)

@@ -118,6 +118,8 @@ class InstanceHandle:
     url: str
     client: InstanceClient
     stop: Callable[[], Awaitable[None]]
+    pid: int | None = None
+    """The instance's process on this machine, when serve started one (the embedded engine)."""
 
 
 def held_versions(health: Mapping[str, object]) -> list[int]:

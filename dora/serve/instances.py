@@ -182,7 +182,11 @@ async def _start_process(
         )
     log.info("instance %s (pid %d) serves at %s", instance_id, proc.pid, url)
     return InstanceHandle(
-        id=instance_id, url=url, client=_client(url, spec), stop=lambda: _stop_process(proc)
+        id=instance_id,
+        url=url,
+        client=_client(url, spec),
+        stop=lambda: _stop_process(proc),
+        pid=proc.pid,
     )
 
 

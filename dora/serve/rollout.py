@@ -14,7 +14,9 @@ receives `Rollout`), and runs their loops in one `asyncio.TaskGroup`:
   trainer's roll-back, a `learn.max_minutes` budget;
 - the dispatcher (admission and episodes, `dispatcher.py`), the metrics ticker (`metrics.py`),
   and evaluation while training (`evaluate.py`), when `data.eval_source` is set;
-- `ServeStats` (`stats.py`): every counter, shared by the parts that count.
+- `ServeStats` (`stats.py`): every counter, shared by the parts that count;
+- on one machine, CPU priority by deadline for the engine processes it started
+  (`cpu_priority.py`, `serve.cpu_priority`).
 
 Event flow. Every state change that can unblock admission (a group completes, a lease ends, a
 version loads, a step is acknowledged) sets `Placement.changed`; the dispatcher waits on it, never
@@ -43,13 +45,14 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from dora.config import DoraConfig
+from dora.config import DoraConfig, ServeConfig
 from dora.core.orchestrator import Mode, Orchestrator
 from dora.env import Env, PromptStream, Task
 from dora.episode import ChatRenderer
 from dora.link import ServeLink
 from dora.records import Restore, ServeStart
 from dora.serve.coretime import CoreClock
+from dora.serve.cpu_priority import CpuPriority, Instance, may_lift_idle
 from dora.serve.dispatcher import Dispatcher
 from dora.serve.evaluate import Evaluator
 from dora.serve.history import History, read_history
@@ -206,6 +209,7 @@ class Rollout:
         )
         if restored.starts:
             self._log_restore()
+        self._cpu_priority = _cpu_priority(config.serve, self._instances)
 
     async def run(self) -> RolloutReport:
         starts = self.trainer.restored.starts
@@ -222,6 +226,8 @@ class Rollout:
                 tg.create_task(self.ticker.run(), name="metrics")
                 if self.config.serve.health_timeout_s > 0:
                     tg.create_task(self.lifecycle.health().run(), name="health")
+                if self._cpu_priority is not None:
+                    tg.create_task(self._cpu_priority.run(self._local), name="cpu-priority")
                 tg.create_task(self._finish(), name="finish")
         except* _RunComplete:
             pass
@@ -234,10 +240,20 @@ class Rollout:
                 max_lag_ms=self.ticker.max_lag_ms,
                 max_stall_ms=self.ticker.max_stall_ms,
             )
+            if self._cpu_priority is not None:
+                report.extra["cpu_priority_switches"] = self._cpu_priority.switches
             self.metrics.write(report)
             self.metrics.close()
             self.queue.close()
         return report
+
+    def _local(self) -> list[Instance]:
+        """The live instances as `CpuPriority` sees them."""
+        return [
+            (state.id, state.pid, state.inflight_versions)
+            for state in self.placement.router.instances.values()
+            if state.alive
+        ]
 
     def _log_restore(self) -> None:
         """Say what the journal of a `dora serve` that ran on this run directory before held."""
@@ -285,3 +301,18 @@ class Rollout:
         await self.trainer.shutdown()
         self.ticker.emit(0.0)
         raise _RunComplete
+
+
+def _cpu_priority(config: ServeConfig, instances: list[InstanceHandle]) -> CpuPriority | None:
+    """CPU priority by deadline for the engine processes serve started, where it may apply."""
+    local = sum(handle.pid is not None for handle in instances)
+    if not config.cpu_priority or not local:
+        return None
+    if not may_lift_idle():
+        log.info(
+            "serve.cpu_priority: off, this process may not lift SCHED_IDLE again (it needs "
+            "root, CAP_SYS_NICE or `ulimit -e` >= 20)"
+        )
+        return None
+    log.info("serve.cpu_priority: %d engine processes, the oldest version's first", local)
+    return CpuPriority()

@@ -77,6 +77,8 @@ class InstanceState:
     alive: bool = True
     cuts: set[asyncio.Timeout] = field(default_factory=set)
     """One deadline per call in flight; `Router.cut` expires them all."""
+    pid: int | None = None
+    """Its process on this machine, when serve started one (`dora.serve.cpu_priority`)."""
 
     def __post_init__(self) -> None:
         self.idle.set()
@@ -140,8 +142,12 @@ class Router:
         self.turns = Turns()
         """Serve's loop turns: an episode takes one before each call and after each answer."""
 
-    def add_instance(self, instance_id: str, client: InstanceClient, *, version: int) -> None:
-        self.instances[instance_id] = InstanceState(instance_id, client, version, {version})
+    def add_instance(
+        self, instance_id: str, client: InstanceClient, *, version: int, pid: int | None = None
+    ) -> None:
+        self.instances[instance_id] = InstanceState(
+            instance_id, client, version, {version}, pid=pid
+        )
 
     def cut(self, instance_id: str) -> int:
         """The instance is dead although its calls have not failed (it hangs): end every call in
