@@ -23,6 +23,7 @@ but its speed, and its attention may do what `sdpa` does not (soft-capping).
 
 from __future__ import annotations
 
+import functools
 import itertools
 from typing import Any
 
@@ -88,11 +89,13 @@ def segment_attention(
     return torch.cat(outputs, dim=1), None
 
 
+@functools.lru_cache(maxsize=8)
 def _chunks(bounds: tuple[int, ...], device: torch.device) -> list[tuple[int, int, torch.Tensor]]:
     """Consecutive sequences grouped into chunks of about `CHUNK_TOKENS` (a longer sequence is a
     chunk of its own): `(start, end, mask)`, the mask `[1, 1, n, prefix + n]` True where a query
     of the chunk sees a key of `[prefix; chunk]`. One attention call per short sequence would
-    cost more in calls than its few scores save."""
+    cost more in calls than its few scores save. Every layer of a row asks for the same chunks:
+    they are built once (the masks are only read)."""
     prefix = bounds[0]
     groups: list[list[int]] = []
     for start, end in itertools.pairwise(bounds):

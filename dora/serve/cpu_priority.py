@@ -28,14 +28,11 @@ logs why (`serve.cpu_priority`).
 from __future__ import annotations
 
 import asyncio
-import logging
 import os
 import threading
 from collections.abc import Callable, Iterable, Mapping
 
 __all__ = ["EVERY_S", "CpuPriority", "Instance", "foreground", "may_lift_idle", "set_policy"]
-
-log = logging.getLogger("dora.serve")
 
 EVERY_S = 0.01
 """How often the policies follow the calls in flight (a decode step of the tiny model is ~1 ms,
