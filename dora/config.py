@@ -113,8 +113,8 @@ class ServeConfig(_Section):
     cpu_priority: Annotated[
         bool,
         M(
-            description="Engine processes without a call of the oldest version in flight run "
-            "under SCHED_IDLE (needs root, CAP_SYS_NICE or ulimit -e >= 20; else off)"
+            description="Engine processes serve started step their model under SCHED_IDLE "
+            "while they have no call of the oldest version in flight (Linux; no privilege needed)"
         ),
     ] = True
     urls: Annotated[

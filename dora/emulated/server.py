@@ -202,6 +202,14 @@ class EmulatedServer:
         self.instance.set_paused(paused)
         return self._json({"paused": paused, "version": self.instance.version})
 
+    async def on_priority(self, request: web.Request) -> web.Response:
+        """The modelled compute takes no CPU to give way with: the emulated instance accepts the
+        call as an engine does and steps as before."""
+        req = await self._control(request, api.PriorityBody)
+        if isinstance(req, web.Response):
+            return req
+        return self._json({"background": req.background, "version": self.instance.version})
+
     async def on_abort(self, request: web.Request) -> web.Response:
         req = await self._control(request, api.RequestIdBody)
         if isinstance(req, web.Response):

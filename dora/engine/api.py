@@ -152,6 +152,12 @@ class VersionBody(msgspec.Struct, forbid_unknown_fields=True):
     version: int
 
 
+class PriorityBody(msgspec.Struct, forbid_unknown_fields=True):
+    """POST /control/priority: step on the idle-policy thread (True) or the normal one."""
+
+    background: bool
+
+
 class RequestIdBody(msgspec.Struct, forbid_unknown_fields=True):
     """POST /control/abort and /control/export."""
 

@@ -1,4 +1,5 @@
-"""Control endpoints of an engine instance: weights, pause/resume, abort, export/import.
+"""Control endpoints of an engine instance: weights, pause/resume, CPU priority, abort,
+export/import.
 
 They answer loopback callers only, unless the server has a control token, in which case every caller
 must present it (`Authorization: Bearer ...`). So binding to a public address without a token leaves
@@ -110,6 +111,13 @@ class ControlRoutes:
             return denied
         await asyncio.wrap_future(self.server.worker.set_paused(paused))
         return web.json_response({"paused": paused, "version": self.server.version})
+
+    async def on_priority(self, request: web.Request) -> web.Response:
+        req = await self._control_body(request, api.PriorityBody)
+        if isinstance(req, web.Response):
+            return req
+        self.server.worker.set_background(req.background)
+        return web.json_response({"background": req.background, "version": self.server.version})
 
     async def on_abort(self, request: web.Request) -> web.Response:
         req = await self._control_body(request, api.RequestIdBody)

@@ -16,11 +16,19 @@ A LoRA adapter is a version beside the others (the base model is held once): loa
 waits for running sequences, which keep the version they run under.
 
 Pausing stops stepping (commands still run), so a paused engine can still export or abort requests.
+
+Two threads take turns at the Batcher, one at a time: "dora-engine" under the normal scheduling
+policy and "dora-engine-idle", which moves itself under `SCHED_IDLE` (Linux) when it starts and
+so runs only on CPU that nothing else on the machine wants. `set_background` says which one steps
+next. Any process may lower a thread to `SCHED_IDLE` but only a privileged one may lift it again;
+handing the Batcher to the other thread instead lets an unprivileged engine move in both
+directions (serve's CPU priority by deadline, docs/serve.md).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 import time
@@ -40,27 +48,52 @@ LoadMode = Literal["drain", "abort", "keep"]
 log = logging.getLogger(__name__)
 
 
+def _wake() -> None:
+    """A command that does nothing: it ends a thread's wait for commands when the turn passes."""
+
+
 class EngineWorker:
-    """Runs a Batcher on a dedicated thread."""
+    """Runs a Batcher on one of two dedicated threads at a time (the module docstring)."""
 
     def __init__(self, batcher: Batcher, *, threads: int | None = None) -> None:
         self.batcher = batcher
         self.paused = False
+        self.background = False
+        """Whether the idle-policy thread steps the Batcher (`set_background`)."""
         self._threads = threads
         self._commands: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._run, name="dora-engine", daemon=True)
+        self._stepping = [
+            threading.Thread(target=self._run, args=(False,), name="dora-engine", daemon=True),
+            threading.Thread(target=self._run, args=(True,), name="dora-engine-idle", daemon=True),
+        ]
+        self._turn = {False: threading.Event(), True: threading.Event()}
+        self._turn[False].set()
+        self._baton = threading.Lock()
+        self._stopped = False
         self._pending_loads: list[tuple[Callable[[], None], Future[dict[str, object]]]] = []
         self._rate: deque[tuple[float, int]] = deque()
 
     def start(self) -> None:
-        self._thread.start()
+        for thread in self._stepping:
+            thread.start()
 
     def stop(self, timeout_s: float = 10.0) -> None:
-        """Abort what is in flight and stop the thread."""
-        if self._thread.is_alive():
+        """Abort what is in flight and stop the threads."""
+        if any(thread.is_alive() for thread in self._stepping):
             self.call(lambda b: b.abort_all())
             self._commands.put(None)
-            self._thread.join(timeout_s)
+            for thread in self._stepping:
+                thread.join(timeout_s)
+
+    def set_background(self, background: bool) -> None:
+        """Step the Batcher on the idle-policy thread (True) or the normal one (False), from the
+        next turn on; callable from any thread, returns at once."""
+        if background == self.background:
+            return
+        self.background = background
+        self._turn[background].set()
+        self._turn[not background].clear()
+        self._commands.put(_wake)  # the thread whose turn ends may be waiting for a command
 
     def call(self, fn: Callable[[Batcher], T]) -> Future[T]:
         """Run `fn(batcher)` on the engine thread between two steps."""
@@ -150,37 +183,68 @@ class EngineWorker:
         (t0, n0), (t1, n1) = self._rate[0], self._rate[-1]
         return (n1 - n0) / (t1 - t0) if t1 > t0 else 0.0
 
-    def _run(self) -> None:
+    def _run(self, background: bool) -> None:
         if self._threads is not None:
             torch.set_num_threads(self._threads)
+        if background:
+            _lower_to_idle()
         while True:
-            busy = self.batcher.has_work() and not self.paused
+            self._turn[background].wait()
+            with self._baton:
+                if self._stopped:
+                    return
+                if self.background != background:
+                    continue
+                if not self._turn_once(background):
+                    self._stopped = True
+                    self._turn[not background].set()  # the other thread sees the stop and ends
+                    return
+
+    def _turn_once(self, background: bool) -> bool:
+        """Run the commands waiting (wait for one when there is nothing to step), then one step,
+        unless the turn passes meanwhile (the other thread then runs what follows); False once
+        asked to stop."""
+        busy = self.batcher.has_work() and not self.paused
+        try:
+            command = self._commands.get(block=not busy)
+            while True:
+                if command is None:
+                    return False
+                command()
+                if self.background != background:
+                    return True
+                command = self._commands.get_nowait()
+        except queue.Empty:
+            pass
+        if self._pending_loads and not self.batcher.running:
+            self._pending_loads.pop(0)[0]()
+        if self.batcher.has_work() and not self.paused:
             try:
-                command = self._commands.get(block=not busy)
-                while True:
-                    if command is None:
-                        return
-                    command()
-                    command = self._commands.get_nowait()
-            except queue.Empty:
-                pass
-            if self._pending_loads and not self.batcher.running:
-                self._pending_loads.pop(0)[0]()
-            if self.batcher.has_work() and not self.paused:
-                try:
-                    self.batcher.step()
-                except Exception:
-                    log.exception("engine step failed; ending every request in flight")
-                    for seq in [*self.batcher.running, *self.batcher.waiting]:
-                        seq.error = "engine step failed (see the engine log)"
-                    self.batcher.abort_all()
-                self._record_rate()
+                self.batcher.step()
+            except Exception:
+                log.exception("engine step failed; ending every request in flight")
+                for seq in [*self.batcher.running, *self.batcher.waiting]:
+                    seq.error = "engine step failed (see the engine log)"
+                self.batcher.abort_all()
+            self._record_rate()
+        return True
 
     def _record_rate(self) -> None:
         now = time.monotonic()
         self._rate.append((now, self.batcher.generated_tokens))
         while len(self._rate) > 2 and now - self._rate[0][0] > 10.0:
             self._rate.popleft()
+
+
+def _lower_to_idle() -> None:
+    """Move the calling thread under `SCHED_IDLE` (any process may); elsewhere than Linux it keeps
+    the normal policy and the background turn is only a turn."""
+    if hasattr(os, "sched_setscheduler") and hasattr(os, "SCHED_IDLE"):
+        try:
+            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+            return
+        except OSError as exc:
+            log.warning("the engine's background thread keeps the normal policy: %s", exc)
 
 
 def _copy_weights(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> None:

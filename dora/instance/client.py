@@ -258,6 +258,16 @@ class EngineClient:
     async def resume(self, *, timeout_s: float | None = None) -> None:
         await self._post("/control/resume", {}, timeout_s or self.control_timeout_s, "resume")
 
+    async def set_background(self, background: bool, *, timeout_s: float | None = None) -> None:
+        """Step on the engine's idle-policy thread (True: only CPU nothing else wants) or on its
+        normal one (serve's CPU priority by deadline)."""
+        await self._post(
+            "/control/priority",
+            {"background": background},
+            timeout_s or self.control_timeout_s,
+            "priority",
+        )
+
     async def export_request(
         self, request_id: str, *, timeout_s: float | None = None
     ) -> ExportedRequest:

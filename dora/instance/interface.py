@@ -118,8 +118,9 @@ class InstanceHandle:
     url: str
     client: InstanceClient
     stop: Callable[[], Awaitable[None]]
-    pid: int | None = None
-    """The instance's process on this machine, when serve started one (the embedded engine)."""
+    set_background: Callable[[bool], Awaitable[None]] | None = None
+    """Moves the instance's model to its idle-policy thread (True) and back, where serve started
+    an embedded engine process on this machine (`dora.serve.cpu_priority`)."""
 
 
 def held_versions(health: Mapping[str, object]) -> list[int]:

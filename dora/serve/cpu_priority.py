@@ -9,37 +9,38 @@ deadline first). So while the last long answer of the oldest version decodes on 
 instances of newer versions, whose groups would wait anyway, take most of the cores from it, and
 then sit idle at the gate while it finishes.
 
-Serve therefore keeps the model threads of an engine process it started under the normal policy
-while the engine has a call of the oldest version in flight (or no call at all), and runs them
-under `SCHED_IDLE` otherwise: they then run on the CPU that the oldest version's instances, the
-trainer and serve itself leave over, which keeps every core busy without slowing the critical
-path. An engine's main thread, its event loop, keeps the normal policy: it takes little CPU,
-and answers health probes and streams results at once. The policies follow the
-calls, checked every `EVERY_S`; a process's threads change only when its role changes. With one
-version in flight (sync; the other modes between versions) every busy instance is of the oldest
-version and nothing changes.
+Serve therefore has an engine process it started step its model on its normal thread while the
+engine has a call of the oldest version in flight (or no call at all), and on its `SCHED_IDLE`
+thread otherwise (`POST /control/priority`, dora/engine/worker.py): the model then runs on the
+CPU that the oldest version's instances, the trainer and serve itself leave over, which keeps
+every core busy without slowing the critical path. The engine's event loop (HTTP, health probes,
+streaming) stays on its main thread under the normal policy. The roles follow the calls, checked
+every `EVERY_S`; an engine hears of its role only when it changes. With one version in flight
+(sync; the other modes between versions) every busy instance is of the oldest version and
+nothing changes.
 
-Lifting `SCHED_IDLE` again needs the right to raise a priority: root, `CAP_SYS_NICE`, or an
-`RLIMIT_NICE` of 20 or more (`ulimit -e`). Serve probes it once; without it, off Linux, or for
-instances that are not local processes (vLLM, attached, emulated), nothing changes, and serve
-logs why (`serve.cpu_priority`).
+The engine hands its model between two threads rather than changing one thread's policy, so no
+privilege is needed (lowering a thread to `SCHED_IDLE` is open to every process, lifting it
+back is not). Instances that are not engine processes serve started (vLLM, attached, emulated)
+are left alone.
 """
 
 from __future__ import annotations
 
 import asyncio
-import os
-import threading
-from collections.abc import Callable, Iterable, Mapping
+import logging
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 
-__all__ = ["EVERY_S", "CpuPriority", "Instance", "foreground", "may_lift_idle", "set_policy"]
+__all__ = ["EVERY_S", "CpuPriority", "Instance", "SetBackground", "foreground"]
+
+log = logging.getLogger(__name__)
 
 EVERY_S = 0.01
-"""How often the policies follow the calls in flight (a decode step of the tiny model is ~1 ms,
-a long answer hundreds)."""
+"""How often the roles follow the calls in flight (a decode step of the tiny model is ~1 ms, a
+long answer hundreds)."""
 
-_NORMAL = getattr(os, "SCHED_OTHER", 0)
-_IDLE = getattr(os, "SCHED_IDLE", 5)
+SetBackground = Callable[[bool], Awaitable[None]]
+"""Moves one engine's model to its idle-policy thread (True) or back (False)."""
 
 
 def foreground(inflight_versions: Mapping[str, Mapping[int, int]]) -> set[str]:
@@ -55,72 +56,46 @@ def foreground(inflight_versions: Mapping[str, Mapping[int, int]]) -> set[str]:
     }
 
 
-def may_lift_idle() -> bool:
-    """Whether this process may move a thread from `SCHED_IDLE` back to the normal policy (tried
-    on a thread of its own, which ends either way)."""
-    if not hasattr(os, "sched_setscheduler") or not hasattr(os, "SCHED_IDLE"):
-        return False
-    result: list[bool] = []
-
-    def probe() -> None:
-        try:
-            os.sched_setscheduler(0, _IDLE, os.sched_param(0))
-            os.sched_setscheduler(0, _NORMAL, os.sched_param(0))
-            result.append(True)
-        except OSError:
-            result.append(False)
-
-    thread = threading.Thread(target=probe, name="dora-sched-probe")
-    thread.start()
-    thread.join()
-    return bool(result and result[0])
-
-
-def set_policy(pid: int, policy: int) -> bool:
-    """Every thread of process `pid` but its main thread under `policy`; False when the process
-    is gone. The engine's main thread runs its event loop (HTTP, health probes), which takes
-    little CPU and must answer at once; the model runs on the others."""
-    try:
-        threads = os.listdir(f"/proc/{pid}/task")
-    except OSError:
-        return False
-    for tid in threads:
-        if int(tid) == pid:
-            continue
-        try:
-            os.sched_setscheduler(int(tid), policy, os.sched_param(0))
-        except ProcessLookupError:
-            continue  # the thread ended meanwhile
-    return True
-
-
-Instance = tuple[str, int | None, Mapping[int, int]]
-"""An instance as `CpuPriority` sees it: its id, its local process (None: not one), and its calls
-in flight per version."""
+Instance = tuple[str, SetBackground | None, Mapping[int, int]]
+"""An instance as `CpuPriority` sees it: its id, how to set its role (None: not an engine process
+serve started), and its calls in flight per version."""
 
 
 class CpuPriority:
     """Applies `foreground` to the engine processes serve started (see the module docstring)."""
 
     def __init__(self) -> None:
-        self._policy: dict[int, int] = {}
+        self._background: dict[SetBackground, bool] = {}
+        """Each engine's role as last set, by its setter (a restarted instance brings a new one)."""
         self.switches = 0
-        """Policy changes made (each moves every thread of one process)."""
+        """Role changes made."""
 
-    def apply(self, instances: Iterable[Instance]) -> None:
-        """Set each local process's policy from the calls in flight now."""
+    async def apply(self, instances: Iterable[Instance]) -> None:
+        """Tell each engine whose role the calls in flight now change it."""
         instances = list(instances)
         normal = foreground({name: versions for name, _, versions in instances})
-        for name, pid, _ in instances:
-            if pid is None:
+        changes = [
+            (name, set_background, name not in normal)
+            for name, set_background, _ in instances
+            if set_background is not None
+            and self._background.get(set_background, False) != (name not in normal)
+        ]
+        if not changes:
+            return
+        results = await asyncio.gather(
+            *(set_background(background) for _, set_background, background in changes),
+            return_exceptions=True,
+        )
+        for (name, set_background, background), result in zip(changes, results, strict=True):
+            if isinstance(result, BaseException):
+                # a dead instance leaves the router; a live one is asked again next time
+                log.debug("cpu priority: instance %s did not take its role: %r", name, result)
                 continue
-            want = _NORMAL if name in normal else _IDLE
-            if self._policy.get(pid, _NORMAL) != want and set_policy(pid, want):
-                self._policy[pid] = want
-                self.switches += 1
+            self._background[set_background] = background
+            self.switches += 1
 
     async def run(self, instances: Callable[[], Iterable[Instance]]) -> None:
         """Follow the calls in flight until cancelled."""
         while True:
-            self.apply(instances())
+            await self.apply(instances())
             await asyncio.sleep(EVERY_S)

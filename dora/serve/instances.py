@@ -83,7 +83,7 @@ class InstanceSpec:
         )
 
 
-def _client(url: str, spec: InstanceSpec) -> InstanceClient:
+def _client(url: str, spec: InstanceSpec) -> EngineClient:
     return EngineClient(
         url,
         timeout_s=spec.request_timeout_s,
@@ -181,12 +181,13 @@ async def _start_process(
             f"instance {instance_id} (pid {proc.pid}) exited ({code}) before serving; see its log"
         )
     log.info("instance %s (pid %d) serves at %s", instance_id, proc.pid, url)
+    client = _client(url, spec)
     return InstanceHandle(
         id=instance_id,
         url=url,
-        client=_client(url, spec),
+        client=client,
         stop=lambda: _stop_process(proc),
-        pid=proc.pid,
+        set_background=client.set_background,
     )
 
 

@@ -87,7 +87,9 @@ class InstanceLifecycle:
 
     def add(self, handle: InstanceHandle) -> None:
         """A new instance (it holds version 0); the orchestrator gives it work."""
-        self._router.add_instance(handle.id, handle.client, version=0, pid=handle.pid)
+        self._router.add_instance(
+            handle.id, handle.client, version=0, set_background=handle.set_background
+        )
         self._load_locks[handle.id] = asyncio.Lock()
         capacity = self._config.max_running
         self._placement.apply(

@@ -52,7 +52,7 @@ from dora.episode import ChatRenderer
 from dora.link import ServeLink
 from dora.records import Restore, ServeStart
 from dora.serve.coretime import CoreClock
-from dora.serve.cpu_priority import CpuPriority, Instance, may_lift_idle
+from dora.serve.cpu_priority import CpuPriority, Instance
 from dora.serve.dispatcher import Dispatcher
 from dora.serve.evaluate import Evaluator
 from dora.serve.history import History, read_history
@@ -250,7 +250,7 @@ class Rollout:
     def _local(self) -> list[Instance]:
         """The live instances as `CpuPriority` sees them."""
         return [
-            (state.id, state.pid, state.inflight_versions)
+            (state.id, state.set_background, state.inflight_versions)
             for state in self.placement.router.instances.values()
             if state.alive
         ]
@@ -305,14 +305,8 @@ class Rollout:
 
 def _cpu_priority(config: ServeConfig, instances: list[InstanceHandle]) -> CpuPriority | None:
     """CPU priority by deadline for the engine processes serve started, where it may apply."""
-    local = sum(handle.pid is not None for handle in instances)
+    local = sum(handle.set_background is not None for handle in instances)
     if not config.cpu_priority or not local:
-        return None
-    if not may_lift_idle():
-        log.info(
-            "serve.cpu_priority: off, this process may not lift SCHED_IDLE again (it needs "
-            "root, CAP_SYS_NICE or `ulimit -e` >= 20)"
-        )
         return None
     log.info("serve.cpu_priority: %d engine processes, the oldest version's first", local)
     return CpuPriority()

@@ -38,7 +38,7 @@ import asyncio
 import logging
 import time
 from array import array
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
 import msgspec
@@ -77,8 +77,9 @@ class InstanceState:
     alive: bool = True
     cuts: set[asyncio.Timeout] = field(default_factory=set)
     """One deadline per call in flight; `Router.cut` expires them all."""
-    pid: int | None = None
-    """Its process on this machine, when serve started one (`dora.serve.cpu_priority`)."""
+    set_background: Callable[[bool], Awaitable[None]] | None = None
+    """Moves its model to its idle-policy thread and back, where serve started an engine process
+    (`dora.serve.cpu_priority`)."""
 
     def __post_init__(self) -> None:
         self.idle.set()
@@ -143,10 +144,15 @@ class Router:
         """Serve's loop turns: an episode takes one before each call and after each answer."""
 
     def add_instance(
-        self, instance_id: str, client: InstanceClient, *, version: int, pid: int | None = None
+        self,
+        instance_id: str,
+        client: InstanceClient,
+        *,
+        version: int,
+        set_background: Callable[[bool], Awaitable[None]] | None = None,
     ) -> None:
         self.instances[instance_id] = InstanceState(
-            instance_id, client, version, {version}, pid=pid
+            instance_id, client, version, {version}, set_background=set_background
         )
 
     def cut(self, instance_id: str) -> int:

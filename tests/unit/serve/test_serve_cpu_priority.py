@@ -1,18 +1,13 @@
-"""CPU priority by deadline: which instances keep the normal policy, and real processes moved to
-SCHED_IDLE and back as the oldest version in flight moves."""
+"""CPU priority by deadline: which instances keep the normal policy, and the engines told their
+role as the oldest version in flight moves (the engine side: tests/unit/engine/test_worker_turns.py;
+through serve: tests/integration/bench/test_report_and_bench_cli.py)."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from collections.abc import Iterator
-
-import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from dora.serve.cpu_priority import CpuPriority, foreground, may_lift_idle
+from dora.serve.cpu_priority import CpuPriority, foreground
 
 VERSIONS = st.dictionaries(st.integers(0, 6), st.integers(1, 3), max_size=3)
 
@@ -35,60 +30,42 @@ def test_one_version_in_flight_leaves_every_instance_alone() -> None:
     assert foreground({"i0": {3: 2, 4: 1}, "i1": {4: 5}, "i2": {5: 1}}) == {"i0"}
 
 
-def _policies(pid: int) -> set[int]:
-    """The policies of the process's threads but its main one, which keeps the normal policy."""
-    assert os.sched_getscheduler(pid) == os.SCHED_OTHER
-    tids = [int(tid) for tid in os.listdir(f"/proc/{pid}/task") if int(tid) != pid]
-    assert tids
-    return {os.sched_getscheduler(tid) for tid in tids}
+class Engine:
+    """An engine's role as serve sets it (`CpuPriority` calls it as it calls an engine's
+    `/control/priority`)."""
+
+    def __init__(self, *, fails: bool = False) -> None:
+        self.background = False
+        self.calls = 0
+        self.fails = fails
+
+    async def __call__(self, background: bool) -> None:
+        self.calls += 1
+        if self.fails:
+            raise ConnectionError("the instance is gone")
+        self.background = background
 
 
-@pytest.fixture
-def sleepers() -> Iterator[list[subprocess.Popen[bytes]]]:
-    """Two processes with two threads each, stopped by their handles."""
-    code = "import threading, time; threading.Thread(target=time.sleep, args=(60,)).start(); "
-    code += "print(flush=True); time.sleep(60)"
-    procs = [
-        subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE) for _ in range(2)
-    ]
-    try:
-        for proc in procs:
-            assert proc.stdout is not None
-            proc.stdout.readline()  # both threads run
-        yield procs
-    finally:
-        for proc in procs:
-            proc.kill()
-            proc.wait()
-            assert proc.stdout is not None
-            proc.stdout.close()
-
-
-@pytest.mark.skipif(not may_lift_idle(), reason="this process may not lift SCHED_IDLE again")
-def test_processes_follow_the_oldest_version_in_flight(
-    sleepers: list[subprocess.Popen[bytes]],
-) -> None:
-    a, b = (proc.pid for proc in sleepers)
+async def test_engines_follow_the_oldest_version_in_flight() -> None:
+    a, b = Engine(), Engine()
     priority = CpuPriority()
-    priority.apply([("i0", a, {3: 1}), ("i1", b, {4: 2}), ("remote", None, {5: 1})])
-    assert _policies(a) == {os.SCHED_OTHER} and _policies(b) == {os.SCHED_IDLE}
-    assert priority.switches == 1
-    priority.apply([("i0", a, {3: 1}), ("i1", b, {4: 1})])  # unchanged: no system call
-    assert priority.switches == 1
-    priority.apply([("i0", a, {5: 1}), ("i1", b, {4: 1})])  # i0's old call ended, a new began
-    assert _policies(a) == {os.SCHED_IDLE} and _policies(b) == {os.SCHED_OTHER}
-    priority.apply([("i0", a, {}), ("i1", b, {4: 1})])  # an idle instance keeps the cores
-    assert _policies(a) == {os.SCHED_OTHER} and _policies(b) == {os.SCHED_OTHER}
+    await priority.apply([("i0", a, {3: 1}), ("i1", b, {4: 2}), ("vllm", None, {5: 1})])
+    assert (a.background, b.background) == (False, True)
+    assert (a.calls, b.calls, priority.switches) == (0, 1, 1)  # the normal role is the default
+    await priority.apply([("i0", a, {3: 1}), ("i1", b, {4: 1})])  # unchanged: no call
+    assert (a.calls, b.calls) == (0, 1)
+    await priority.apply([("i0", a, {5: 1}), ("i1", b, {4: 1})])  # i0's old call ended
+    assert (a.background, b.background) == (True, False)
+    await priority.apply([("i0", a, {}), ("i1", b, {4: 1})])  # an idle instance keeps the cores
+    assert (a.background, b.background) == (False, False)
     assert priority.switches == 4
 
 
-@pytest.mark.skipif(not may_lift_idle(), reason="this process may not lift SCHED_IDLE again")
-def test_a_process_that_is_gone_is_skipped(sleepers: list[subprocess.Popen[bytes]]) -> None:
-    a, b = (proc.pid for proc in sleepers)
-    sleepers[1].kill()
-    sleepers[1].wait()
+async def test_an_engine_that_does_not_answer_is_asked_again() -> None:
+    a, gone = Engine(), Engine(fails=True)
     priority = CpuPriority()
-    priority.apply([("i0", a, {3: 1}), ("i1", b, {4: 1})])
-    assert priority.switches == 0
-    priority.apply([("i0", a, {5: 1}), ("i1", b, {4: 1})])
-    assert _policies(a) == {os.SCHED_IDLE} and priority.switches == 1
+    await priority.apply([("i0", a, {3: 1}), ("i1", gone, {4: 1})])
+    await priority.apply([("i0", a, {3: 1}), ("i1", gone, {4: 1})])
+    assert gone.calls == 2 and priority.switches == 0
+    await priority.apply([("i0", a, {5: 1}), ("i1", gone, {4: 1})])  # the others still move
+    assert a.background and priority.switches == 1
