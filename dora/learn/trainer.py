@@ -233,6 +233,9 @@ class Trainer:
             raise
         finally:
             self.receiver.close()
+        # the ranks leave their process group now, not in the interpreter's teardown (where a
+        # gloo rank was once seen to abort: "terminate called without an active exception")
+        self.accelerator.end_training()
         return 0
 
     def _train_step(self, step: int) -> dict[str, float] | None:
