@@ -31,13 +31,17 @@ import asyncio
 import logging
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 
-__all__ = ["EVERY_S", "CpuPriority", "Instance", "SetBackground", "foreground"]
+__all__ = ["CALL_TIMEOUT_S", "EVERY_S", "CpuPriority", "Instance", "SetBackground", "foreground"]
 
 log = logging.getLogger(__name__)
 
 EVERY_S = 0.01
 """How often the roles follow the calls in flight (a decode step of the tiny model is ~1 ms, a
 long answer hundreds)."""
+
+CALL_TIMEOUT_S = 1.0
+"""How long an engine may take to answer a role change (a loopback call of a few ms): a hung
+instance then delays the others' changes by this much at most until serve declares it dead."""
 
 SetBackground = Callable[[bool], Awaitable[None]]
 """Moves one engine's model to its idle-policy thread (True) or back (False)."""
@@ -83,7 +87,10 @@ class CpuPriority:
         if not changes:
             return
         results = await asyncio.gather(
-            *(set_background(background) for _, set_background, background in changes),
+            *(
+                asyncio.wait_for(set_background(background), CALL_TIMEOUT_S)
+                for _, set_background, background in changes
+            ),
             return_exceptions=True,
         )
         for (name, set_background, background), result in zip(changes, results, strict=True):

@@ -4,9 +4,14 @@ through serve: tests/integration/bench/test_report_and_bench_cli.py)."""
 
 from __future__ import annotations
 
+import asyncio
+import time
+
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from dora.serve import cpu_priority
 from dora.serve.cpu_priority import CpuPriority, foreground
 
 VERSIONS = st.dictionaries(st.integers(0, 6), st.integers(1, 3), max_size=3)
@@ -34,15 +39,18 @@ class Engine:
     """An engine's role as serve sets it (`CpuPriority` calls it as it calls an engine's
     `/control/priority`)."""
 
-    def __init__(self, *, fails: bool = False) -> None:
+    def __init__(self, *, fails: bool = False, hangs: bool = False) -> None:
         self.background = False
         self.calls = 0
         self.fails = fails
+        self.hangs = hangs
 
     async def __call__(self, background: bool) -> None:
         self.calls += 1
         if self.fails:
             raise ConnectionError("the instance is gone")
+        if self.hangs:
+            await asyncio.Event().wait()
         self.background = background
 
 
@@ -69,3 +77,16 @@ async def test_an_engine_that_does_not_answer_is_asked_again() -> None:
     assert gone.calls == 2 and priority.switches == 0
     await priority.apply([("i0", a, {5: 1}), ("i1", gone, {4: 1})])  # the others still move
     assert a.background and priority.switches == 1
+
+
+async def test_a_hung_engine_delays_the_others_by_the_call_timeout_at_most(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(cpu_priority, "CALL_TIMEOUT_S", 0.05)
+    hung, other = Engine(hangs=True), Engine()
+    priority = CpuPriority()
+    started = time.perf_counter()
+    await priority.apply([("i0", Engine(), {4: 1}), ("i1", hung, {5: 1}), ("i2", other, {6: 1})])
+    assert time.perf_counter() - started < 1.0
+    assert other.background and priority.switches == 1
+    assert hung.calls == 1 and not hung.background  # asked again next time
