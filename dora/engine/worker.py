@@ -96,7 +96,7 @@ class EngineWorker:
         self._commands.put(_wake)  # the thread whose turn ends may be waiting for a command
 
     def call(self, fn: Callable[[Batcher], T]) -> Future[T]:
-        """Run `fn(batcher)` on the engine thread between two steps."""
+        """Run `fn(batcher)` between two steps, on whichever thread's turn it is."""
         future: Future[T] = Future()
 
         def run() -> None:

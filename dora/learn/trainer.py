@@ -233,8 +233,8 @@ class Trainer:
             raise
         finally:
             self.receiver.close()
-        # the ranks leave their process group now, not in the interpreter's teardown (where a
-        # gloo rank was once seen to abort: "terminate called without an active exception")
+        # the ranks leave their process group here, not in the interpreter's teardown, where a
+        # gloo rank can abort ("terminate called without an active exception")
         self.accelerator.end_training()
         return 0
 
