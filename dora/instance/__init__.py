@@ -7,6 +7,6 @@ neither torch nor the engine (tests/unit/test_layers.py checks it).
 """
 
 from dora.instance.client import EngineClient
-from dora.instance.interface import ExportedRequest, InstanceClient, InstanceHandle
+from dora.instance.interface import ExportedRequest, InstanceClient, InstanceHandle, SetBackground
 
-__all__ = ["EngineClient", "ExportedRequest", "InstanceClient", "InstanceHandle"]
+__all__ = ["EngineClient", "ExportedRequest", "InstanceClient", "InstanceHandle", "SetBackground"]

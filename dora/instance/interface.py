@@ -28,7 +28,7 @@ import msgspec
 
 from dora.protocol import Completion, SamplingParams
 
-__all__ = ["ExportedRequest", "InstanceClient", "InstanceHandle", "held_versions"]
+__all__ = ["ExportedRequest", "InstanceClient", "InstanceHandle", "SetBackground", "held_versions"]
 
 
 class ExportedRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -109,6 +109,11 @@ class InstanceClient(Protocol):
     async def close(self) -> None: ...
 
 
+SetBackground = Callable[[bool], Awaitable[None]]
+"""Moves an engine's model to its idle-policy thread (True) or back (False):
+`EngineClient.set_background` (`dora.serve.cpu_priority`)."""
+
+
 @dataclass(eq=False, kw_only=True)
 class InstanceHandle:
     """One started instance: its id, URL, client, and how to stop it (the process or server
@@ -118,7 +123,7 @@ class InstanceHandle:
     url: str
     client: InstanceClient
     stop: Callable[[], Awaitable[None]]
-    set_background: Callable[[bool], Awaitable[None]] | None = None
+    set_background: SetBackground | None = None
     """Moves the instance's model to its idle-policy thread (True) and back, where serve started
     an embedded engine process on this machine (`dora.serve.cpu_priority`)."""
 

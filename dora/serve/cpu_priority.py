@@ -29,9 +29,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
-__all__ = ["CALL_TIMEOUT_S", "EVERY_S", "CpuPriority", "Instance", "SetBackground", "foreground"]
+from dora.instance import SetBackground
+
+__all__ = ["CALL_TIMEOUT_S", "EVERY_S", "CpuPriority", "Instance", "foreground"]
 
 log = logging.getLogger(__name__)
 
@@ -42,9 +44,6 @@ long answer hundreds)."""
 CALL_TIMEOUT_S = 1.0
 """How long an engine may take to answer a role change (a loopback call of a few ms): a hung
 instance then delays the others' changes by this much at most until serve declares it dead."""
-
-SetBackground = Callable[[bool], Awaitable[None]]
-"""Moves one engine's model to its idle-policy thread (True) or back (False)."""
 
 
 def foreground(inflight_versions: Mapping[str, Mapping[int, int]]) -> set[str]:

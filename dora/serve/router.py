@@ -38,13 +38,13 @@ import asyncio
 import logging
 import time
 from array import array
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import msgspec
 
 from dora.errors import RequestError, ServerError, ServerUnavailable
-from dora.instance import ExportedRequest, InstanceClient
+from dora.instance import ExportedRequest, InstanceClient, SetBackground
 from dora.protocol import Completion, FinishReason, SamplingParams, as_array, extend_array
 from dora.serve.stats import ServeStats
 from dora.serve.turns import Turns
@@ -77,7 +77,7 @@ class InstanceState:
     alive: bool = True
     cuts: set[asyncio.Timeout] = field(default_factory=set)
     """One deadline per call in flight; `Router.cut` expires them all."""
-    set_background: Callable[[bool], Awaitable[None]] | None = None
+    set_background: SetBackground | None = None
     """Moves its model to its idle-policy thread and back, where serve started an engine process
     (`dora.serve.cpu_priority`)."""
 
@@ -149,7 +149,7 @@ class Router:
         client: InstanceClient,
         *,
         version: int,
-        set_background: Callable[[bool], Awaitable[None]] | None = None,
+        set_background: SetBackground | None = None,
     ) -> None:
         self.instances[instance_id] = InstanceState(
             instance_id, client, version, {version}, set_background=set_background
