@@ -121,8 +121,28 @@ def _load(module: str, function: str) -> Callable[..., int] | None:
     return fn
 
 
+def _unknown_arguments(unknown: Sequence[str]) -> str:
+    """argparse's complaint, with a hint where a setting was written as a flag (`--learn.lr=1e-5`
+    or `--learn.lr 1e-5`): settings are `key=value` words after the config file."""
+    message = f"unrecognized arguments: {' '.join(unknown)}"
+    for i, arg in enumerate(unknown):
+        key, _, value = arg.lstrip("-").partition("=")
+        if arg.startswith("--") and "." in key:
+            if not value and i + 1 < len(unknown) and not unknown[i + 1].startswith("-"):
+                value = unknown[i + 1]
+            message += (
+                f"\n  settings are given as key=value after the config file, without dashes: "
+                f"{key}={value or 'VALUE'}"
+            )
+            break
+    return message
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        parser.error(_unknown_arguments(unknown))
     # As `python -m dora.cli` does, so that the user's modules named by `env.cls` and
     # `data.source` are found in the working directory however dora was started (the `dora`
     # script puts its own folder first instead); PYTHONPATH still comes first.

@@ -43,6 +43,7 @@ from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
 
+from dora.bench import summary
 from dora.bench.modes import ModeResult, Placement, ratio_lines, run_mode, summarise, table
 from dora.emulated.checks import check_run
 from dora.looplag import p99
@@ -280,7 +281,7 @@ def comparison_table(
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="dora bench cluster", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="dora bench cluster", description=summary(__doc__))
     p.add_argument("--preset", default="paper-64", help="paper-64, paper-128 or agentic")
     p.add_argument("--time-scale", type=float, default=None, help="real s per modelled s")
     p.add_argument("--budget-min", type=float, default=13.0, help="target minutes (default scale)")

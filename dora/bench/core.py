@@ -24,6 +24,7 @@ import argparse
 import random
 import time
 
+from dora.bench import summary
 from dora.core import Admitted, TransferQueue
 
 
@@ -88,7 +89,7 @@ def window_rate(
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="dora bench core", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="dora bench core", description=summary(__doc__))
     p.add_argument("--events", type=int, default=None, help="events to drive (default 1e6)")
     p.add_argument("--steps", type=int, default=None, help="or: steps to fill")
     p.add_argument("--window", type=int, default=100, help="steps per rate window (--steps)")

@@ -22,6 +22,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from dora.bench import summary
+
 
 def _workload(num_requests: int, seed: int, median: int, cap: int) -> list[tuple[str, int]]:
     rng = random.Random(seed)
@@ -95,7 +97,7 @@ def _run_vllm(model_dir: Path, work: list[tuple[str, int]], batch_size: int) -> 
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="dora bench engine", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="dora bench engine", description=summary(__doc__))
     parser.add_argument(
         "--model", type=Path, help="HF model folder (default: build the tiny model)"
     )

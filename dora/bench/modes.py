@@ -46,6 +46,7 @@ from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 
+from dora.bench import summary
 from dora.bench.proc import TrainedCounter, cpu_model, own_cpu_s, tree_cpu_s
 from dora.bench.rounds import round_bound_line, round_bound_shares, round_ratio_lines
 from dora.launch import free_port, sigterm_interrupts, start_side, stop_all
@@ -475,7 +476,7 @@ def run_mode(
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="dora bench modes", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="dora bench modes", description=summary(__doc__))
     p.add_argument("config", help="config file, e.g. examples/math/bench.toml")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="dotted config overrides")
     p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated from {KNOWN}")

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from dora.bench import summary
 from dora.protocol import Assigned, Group, Sample, decode_from_serve, encode
 
 
@@ -39,7 +40,7 @@ def make_group(*, samples: int, tokens: int, seed: int = 0) -> Group:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="dora bench protocol", description=__doc__)
+    parser = argparse.ArgumentParser(prog="dora bench protocol", description=summary(__doc__))
     parser.add_argument("--samples", type=int, default=16)
     parser.add_argument("--tokens", type=int, default=4096)
     parser.add_argument("--repeats", type=int, default=200)

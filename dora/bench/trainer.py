@@ -26,6 +26,8 @@ from pathlib import Path
 
 import numpy as np
 
+from dora.bench import summary
+
 
 def main(argv: Sequence[str] | None = None) -> int:
     import torch
@@ -39,7 +41,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from dora.sim.training import synthetic_group, train_step
     from dora.sim.workload import read_lengths
 
-    p = argparse.ArgumentParser(prog="dora bench trainer", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="dora bench trainer", description=summary(__doc__))
     p.add_argument("config", nargs="?", default="examples/math/bench.toml")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="dotted config overrides")
     p.add_argument("--lengths", type=Path, default=BENCH_LENGTHS, help="groups' answer lengths")

@@ -32,6 +32,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from dora.bench import summary
 from dora.config import DoraConfig, load_config
 from dora.errors import ConfigError
 from dora.records import Eval, Trained, read_records
@@ -212,7 +213,7 @@ def dora_curve(run_dir: Path, steps: int) -> dict[str, object]:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="dora bench trl", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="dora bench trl", description=summary(__doc__))
     p.add_argument("config", help="config file, e.g. examples/math/config.toml")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="dotted config overrides")
     p.add_argument("--steps", type=int, default=None, help="learn.steps (default: the config's)")

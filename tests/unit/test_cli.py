@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 import subprocess
 import sys
 import time
@@ -9,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from dora.cli import COMMANDS, main, run_command
+from dora.cli import BENCHES, COMMANDS, main, run_command
 from dora.errors import AllMasked, ConfigError, RunAborted
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -91,3 +93,43 @@ def test_errors_of_a_task_group_are_reported_without_a_traceback(
 
     with pytest.raises(ExceptionGroup):  # not ours alone: a bug keeps its traceback
         run_command("serve", crashes, None)
+
+
+@pytest.mark.parametrize(
+    ("argv", "hint"),
+    [
+        (["--learn.lr=1e-5"], "learn.lr=1e-5"),
+        (["--learn.lr", "1e-5"], "learn.lr=1e-5"),
+        (["--rollout.group_size"], "rollout.group_size=VALUE"),
+    ],
+)
+def test_a_setting_written_as_a_flag_gets_a_key_value_hint(
+    argv: list[str], hint: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["run", EXAMPLE, *argv])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "unrecognized arguments" in err
+    assert f"without dashes: {hint}" in err
+
+
+def test_an_unknown_plain_flag_gets_no_settings_hint(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["run", EXAMPLE, "--bogus"])
+    assert "without dashes" not in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("which", sorted(BENCHES))
+def test_every_benchmark_help_describes_it_in_whole_sentences(
+    which: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    if which == "trl" and importlib.util.find_spec("trl") is None:
+        pytest.skip("the trl extra is not installed")
+    module = importlib.import_module(BENCHES[which][0])
+    with pytest.raises(SystemExit) as exc:
+        module.main(["--help"])
+    assert exc.value.code == 0
+    description = " ".join(capsys.readouterr().out.split("\n\n")[1].split())
+    assert description.endswith((".", ")")), description
+    assert description.count("(") == description.count(")"), description
