@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import difflib
 import math
+import re
 from collections.abc import Mapping
 from typing import Annotated, Literal, get_args, get_origin, get_type_hints
 
@@ -51,14 +52,28 @@ def explain(exc: msgspec.ValidationError, raw: Mapping[str, object], root: type)
     if not text:
         return f"invalid config: {message}"
     path = where.strip("`").removeprefix("$.").removeprefix("$")
-    value: object = raw
-    for part in path.split("."):
-        value = value.get(part, "<missing>") if isinstance(value, Mapping) else "<missing>"
+    value = _value_at(raw, path)
     expected = f"{text[0].lower()}{text[1:]}"
     choices = _literal_choices(path, root)
     if choices:
         expected = f"expected one of {', '.join(repr(c) for c in choices)}"
+    if isinstance(value, float) and not math.isfinite(value):
+        expected += " (NaN and infinities are never valid settings)"
     return f"{path} = {value!r} is invalid: {expected}"
+
+
+def _value_at(raw: Mapping[str, object], path: str) -> object:
+    """The raw value at a msgspec error path such as `data.eval_kwargs.n` or `a.b[2].c`."""
+    value: object = raw
+    for part in re.findall(r"[^.\[\]]+|\[\d+\]", path):
+        if part.startswith("[") and isinstance(value, list):
+            index = int(part[1:-1])
+            value = value[index] if index < len(value) else "<missing>"
+        elif isinstance(value, Mapping):
+            value = value.get(part, "<missing>")
+        else:
+            return "<missing>"
+    return value
 
 
 def _literal_choices(path: str, root: type) -> tuple[object, ...]:

@@ -23,8 +23,9 @@ one run named after `log.name`, with the resolved config, in `<run_dir>/wandb`; 
 offline) comes from W&B's own settings (`WANDB_MODE`, `wandb login`). Each W&B prefix has its own
 x axis (`define_metric`), because W&B's global step must only grow and ticks outnumber steps.
 
-Both packages are imported only when their switch is on (`pip install 'dora-rl[tracking]'`); a
-switch that is on without its package is a `ConfigError` at start, before any work is done.
+Both packages are imported only when their switch is on (`pip install -e '.[tracking]'` in dora's
+checkout); a switch that is on without its package is a `ConfigError` at start, before any work
+is done.
 """
 
 from __future__ import annotations
@@ -134,8 +135,8 @@ class _TensorBoard:
         except ImportError as exc:  # torch raises this when the tensorboard package is missing
             raise ConfigError(
                 "log.tensorboard = true needs the tensorboard package, which is not installed: "
-                "pip install 'dora-rl[tracking]' (or pip install tensorboard), or set "
-                "log.tensorboard = false"
+                "pip install -e '.[tracking]' in dora's checkout (or pip install tensorboard), "
+                "or set log.tensorboard = false"
             ) from exc
         self._writer = SummaryWriter(log_dir=str(logdir))
 
@@ -157,7 +158,8 @@ class _WandB:
         except ImportError as exc:
             raise ConfigError(
                 "log.wandb = true needs the wandb package, which is not installed: "
-                "pip install 'dora-rl[tracking]' (or pip install wandb), or set log.wandb = false"
+                "pip install -e '.[tracking]' in dora's checkout (or pip install wandb), "
+                "or set log.wandb = false"
             ) from exc
         from dora.config_text import to_toml_dict
 

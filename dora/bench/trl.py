@@ -1,13 +1,13 @@
 """`dora bench trl CONFIG`: TRL's GRPOTrainer against `dora run` on the same workload.
 
-What a user would otherwise pick on one machine: TRL's `GRPOTrainer` (the optional extra
-`pip install 'dora-rl[trl]'`), on the same initial model (the config's, built and warmed up once by
-`prepare_model`), the same tasks and prompts (the environment's `reset`, rendered by the model's
-chat template), prompts per step (`rollout.batch_size`), group size, max tokens, temperature,
-top-p, learning rate, weight decay, gradient clip, updates per step, and loss settings: GRPO
-advantages scaled by the group's std, token-level aggregation over the step (TRL's `dapo` loss),
-the clip range `[1 - learn.clip_low, 1 + learn.clip_high]`, `kl_coef` as TRL's `beta`. TRL
-generates with `model.generate` in the trainer's process, synchronously (on-policy), and has no
+What a user would otherwise pick on one machine: TRL's `GRPOTrainer` (the optional extra `pip
+install torch==2.13.0 -e '.[trl]'` in dora's checkout), on the same initial model (the config's,
+built and warmed up once by `prepare_model`), the same tasks and prompts (the environment's `reset`,
+rendered by the model's chat template), prompts per step (`rollout.batch_size`), group size, max
+tokens, temperature, top-p, learning rate, weight decay, gradient clip, updates per step, and loss
+settings: GRPO advantages scaled by the group's std, token-level aggregation over the step (TRL's
+`dapo` loss), the clip range `[1 - learn.clip_low, 1 + learn.clip_high]`, `kl_coef` as TRL's `beta`.
+TRL generates with `model.generate` in the trainer's process, synchronously (on-policy), and has no
 counterpart of dora's off-policy correction, which an on-policy run does not need.
 
 Both runs are evaluated the same way, greedily on the config's held-out tasks, scored by the
@@ -145,7 +145,8 @@ def run_trl(config: DoraConfig, out: Path) -> dict[str, object]:
         from trl import GRPOConfig, GRPOTrainer
     except ImportError:
         raise ConfigError(
-            "dora bench trl needs TRL: pip install torch==2.13.0 'dora-rl[trl]' (or trl>=1.16)"
+            "dora bench trl needs TRL: pip install torch==2.13.0 -e '.[trl]' in dora's checkout "
+            "(or pip install 'trl>=1.16')"
         ) from None
 
     from dora.models.prepare import prepare_model

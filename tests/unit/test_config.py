@@ -50,11 +50,18 @@ def test_settings_that_can_only_give_nan_are_refused() -> None:
         with pytest.raises(ConfigError, match=rf"{key} = inf is invalid: expected a finite number"):
             load_config(None, [f"{key}=inf"])
         for value in ("-inf", "nan"):
-            with pytest.raises(ConfigError, match=rf"{key} = "):
+            with pytest.raises(ConfigError, match=rf"{key} = .*NaN and infinities are never"):
                 load_config(None, [f"{key}={value}"])
     with pytest.raises(ConfigError, match=r"rollout\.temperature = 1e-45 .*>= 0\.0001"):
         load_config(None, ["rollout.temperature=1e-45"])
     assert load_config(None, ["rollout.temperature=0.0001"]).rollout.temperature == 1e-4
+
+
+def test_a_bad_value_inside_a_list_names_its_index_and_value() -> None:
+    with pytest.raises(ConfigError, match=r"model\.lora\.target_modules\[1\] = 3 is invalid"):
+        load_config(None, ['model.lora.target_modules=["q_proj", 3]'])
+    with pytest.raises(ConfigError, match=r"serve\.vllm_devices\[0\] = 1 is invalid"):
+        load_config(None, ["serve.vllm_devices=[1]"])
 
 
 def test_modes_are_presets_of_staleness() -> None:
