@@ -16,7 +16,8 @@ The resolved config (what `dora config show` prints) is what runs.
 from __future__ import annotations
 
 import tomllib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -528,26 +529,76 @@ def _resolve(config: DoraConfig) -> DoraConfig:
     if rollout.mode in MODE_STALENESS:
         rollout = msgspec.structs.replace(rollout, staleness=MODE_STALENESS[rollout.mode])
         config = msgspec.structs.replace(config, rollout=rollout)
-    if rollout.group_size < 2 and config.learn.loss in ("grpo", "dr_grpo", "gspo"):
-        raise ConfigError(
-            f"rollout.group_size = {rollout.group_size} is invalid: group-relative advantages "
-            "need at least 2 samples per group"
-        )
-    if rollout.group_size > config.serve.max_running:
-        raise ConfigError(
-            f"rollout.group_size = {rollout.group_size} is invalid: it must be at most "
-            f"serve.max_running = {config.serve.max_running}, because a group's samples start "
-            "together on one instance"
-        )
-    if config.learn.updates_per_step > rollout.batch_size:
-        raise ConfigError(
-            f"learn.updates_per_step = {config.learn.updates_per_step} is invalid: it must be at "
-            f"most rollout.batch_size = {rollout.batch_size} (each update needs at least one group)"
-        )
-    if not is_loopback(config.serve.host) and not config.serve.token:
-        raise ConfigError(
-            f"serve.host = {config.serve.host!r} is off loopback: set serve.token so that control "
-            "endpoints and the trainer link are authenticated (the link also needs "
-            "serve.link_server_key and serve.link_client_key)"
-        )
+    for rule in CROSS_FIELD_RULES:
+        problem = rule.violation(config)
+        if problem:
+            raise ConfigError(problem)
     return config
+
+
+@dataclass(frozen=True)
+class CrossFieldRule:
+    """A rule over several settings: `text` is what docs/config.md states, `violation` the error
+    message for a config that breaks it (None when it holds)."""
+
+    text: str
+    violation: Callable[[DoraConfig], str | None]
+
+
+def _group_too_small(c: DoraConfig) -> str | None:
+    if c.rollout.group_size >= 2 or c.learn.loss not in ("grpo", "dr_grpo", "gspo"):
+        return None
+    return (
+        f"rollout.group_size = {c.rollout.group_size} is invalid: group-relative advantages "
+        "need at least 2 samples per group"
+    )
+
+
+def _group_over_instance(c: DoraConfig) -> str | None:
+    if c.rollout.group_size <= c.serve.max_running:
+        return None
+    return (
+        f"rollout.group_size = {c.rollout.group_size} is invalid: it must be at most "
+        f"serve.max_running = {c.serve.max_running}, because a group's samples start "
+        "together on one instance"
+    )
+
+
+def _updates_over_batch(c: DoraConfig) -> str | None:
+    if c.learn.updates_per_step <= c.rollout.batch_size:
+        return None
+    return (
+        f"learn.updates_per_step = {c.learn.updates_per_step} is invalid: it must be at "
+        f"most rollout.batch_size = {c.rollout.batch_size} (each update needs at least one group)"
+    )
+
+
+def _open_without_token(c: DoraConfig) -> str | None:
+    if is_loopback(c.serve.host) or c.serve.token:
+        return None
+    return (
+        f"serve.host = {c.serve.host!r} is off loopback: set serve.token so that control "
+        "endpoints and the trainer link are authenticated (the link also needs "
+        "serve.link_server_key and serve.link_client_key)"
+    )
+
+
+CROSS_FIELD_RULES: tuple[CrossFieldRule, ...] = (
+    CrossFieldRule(
+        "`rollout.group_size` >= 2 with the group-relative losses (`grpo`, `dr_grpo`, `gspo`)",
+        _group_too_small,
+    ),
+    CrossFieldRule(
+        "`rollout.group_size` <= `serve.max_running`: a group starts together on one instance",
+        _group_over_instance,
+    ),
+    CrossFieldRule(
+        "`learn.updates_per_step` <= `rollout.batch_size`: each update needs at least one group",
+        _updates_over_batch,
+    ),
+    CrossFieldRule(
+        "`serve.host` off loopback needs `serve.token` (and the link's CURVE keys)",
+        _open_without_token,
+    ),
+)
+"""Checked in this order at load, after the mode presets; the first broken rule is the error."""

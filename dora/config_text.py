@@ -13,7 +13,7 @@ from typing import Literal, get_args, get_origin, get_type_hints
 
 import msgspec
 
-from dora.config import DoraConfig
+from dora.config import CROSS_FIELD_RULES, DoraConfig
 from dora.config_check import struct_type
 
 __all__ = ["config_markdown", "field_docs", "render_toml", "to_toml_dict"]
@@ -138,5 +138,7 @@ def config_markdown() -> str:
                 "|---|---|---|---|",
             ]
         out.append(f"| `{key}` | {type_name} | `{default}` | {description} |")
+    out += ["", "## Rules across settings", "", "Checked at load, after the mode presets:", ""]
+    out += [f"- {rule.text}" for rule in CROSS_FIELD_RULES]
     out.append("")
     return "\n".join(out).replace("|\n## ", "|\n\n## ")
