@@ -382,6 +382,10 @@ class LogConfig(_Section):
         float, M(gt=0, description="Seconds between periodic metric records")
     ] = 1.0
     progress: Annotated[bool, M(description="Show a live progress display in the terminal")] = True
+    console_every: Annotated[
+        int,
+        M(ge=0, description="Print a line (reward, loss, tokens/s, ...) every N steps; 0 is off"),
+    ] = 1
     samples_every: Annotated[
         int,
         M(

@@ -186,5 +186,11 @@ def main(args: argparse.Namespace) -> int:
     except asyncio.CancelledError:
         print("dora serve: stopped", file=sys.stderr)
         return 130
-    print(f"dora serve: finished: {msgspec.json.encode(report).decode()}", flush=True)
+    from dora.serve.console import summary_table
+
+    print(
+        f"dora serve: finished ({run_dir / 'summary.json'}):\n"
+        f"{summary_table(msgspec.to_builtins(report))}",
+        flush=True,
+    )
     return 0

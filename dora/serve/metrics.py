@@ -37,6 +37,7 @@ from dora.records import Record, RolloutReport, Tick
 
 if TYPE_CHECKING:
     from dora.protocol import Group
+    from dora.serve.console import StepLines
     from dora.tracking import Tracking
 
 __all__ = ["MetricsLog", "Progress", "RolloutReport", "SampleLog", "Ticker"]
@@ -45,13 +46,20 @@ __all__ = ["MetricsLog", "Progress", "RolloutReport", "SampleLog", "Ticker"]
 class MetricsLog:
     """Appends records to `<run_dir>/rollout.jsonl`."""
 
-    def __init__(self, run_dir: Path, *, tracking: Tracking | None = None) -> None:
+    def __init__(
+        self,
+        run_dir: Path,
+        *,
+        tracking: Tracking | None = None,
+        console: StepLines | None = None,
+    ) -> None:
         run_dir.mkdir(parents=True, exist_ok=True)
         self.path = run_dir / "rollout.jsonl"
         self._file: IO[bytes] | None = self.path.open("ab")
         self._encoder = msgspec.json.Encoder()
         self.start = time.monotonic()
         self._tracking = tracking  # TensorBoard / W&B (dora/tracking.py): every record, if on
+        self._console = console  # a line per `log.console_every` steps (dora/serve/console.py)
 
     def write(self, record: Record) -> None:
         if self._file is None:
@@ -64,6 +72,8 @@ class MetricsLog:
         self._file.flush()
         if self._tracking is not None:
             self._tracking.record(line)
+        if self._console is not None:
+            self._console.observe(line)
 
     def close(self) -> None:
         if self._file is not None:

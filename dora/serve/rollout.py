@@ -51,6 +51,7 @@ from dora.env import Env, PromptStream, Task
 from dora.episode import ChatRenderer
 from dora.link import ServeLink
 from dora.records import Restore, ServeStart
+from dora.serve.console import StepLines
 from dora.serve.coretime import CoreClock
 from dora.serve.cpu_priority import CpuPriority, Instance
 from dora.serve.dispatcher import Dispatcher
@@ -117,7 +118,13 @@ class Rollout:
                 legacy_filling=r.legacy_filling,
             )
         )
-        self.metrics = MetricsLog(run_dir, tracking=open_tracking(config, run_dir))
+        self.metrics = MetricsLog(
+            run_dir,
+            tracking=open_tracking(config, run_dir),
+            console=StepLines(every=config.log.console_every, total_steps=config.learn.steps)
+            if config.log.console_every
+            else None,
+        )
         self.spawn = Spawner()
         router = Router(
             # vLLM cannot move a request with its KV cache; the embedded and emulated engines can.

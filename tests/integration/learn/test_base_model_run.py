@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -99,8 +100,21 @@ def _records(path: Path) -> list[dict[str, Any]]:
 def test_a_base_model_with_plain_text_prompts_trains_evaluates_and_ends(tmp_path: Path) -> None:
     from transformers import AutoTokenizer
 
-    model, run_dir, ended, _ = _run(tmp_path)
+    model, run_dir, ended, proc = _run(tmp_path)
     tokenizer = AutoTokenizer.from_pretrained(model)
+
+    # piped, not a terminal: a line per step with what a user watches, and a table at the end
+    lines = re.findall(
+        r"step (\d+)/(\d+)  v(\d+)  reward \S+  loss \S+  tokens/s \S+  "
+        r"staleness \S+ \(max \d+\)  trainer wait \S+ s.*",
+        proc.stderr,
+    )
+    assert [(int(a), int(b)) for a, b, _ in lines] == [(k, STEPS) for k in range(1, STEPS + 1)], (
+        proc.stderr[-3000:]
+    )
+    assert "held-out reward" in proc.stderr
+    assert re.search(rf"steps trained +{STEPS} of {STEPS}", proc.stdout), proc.stdout
+    assert re.search(r"groups +\d+ admitted = \d+ trained \+", proc.stdout), proc.stdout
     assert tokenizer.chat_template is None
 
     # every prompt is tokenizer(prompt), special tokens included
