@@ -504,6 +504,26 @@ def read_config_file(path: Path) -> dict[str, object]:
     return data
 
 
+def default_sections(path: str | Path | None, overrides: Sequence[str]) -> list[str]:
+    """Sentences naming what a run trains when its config leaves out `[model]` or `[env]`:
+    dora's own tiny model and chain arithmetic, which a user who forgot a section should hear
+    about at start rather than discover in the results."""
+    written = set(read_config_file(Path(path))) if path else set()
+    written |= {item.partition("=")[0].strip().split(".")[0] for item in overrides}
+    notes = []
+    if "model" not in written:
+        notes.append(
+            "no [model] section: training dora's tiny character model, built from scratch "
+            "(model.path = 'tiny')"
+        )
+    if "env" not in written:
+        notes.append(
+            "no [env] section: the environment is chain arithmetic "
+            f"(env.cls = {EnvConfig().cls!r}; set it to 'module:Class' of yours)"
+        )
+    return notes
+
+
 def _parse_override(item: str) -> tuple[str, object]:
     key, sep, text = item.partition("=")
     if not sep or not key:

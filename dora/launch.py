@@ -45,7 +45,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from dora.config import DoraConfig, load_config
+from dora.config import DoraConfig, default_sections, load_config
 from dora.config_text import render_toml
 from dora.errors import NotYetAvailable, RunAborted
 from dora.net import free_port
@@ -73,6 +73,8 @@ def main(args: argparse.Namespace) -> int:
         if not found:
             raise NotYetAvailable(f"{side} is not in this version yet")
     config = load_config(args.config, args.overrides)
+    for note in default_sections(args.config, args.overrides):
+        print(f"dora run: {note}", flush=True)
     args.overrides = [*args.overrides, *_thread_overrides(args.config, args.overrides, config)]
     run_dir = resolve_run_dir(config, resume=False)
     run_dir.mkdir(parents=True, exist_ok=True)

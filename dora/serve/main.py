@@ -30,7 +30,7 @@ from pathlib import Path
 
 import msgspec
 
-from dora.config import DoraConfig, load_config
+from dora.config import DoraConfig, default_sections, load_config
 from dora.errors import ConfigError
 from dora.heap import collector_clock, settle_heap
 from dora.launch import mark_ready
@@ -169,6 +169,8 @@ async def run_serve(
 def main(args: argparse.Namespace) -> int:
     """`dora serve`: 0 when the run finished."""
     config = load_config(args.config, args.overrides)
+    for note in default_sections(args.config, args.overrides):
+        print(f"dora serve: {note}", flush=True)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     run_dir = resolve_run_dir(config, resume=False)
     print(f"dora serve: run directory {run_dir}", flush=True)
