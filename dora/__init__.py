@@ -25,18 +25,21 @@ if TYPE_CHECKING:  # what a type checker sees: the real classes, not `__getattr_
         SingleTurnEnv,
         Task,
         load_env,
+        load_object,
     )
     from dora.episode import (
         EpisodeLimits,
         GroupFailed,
         PinnedSampler,
         Sampler,
+        masked_sample,
         run_episode,
         run_group,
     )
     from dora.errors import ConfigError, DataError, DoraError, EnvError, ServerError
     from dora.models import TinyModelSpec, build_tiny_model
     from dora.protocol import Completion, Group, Sample, SamplingParams
+    from dora.render import ChatRenderer
     from dora.tool_calls import ParsedTurn, ToolCall, parse_tool_calls
     from dora.tools import CallId, EndEpisode, Tool, ToolBox, ToolResult, tool_schema
 
@@ -68,6 +71,7 @@ _EXPORTS: dict[str, str] = {
     "PromptStream": "dora.env",
     "ScorerPool": "dora.env",
     "load_env": "dora.env",
+    "load_object": "dora.env",
     "tool_schema": "dora.tools",
     "Tool": "dora.tools",
     "CallId": "dora.tools",
@@ -84,6 +88,8 @@ _EXPORTS: dict[str, str] = {
     "GroupFailed": "dora.episode",
     "run_episode": "dora.episode",
     "run_group": "dora.episode",
+    "masked_sample": "dora.episode",
+    "ChatRenderer": "dora.render",
     # the scheduling core (docs/scheduling.md)
     "TransferQueue": "dora.core",
     "Orchestrator": "dora.core",
@@ -91,6 +97,7 @@ _EXPORTS: dict[str, str] = {
 
 __all__ = [
     "CallId",
+    "ChatRenderer",
     "Completion",
     "ConfigError",
     "DataError",
@@ -126,6 +133,8 @@ __all__ = [
     "build_tiny_model",
     "load_config",
     "load_env",
+    "load_object",
+    "masked_sample",
     "parse_tool_calls",
     "run_episode",
     "run_group",

@@ -105,3 +105,20 @@ def test_a_type_checker_sees_the_real_public_types(tmp_path: Path) -> None:
     assert revealed[0] == '"dora.env.Env"'
     assert len(revealed) == 1 + len(dora.__all__)
     assert not [r for r in revealed if "builtins.object" in r or r == '"Any"'], revealed
+
+
+def test_every_name_the_environment_reference_documents_imports_from_dora() -> None:
+    """docs/environments.md promises that the names of its `dora.*` sections import from `dora`."""
+    import re
+
+    text = (ROOT / "docs" / "environments.md").read_text()
+    reference = text.split("## API reference", 1)[1]
+    names: set[str] = set()
+    for section in re.split(r"^### ", reference, flags=re.M)[1:]:
+        if section.startswith("`dora."):
+            # an entry opens a line: `Name` or `function(`
+            names |= set(re.findall(r"^`([A-Z]\w*|\w+(?=\())", section, flags=re.M))
+    hooks = {"setup", "tasks", "close", "demonstration", "step", "next", "reset", "reward"}
+    missing = sorted(n for n in names - hooks if n not in dora.__all__)
+    assert len(names) > 20, names
+    assert not missing, f"documented but not importable from dora: {missing}"
