@@ -371,6 +371,13 @@ class DataConfig(_Section):
             "trained that late is loaded); 0 is off",
         ),
     ] = 0.0
+    eval_success_at: Annotated[
+        float,
+        M(
+            description="A held-out episode is a success when its reward is at least this: "
+            "`accuracy` is the fraction of successes (the math environments score 1.0 right)"
+        ),
+    ] = 1.0
 
 
 class LogConfig(_Section):

@@ -188,6 +188,7 @@ class Eval(Record, tag="eval"):
     version_time_s: float | None
     started_s: float
     seconds: float
+    success_at: float = 1.0
 
 
 class InstanceTick(msgspec.Struct, kw_only=True):

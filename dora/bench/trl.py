@@ -106,7 +106,6 @@ def _greedy_accuracy(model: Any, tok: Any, config: DoraConfig, rows: list, tasks
 
     from dora.engine.batcher import Batcher, BatcherConfig
     from dora.protocol import SamplingParams
-    from dora.serve.evaluate import CORRECT_AT
 
     was_training = model.training
     model.eval()
@@ -132,7 +131,7 @@ def _greedy_accuracy(model: Any, tok: Any, config: DoraConfig, rows: list, tasks
     correct = 0
     for index, seq in seqs:
         text = tok.decode([t for t in seq.token_ids if t not in eos])
-        correct += _score(config, tasks, index, text) >= CORRECT_AT
+        correct += _score(config, tasks, index, text) >= config.data.eval_success_at
     return correct / len(seqs)
 
 

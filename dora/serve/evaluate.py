@@ -28,13 +28,15 @@ record says. At the end, the running evaluation is waited for (bounded, and logg
 one starts any more, and the final version is evaluated.
 
 Records (`rollout.jsonl`): `{"kind": "eval", "time_s", "step": w, "version": w, "due",
-"due_s", "accuracy", "reward_mean", "n", "masked", "concurrency", "version_time_s", "started_s",
-"seconds"}`: `due` and `due_s` are the thresholds (a multiple of `data.eval_every`, of
+"due_s", "accuracy", "success_at", "reward_mean", "n", "masked", "concurrency", "version_time_s",
+"started_s", "seconds"}`: `due` and `due_s` are the thresholds (a multiple of `data.eval_every`, of
 `data.eval_every_s`; null for the one that did not fall due) the evaluation was started for,
 `concurrency` the most episodes it ran at once, `version_time_s` when version `w` was trained
 (on the clock of `time_s`: seconds since serve started; 0 for version 0), `started_s` when the
-evaluation started; `accuracy` is the fraction of held-out episodes whose reward is at least
-`CORRECT_AT` (the math environments score 1.0 for a right answer).
+evaluation started; `accuracy` is the success rate: the fraction of held-out episodes whose
+reward is at least `success_at` (`data.eval_success_at`, 1.0 by default: the math environments
+score 1.0 for a right answer), and `reward_mean` the mean reward of all of them, for tasks whose
+reward has no such line.
 """
 
 from __future__ import annotations
@@ -56,12 +58,9 @@ from dora.serve.metrics import MetricsLog
 from dora.serve.placement import Placement
 from dora.serve.spawn import Spawner
 
-__all__ = ["CORRECT_AT", "Evaluator"]
+__all__ = ["Evaluator"]
 
 log = logging.getLogger("dora.serve")
-
-CORRECT_AT = 1.0
-"""A held-out episode counts as correct when its reward is at least this."""
 
 
 @dataclass(frozen=True)
@@ -108,6 +107,7 @@ class Evaluator:
         self._renderer = renderer
         self._every = cfg.data.eval_every
         self._every_s = cfg.data.eval_every_s
+        self._success_at = cfg.data.eval_success_at
         self._params = SamplingParams(max_tokens=turn_max_tokens(cfg), temperature=0.0, top_p=1.0)
         self._limits = episode_limits(cfg)
         self._workers = max(1, min(len(tasks), cfg.serve.max_running // 2))
@@ -191,7 +191,8 @@ class Evaluator:
         samples: list[Sample] = []
         version, concurrency = await self._run_workers(version, prefix, queue, samples)
         n = len(samples)
-        correct = sum(1 for s in samples if not s.masked and s.reward >= CORRECT_AT)
+        success_at = self._success_at
+        correct = sum(1 for s in samples if not s.masked and s.reward >= success_at)
         trained_at = self._trained_at(version)
         record = Eval(
             step=version,
@@ -199,6 +200,7 @@ class Evaluator:
             due=due.steps,
             due_s=due.seconds,
             accuracy=correct / n if n else 0.0,
+            success_at=success_at,
             reward_mean=math.fsum(s.reward for s in samples) / n if n else 0.0,
             n=n,
             masked=sum(1 for s in samples if s.masked),
@@ -210,9 +212,12 @@ class Evaluator:
         self._metrics.write(record)
         self.history.append((version, record.accuracy))
         log.info(
-            "eval: version %d accuracy %.3f (%d held-out tasks, %d at once, %.1f s)",
+            "eval: version %d success %.3f (reward >= %g), reward mean %.3f "
+            "(%d held-out tasks, %d at once, %.1f s)",
             version,
             record.accuracy,
+            success_at,
+            record.reward_mean,
             n,
             concurrency,
             record.seconds,

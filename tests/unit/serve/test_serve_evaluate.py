@@ -100,9 +100,15 @@ class FakeRollout:
     """What the evaluator is wired to: a real orchestrator in a real `Placement`, a fake router,
     and instant loads."""
 
-    def __init__(self) -> None:
+    def __init__(self, *overrides: str) -> None:
         self.config = load_config(
-            None, [f"serve.max_running={CAPACITY}", "rollout.group_size=4", "data.eval_every=1"]
+            None,
+            [
+                f"serve.max_running={CAPACITY}",
+                "rollout.group_size=4",
+                "data.eval_every=1",
+                *overrides,
+            ],
         )
         self.tokenizer = char_tokenizer()
         self.orchestrator = Orchestrator()
@@ -192,3 +198,12 @@ async def test_an_evaluation_that_starts_on_a_busy_instance_grows_to_its_share()
     [e] = [rec for kind, rec in r.metrics.records if kind == "eval"]
     assert (e["version"], e["n"], e["accuracy"]) == (0, 20, 1.0)
     assert e["concurrency"] == CAPACITY // 2 == r.peak, "as many at once as an idle instance gives"
+
+
+async def test_success_is_counted_at_the_configured_reward_and_the_record_says_which() -> None:
+    r = FakeRollout("data.eval_success_at=1.5")  # Answer4's right answer scores 1.0
+    evaluator = _evaluator(r, 4)
+    evaluator.on_loaded(0)
+    await asyncio.wait_for(evaluator.finish(0, timeout_s=5), 10)
+    [e] = [rec for kind, rec in r.metrics.records if kind == "eval"]
+    assert (e["accuracy"], e["success_at"], e["reward_mean"]) == (0.0, 1.5, 1.0)
