@@ -409,6 +409,10 @@ class LogConfig(_Section):
         bool,
         M(description="Also log metrics to Weights & Biases, project 'dora' (extra: tracking)"),
     ] = False
+    trackio: Annotated[
+        bool,
+        M(description="Also log metrics to trackio, project 'dora' (pip install trackio)"),
+    ] = False
 
 
 class RunConfig(_Section):

@@ -1,5 +1,5 @@
-"""Optional TensorBoard and Weights & Biases logging of a run's metric records (`log.tensorboard`,
-`log.wandb`; both off by default).
+"""Optional TensorBoard, Weights & Biases and trackio logging of a run's metric records
+(`log.tensorboard`, `log.wandb`, `log.trackio`; all off by default).
 
 One sink for both streams: `dora serve`'s `MetricsLog` hands every record it writes to
 `rollout.jsonl` to `Tracking.record`, and that log already carries the trainer's metrics (the
@@ -22,8 +22,10 @@ TensorBoard writes event files under `<run_dir>/tensorboard` through
 one run named after `log.name`, with the resolved config, in `<run_dir>/wandb`; its mode (online,
 offline) comes from W&B's own settings (`WANDB_MODE`, `wandb login`). Each W&B prefix has its own
 x axis (`define_metric`), because W&B's global step must only grow and ticks outnumber steps.
+trackio (local-first: its runs stay on this machine unless told otherwise) logs every stream at the
+train step (`_Trackio`).
 
-Both packages are imported only when their switch is on (`pip install -e '.[tracking]'` in dora's
+Each package is imported only when its switch is on (`pip install -e '.[tracking]'` in dora's
 checkout); a switch that is on without its package is a `ConfigError` at start, before any work
 is done.
 """
@@ -186,14 +188,50 @@ class _WandB:
         self._run.finish()
 
 
+class _Trackio:
+    """trackio (local-first, W&B-like): one run in project `dora`, stored where trackio's own
+    settings say (`TRACKIO_DIR`; `trackio show` opens its dashboard). trackio has one step axis
+    per run, so every stream is logged at the train step: a tick at the newest step trained so
+    far, with its own clock (`serve/time_ms`) as a value beside the others."""
+
+    def __init__(self, config: DoraConfig) -> None:
+        try:
+            import trackio
+        except ImportError as exc:
+            raise ConfigError(
+                "log.trackio = true needs the trackio package, which is not installed: "
+                "pip install trackio, or set log.trackio = false"
+            ) from exc
+        from dora.config_text import to_toml_dict
+
+        self._trackio = trackio
+        self._run = trackio.init(project="dora", name=config.log.name, config=to_toml_dict(config))
+        self._step = 0
+
+    def log(self, values: dict[str, float], *, axis: str, step: int, wall_s: float) -> None:
+        if axis.endswith("/step"):
+            self._step = max(self._step, step)
+            self._run.log(values, step=step)
+        else:
+            self._run.log({**values, axis: float(step)}, step=self._step)
+
+    def summary(self, values: dict[str, float]) -> None:
+        self._run.log(values, step=self._step)
+
+    def close(self) -> None:
+        self._run.finish()
+
+
 def open_tracking(config: DoraConfig, run_dir: Path) -> Tracking | None:
-    """The sinks `config.log` switches on, or None when both are off (nothing is imported)."""
+    """The sinks `config.log` switches on, or None when all are off (nothing is imported)."""
     sinks: list[_Sink] = []
     try:
         if config.log.tensorboard:
             sinks.append(_TensorBoard(run_dir / "tensorboard"))
         if config.log.wandb:
             sinks.append(_WandB(config, run_dir))
+        if config.log.trackio:
+            sinks.append(_Trackio(config))
     except BaseException:
         for sink in sinks:
             sink.close()

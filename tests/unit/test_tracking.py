@@ -80,6 +80,7 @@ def test_scalars_flatten_numbers_and_instances() -> None:
 def test_off_by_default_imports_nothing(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     # with both packages unimportable, the default config still works: nothing is imported
     monkeypatch.setitem(sys.modules, "wandb", None)
+    monkeypatch.setitem(sys.modules, "trackio", None)
     monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)
     assert open_tracking(load_config(None), tmp_path) is None
 
@@ -89,6 +90,7 @@ def test_off_by_default_imports_nothing(monkeypatch: pytest.MonkeyPatch, tmp_pat
     [
         ("log.tensorboard", "torch.utils.tensorboard", "tensorboard"),
         ("log.wandb", "wandb", "wandb"),
+        ("log.trackio", "trackio", "trackio"),
     ],
 )
 def test_switched_on_without_the_package_is_a_clear_error(
@@ -96,7 +98,7 @@ def test_switched_on_without_the_package_is_a_clear_error(
 ) -> None:
     monkeypatch.setitem(sys.modules, module, None)  # import raises ImportError
     config = load_config(None, [f"{key}=true"])
-    with pytest.raises(ConfigError, match=rf"{key} = true needs the {package} package.*tracking"):
+    with pytest.raises(ConfigError, match=rf"{key} = true needs the {package} package.*install"):
         open_tracking(config, tmp_path)
 
 
@@ -178,4 +180,45 @@ def test_wandb_one_run_with_an_axis_per_stream(
         run.logged
     )
     assert run.summary == {"summary/steps": 4.0, "summary/wall_s": 12.5}
+    assert run.finished
+
+
+class _FakeTrackioRun:
+    def __init__(self) -> None:
+        self.logged: list[tuple[int | None, dict[str, float]]] = []
+        self.finished = False
+
+    def log(self, metrics: dict[str, float], step: int | None = None) -> None:
+        self.logged.append((step, metrics))
+
+    def finish(self) -> None:
+        self.finished = True
+
+
+def test_trackio_one_run_every_stream_at_the_train_step(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    run = _FakeTrackioRun()
+    inits: list[dict[str, object]] = []
+
+    def init(**kwargs: object) -> _FakeTrackioRun:
+        inits.append(kwargs)
+        return run
+
+    monkeypatch.setitem(sys.modules, "trackio", types.SimpleNamespace(init=init))
+    config = load_config(None, ["log.trackio=true", "log.name=bench", "learn.lr=0.001"])
+    _write_run(MetricsLog(tmp_path, tracking=open_tracking(config, tmp_path)))
+
+    (kwargs,) = inits
+    assert kwargs["project"] == "dora" and kwargs["name"] == "bench"
+    assert isinstance(kwargs["config"], dict) and kwargs["config"]["learn"]["lr"] == 0.001
+    steps = [step for step, _ in run.logged]
+    assert steps == sorted(steps), "trackio's one axis never goes back"
+    (tick_step, tick), *_ = run.logged  # before any step is trained: step 0, its clock beside
+    assert tick_step == 0 and tick["serve/instances/i0/util"] == 0.5 and "serve/time_ms" in tick
+    assert (2, {"learn/loss": 0.125, "learn/reward_mean": 0.5, "learn/tokens": 900.0}) in (
+        run.logged
+    )
+    assert (4, {"eval/accuracy": 0.375, "eval/version": 4.0, "eval/n": 128.0}) in run.logged
+    assert run.logged[-1] == (4, {"summary/steps": 4.0, "summary/wall_s": 12.5})
     assert run.finished
