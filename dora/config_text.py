@@ -13,8 +13,9 @@ from typing import Literal, get_args, get_origin, get_type_hints
 
 import msgspec
 
-from dora.config import CROSS_FIELD_RULES, DoraConfig
+from dora.config import DoraConfig
 from dora.config_check import struct_type
+from dora.config_rules import CROSS_FIELD_RULES
 
 __all__ = ["config_markdown", "field_docs", "render_toml", "to_toml_dict"]
 

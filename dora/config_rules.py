@@ -1,0 +1,83 @@
+"""The rules that span several settings, checked when a config is loaded (after the mode presets)
+and listed in docs/config.md from the same data, so the reference and the check cannot drift."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from dora.net import is_loopback
+
+if TYPE_CHECKING:
+    from dora.config import DoraConfig
+
+__all__ = ["CROSS_FIELD_RULES", "CrossFieldRule"]
+
+
+@dataclass(frozen=True)
+class CrossFieldRule:
+    """A rule over several settings: `text` is what docs/config.md states, `violation` the error
+    message for a config that breaks it (None when it holds)."""
+
+    text: str
+    violation: Callable[[DoraConfig], str | None]
+
+
+def _group_too_small(c: DoraConfig) -> str | None:
+    if c.rollout.group_size >= 2 or c.learn.loss not in ("grpo", "dr_grpo", "gspo"):
+        return None
+    return (
+        f"rollout.group_size = {c.rollout.group_size} is invalid: group-relative advantages "
+        "need at least 2 samples per group"
+    )
+
+
+def _group_over_instance(c: DoraConfig) -> str | None:
+    if c.rollout.group_size <= c.serve.max_running:
+        return None
+    return (
+        f"rollout.group_size = {c.rollout.group_size} is invalid: it must be at most "
+        f"serve.max_running = {c.serve.max_running}, because a group's samples start "
+        "together on one instance"
+    )
+
+
+def _updates_over_batch(c: DoraConfig) -> str | None:
+    if c.learn.updates_per_step <= c.rollout.batch_size:
+        return None
+    return (
+        f"learn.updates_per_step = {c.learn.updates_per_step} is invalid: it must be at "
+        f"most rollout.batch_size = {c.rollout.batch_size} (each update needs at least one group)"
+    )
+
+
+def _open_without_token(c: DoraConfig) -> str | None:
+    if is_loopback(c.serve.host) or c.serve.token:
+        return None
+    return (
+        f"serve.host = {c.serve.host!r} is off loopback: set serve.token so that control "
+        "endpoints and the trainer link are authenticated (the link also needs "
+        "serve.link_server_key and serve.link_client_key)"
+    )
+
+
+CROSS_FIELD_RULES: tuple[CrossFieldRule, ...] = (
+    CrossFieldRule(
+        "`rollout.group_size` >= 2 with the group-relative losses (`grpo`, `dr_grpo`, `gspo`)",
+        _group_too_small,
+    ),
+    CrossFieldRule(
+        "`rollout.group_size` <= `serve.max_running`: a group starts together on one instance",
+        _group_over_instance,
+    ),
+    CrossFieldRule(
+        "`learn.updates_per_step` <= `rollout.batch_size`: each update needs at least one group",
+        _updates_over_batch,
+    ),
+    CrossFieldRule(
+        "`serve.host` off loopback needs `serve.token` (and the link's CURVE keys)",
+        _open_without_token,
+    ),
+)
+"""Checked in this order at load, after the mode presets; the first broken rule is the error."""
