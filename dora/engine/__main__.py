@@ -34,6 +34,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-kv-gib", type=float, default=4.0)
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument(
+        "--stall-s",
+        type=float,
+        default=10.0,
+        help="/health answers 503 once one engine step or command lasts longer (loads excepted)",
+    )
+    p.add_argument(
         "--control-token-env",
         default="DORA_ENGINE_TOKEN",
         help="environment variable with the bearer token for /control (unset: loopback only)",
@@ -62,6 +68,7 @@ async def serve(args: argparse.Namespace) -> None:
         threads=args.threads,
         config=config,
         control_token=os.environ.get(args.control_token_env) or None,
+        stall_s=args.stall_s,
     ) as server:
         settle_heap()
         print(server.url, flush=True)

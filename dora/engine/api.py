@@ -19,6 +19,8 @@ which are msgpack.
 from __future__ import annotations
 
 import difflib
+import math
+from collections.abc import Sequence
 from typing import Annotated, Literal, TypeVar
 
 import msgspec
@@ -61,13 +63,6 @@ class _Sampling(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     version: int | None = None
     request_id: str | None = None
 
-    def __post_init__(self) -> None:
-        if 0.0 < self.temperature < MIN_TEMPERATURE:
-            raise ValueError(
-                f"temperature = {self.temperature!r}: expected 0 (greedy) or at least "
-                f"{MIN_TEMPERATURE:g} (lower overflows logits / temperature: NaN logprobs)"
-            )
-
     def sampling_params(self, default_max_tokens: int) -> SamplingParams:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         return SamplingParams(
@@ -108,7 +103,6 @@ class ChatRequest(_Sampling, kw_only=True, forbid_unknown_fields=True):
     add_generation_prompt: bool = True
 
     def __post_init__(self) -> None:
-        super().__post_init__()
         for i, message in enumerate(self.messages):
             role, content = message.get("role"), message.get("content")
             if role not in ROLES:
@@ -129,6 +123,76 @@ class ChatRequest(_Sampling, kw_only=True, forbid_unknown_fields=True):
                         f"messages[{i}].content[{j}] is of type {kind!r}: the engine takes text "
                         'only, as {"type": "text", "text": "..."}'
                     )
+
+
+def check_prompt(prompt_ids: Sequence[int], vocab_size: int, context: int) -> None:
+    """Raise ValueError unless `prompt_ids` is a non-empty prompt of the vocabulary that leaves
+    room in the context (max_model_len) for one sampled token."""
+    if not prompt_ids:
+        raise ValueError("prompt is empty: give at least one token")
+    _check_ids("prompt token ids", prompt_ids, vocab_size)
+    if len(prompt_ids) >= context:
+        raise ValueError(
+            f"prompt of {len(prompt_ids)} tokens does not fit the context of {context} tokens "
+            "(max_model_len), which must leave room for one sampled token"
+        )
+
+
+def check_sampling(params: SamplingParams, vocab_size: int) -> None:
+    """Raise ValueError naming the first field of `params` the engine cannot sample with: the
+    completion routes and `/control/import` both check here, whatever their body's shape."""
+    t = params.temperature
+    problems = [
+        (params.max_tokens < 1, f"max_tokens = {params.max_tokens}: expected at least 1"),
+        (params.min_tokens < 0, f"min_tokens = {params.min_tokens}: expected at least 0"),
+        (
+            not (t == 0.0 or (math.isfinite(t) and t >= MIN_TEMPERATURE)),
+            f"temperature = {t!r}: expected 0 (greedy) or at least {MIN_TEMPERATURE:g} "
+            "(lower overflows logits / temperature: NaN logprobs)",
+        ),
+        (not 0.0 < params.top_p <= 1.0, f"top_p = {params.top_p!r}: expected in (0, 1]"),
+        (params.top_k < -1, f"top_k = {params.top_k}: expected -1 (off) or at least 0"),
+        (
+            params.seed is not None and not 0 <= params.seed < 1 << 63,
+            f"seed = {params.seed}: expected in [0, 2**63)",
+        ),
+    ]
+    for bad, message in problems:
+        if bad:
+            raise ValueError(message)
+    _check_ids("stop_token_ids", params.stop_token_ids, vocab_size)
+
+
+def check_imported(req: ExportedRequest, vocab_size: int, context: int) -> None:
+    """Raise ValueError unless an imported request is one the engine could have exported: its
+    prompt and sampling as a completion's (`check_prompt`, `check_sampling`), and what it sampled
+    so far consistent (token ids of the vocabulary, one finite log-probability <= 0 and one
+    version <= its own per token, fewer tokens than `max_tokens`, a 32-bit noise key)."""
+    check_prompt(req.prompt_ids, vocab_size, context)
+    check_sampling(req.params, vocab_size)
+    n = len(req.token_ids)
+    if not 0 <= req.key < 1 << 32:
+        raise ValueError(f"key = {req.key}: expected a 32-bit noise key in [0, 2**32)")
+    if len(req.logprobs) != n or len(req.versions) != n:
+        raise ValueError(
+            f"{n} sampled token ids need as many logprobs and versions "
+            f"({len(req.logprobs)} and {len(req.versions)} given)"
+        )
+    _check_ids("sampled token ids", req.token_ids, vocab_size)
+    if not all(math.isfinite(x) and x <= 0.0 for x in req.logprobs):
+        raise ValueError("logprobs must be finite and at most 0")
+    if n and not 0 <= min(req.versions) <= max(req.versions) <= req.version:
+        raise ValueError(f"versions must lie in [0, {req.version}] (the request's version)")
+    if n >= req.params.max_tokens:
+        raise ValueError(f"{n} tokens sampled already: nothing left under max_tokens")
+    if len(req.prompt_ids) + n >= context:
+        raise ValueError(f"prompt and sampled tokens fill the context of {context} tokens")
+
+
+def _check_ids(what: str, ids: Sequence[int], vocab_size: int) -> None:
+    if ids and not 0 <= min(ids) <= max(ids) < vocab_size:
+        bad = [t for t in ids if not 0 <= t < vocab_size]
+        raise ValueError(f"{what} out of range [0, {vocab_size}): {bad[:5]}")
 
 
 LoadMode = Literal["drain", "abort", "keep"]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import math
 from typing import TYPE_CHECKING
 
 import msgspec
@@ -20,7 +21,7 @@ from aiohttp import web
 from dora.engine import api, render, wire
 from dora.engine.batcher import Batcher
 from dora.engine.sequence import Sequence
-from dora.engine.worker import read_safetensors
+from dora.engine.worker import WeightsConflict, read_safetensors
 from dora.instance.interface import ExportedRequest
 from dora.protocol import MSGPACK
 
@@ -83,6 +84,8 @@ class ControlRoutes:
             result = await asyncio.wrap_future(
                 self.server.worker.load_weights(tensors, version=req.version, mode=req.mode)
             )
+        except WeightsConflict as exc:
+            return self.server.error(409, f"weights not loaded: {exc}")
         except (ValueError, FileNotFoundError) as exc:
             return self.server.error(400, f"weights not loaded: {exc}")
         return web.json_response(result)
@@ -170,6 +173,11 @@ class ControlRoutes:
         req = await self._control_body(request, ExportedRequest)
         if isinstance(req, web.Response):
             return req
+        batcher = self.server.worker.batcher
+        try:
+            api.check_imported(req, batcher.vocab_size, batcher.max_model_len)
+        except ValueError as exc:
+            return self.server.error(400, f"cannot import this request: {exc}")
         held = self.server.worker.batcher.held_versions()
         if req.version not in held:
             return self.server.error(
@@ -239,6 +247,16 @@ def _tensor_source(req: api.LoadWeightsRequest) -> render.TensorSource:
     unknown = sorted({d for d in dtypes if d not in _DTYPES})
     if unknown:
         raise ValueError(f"unsupported dtypes {unknown}; use one of {sorted(_DTYPES)}")
+
+    for name, dtype, shape, data in zip(req.names, dtypes, req.shapes, req.data, strict=True):
+        if any(d < 0 for d in shape):
+            raise ValueError(f"{name}: shape {shape} has a negative dimension")
+        size = math.prod(shape) * _DTYPES[dtype].itemsize
+        if size != len(data):
+            raise ValueError(
+                f"{name}: {len(data)} bytes of data, but a {dtype} tensor of shape {shape} "
+                f"holds {size}"
+            )
 
     def build() -> dict[str, torch.Tensor]:
         return {

@@ -122,6 +122,18 @@ class AdapterSet:
         self.slot_of[version] = slot
         self.generation += 1
 
+    def holds(self, version: int, tensors: Mapping[str, torch.Tensor]) -> bool:
+        """Whether `version` is held with exactly `tensors` (as `add` would store them)."""
+        slot = self.slot_of.get(version)
+        if slot is None:
+            return False
+        pairs = self._parse(tensors)
+        return sorted(pairs) == self.targets and all(
+            torch.equal(self.a[path][slot], a.to(self.a[path].dtype))
+            and torch.equal(self.b[path][slot], b.to(self.b[path].dtype))
+            for path, (a, b) in pairs.items()
+        )
+
     def remove(self, version: int) -> None:
         slot = self.slot_of.pop(version)
         for path in self.targets:

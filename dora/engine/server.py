@@ -50,6 +50,9 @@ BODY_TIMEOUT_S = 30.0
 would hold a connection forever); control bodies, which carry weights, get the longer
 `CONTROL_BODY_TIMEOUT_S`."""
 CONTROL_BODY_TIMEOUT_S = 600.0
+STALL_S = 10.0
+"""How long the engine thread may spend in one step or command before `/health` calls it stalled
+(serve's default `serve.health_timeout_s`)."""
 
 
 class Watch:
@@ -92,8 +95,10 @@ class EngineServer:
         max_request_bytes: int = MAX_REQUEST_BYTES,
         max_control_bytes: int = MAX_CONTROL_BYTES,
         body_timeout_s: float = BODY_TIMEOUT_S,
+        stall_s: float = STALL_S,
     ) -> None:
         self.worker = worker
+        self.stall_s = stall_s
         self.body_timeout_s = body_timeout_s
         self.control_body_timeout_s = CONTROL_BODY_TIMEOUT_S
         self.tokenizer = tokenizer
@@ -136,6 +141,7 @@ class EngineServer:
         max_request_bytes: int = MAX_REQUEST_BYTES,
         max_control_bytes: int = MAX_CONTROL_BYTES,
         body_timeout_s: float = BODY_TIMEOUT_S,
+        stall_s: float = STALL_S,
     ) -> AsyncIterator[EngineServer]:
         """Load the model, start the engine thread and serve; stop all of it on exit."""
         if not is_loopback(host) and not control_token:
@@ -160,6 +166,7 @@ class EngineServer:
             max_request_bytes=max_request_bytes,
             max_control_bytes=max_control_bytes,
             body_timeout_s=body_timeout_s,
+            stall_s=stall_s,
         )
         runner = web.AppRunner(
             server.app,
@@ -275,11 +282,7 @@ class EngineServer:
     def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
             return list(self.tokenizer(prompt).input_ids)  # type: ignore[operator]
-        vocab = self.worker.batcher.vocab_size
-        bad = [t for t in prompt if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"prompt token ids out of range [0, {vocab}): {bad[:5]}")
-        return list(prompt)
+        return list(prompt)  # checked against the vocabulary by api.check_prompt
 
     # -- OpenAI endpoints --------------------------------------------------------------------------
 
@@ -303,21 +306,12 @@ class EngineServer:
             else:
                 req = api.decode_strict(body, api.CompletionRequest)
                 prompt_ids = self._prompt_ids(req.prompt)
-            context = self.worker.batcher.max_model_len
-            if not prompt_ids:
-                raise ValueError("prompt is empty: give at least one token")
-            if len(prompt_ids) >= context:
-                raise ValueError(
-                    f"prompt of {len(prompt_ids)} tokens does not fit the context of {context} "
-                    "tokens (max_model_len), which must leave room for one sampled token"
-                )
+            context, vocab = self.worker.batcher.max_model_len, self.worker.batcher.vocab_size
+            api.check_prompt(prompt_ids, vocab, context)
             default_max = context - len(prompt_ids) if chat else 16
             max_tokens = req.max_completion_tokens if isinstance(req, api.ChatRequest) else None
             params = req.sampling_params(max_tokens or max(default_max, 1))
-            vocab = self.worker.batcher.vocab_size
-            bad_stops = [t for t in params.stop_token_ids if t >= vocab]
-            if bad_stops:
-                raise ValueError(f"stop_token_ids out of range [0, {vocab}): {bad_stops[:5]}")
+            api.check_sampling(params, vocab)
             request_id = req.request_id or f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
             watches = await self._submit(
                 request_id, prompt_ids, params, n=req.n, version=req.version, stream=req.stream
@@ -389,14 +383,32 @@ class EngineServer:
         return web.json_response({"object": "list", "data": [card], "version": self.version})
 
     async def _health(self, request: web.Request) -> web.Response:
-        return web.json_response(
-            {
-                "status": "ok",
-                "version": self.version,
-                "versions": self.worker.batcher.held_versions(),
-                "paused": self.worker.paused,
-            }
-        )
+        """200 while the engine thread steps its requests; 503 when it is paused
+        (`/control/pause`) or stalled: inside one step or command for over `stall_s` seconds
+        (weight loads and the idle-policy thread's turns excepted, `EngineWorker.stalled_s`)."""
+        worker = self.worker
+        stalled_s = worker.stalled_s()
+        body: dict[str, object] = {
+            "status": "ok",
+            "version": self.version,
+            "versions": worker.batcher.held_versions(),
+            "paused": worker.paused,
+            "loading": worker.loading,
+            "stalled_s": round(stalled_s, 3),
+        }
+        if worker.paused:
+            problem = "paused (POST /control/pause): it decodes nothing until /control/resume"
+            body["status"] = "paused"
+        elif stalled_s > self.stall_s:
+            problem = (
+                f"stalled: the engine thread has been inside one step or command for "
+                f"{stalled_s:.1f} s (over {self.stall_s:g} s)"
+            )
+            body["status"] = "stalled"
+        else:
+            return web.json_response(body)
+        body.update(wire.error_body(503, f"engine {problem}", self.version))
+        return web.json_response(body, status=503)
 
     async def _metrics(self, request: web.Request) -> web.Response:
         stats = await asyncio.wrap_future(self.worker.call(lambda b: b.stats()))

@@ -72,6 +72,10 @@ class EngineWorker:
         self._stopped = False
         self._pending_loads: list[tuple[Callable[[], None], Future[dict[str, object]]]] = []
         self._rate: deque[tuple[float, int]] = deque()
+        self.loading = False
+        """Whether the engine thread is loading weights now."""
+        self._busy_since: float | None = None
+        self._foreground_since = 0.0
 
     def start(self) -> None:
         for thread in self._stepping:
@@ -91,6 +95,8 @@ class EngineWorker:
         if background == self.background:
             return
         self.background = background
+        if not background:
+            self._foreground_since = time.monotonic()
         self._turn[background].set()
         self._turn[not background].clear()
         self._commands.put(_wake)  # the thread whose turn ends may be waiting for a command
@@ -126,6 +132,18 @@ class EngineWorker:
         result: Future[dict[str, object]] = Future()
         aborted: list[str] = []
 
+        def answer(started: float, previous: int, *, unchanged: bool) -> None:
+            result.set_result(
+                {
+                    "version": version,
+                    "previous_version": previous,
+                    "aborted": aborted,
+                    "load_s": time.perf_counter() - started,
+                    "versions": self.batcher.held_versions(),
+                    "unchanged": unchanged,
+                }
+            )
+
         def do_load(loaded: dict[str, torch.Tensor], started: float) -> None:
             previous = self.batcher.version
             try:
@@ -139,20 +157,16 @@ class EngineWorker:
                 result.set_exception(exc)
                 return
             self.batcher.admission_paused = bool(self._pending_loads)
-            result.set_result(
-                {
-                    "version": version,
-                    "previous_version": previous,
-                    "aborted": aborted,
-                    "load_s": time.perf_counter() - started,
-                    "versions": self.batcher.held_versions(),
-                }
-            )
+            answer(started, previous, unchanged=False)
 
         def begin() -> None:
             started = time.perf_counter()
             try:
                 loaded = tensors()
+                _check_finite(loaded)
+                if self._holds(version, loaded):  # a retry of a load that happened: no change
+                    answer(started, self.batcher.version, unchanged=True)
+                    return
             except BaseException as exc:
                 result.set_exception(exc)
                 return
@@ -164,8 +178,43 @@ class EngineWorker:
             else:
                 do_load(loaded, started)
 
-        self._commands.put(begin)
+        self._commands.put(lambda: self._loading_while(begin))
         return result
+
+    def _holds(self, version: int, loaded: dict[str, torch.Tensor]) -> bool:
+        """Whether the engine already serves `version` with exactly `loaded` (as it would hold
+        them); False if it does not serve `version`. New weights under a version it serves are
+        refused (WeightsConflict): requests pinned to a version rely on its weights."""
+        b = self.batcher
+        if version not in b.held_versions():
+            return False
+        if is_adapter(loaded):
+            same = b.adapters.holds(version, loaded)
+        else:
+            same = version == b.base_version and version not in b.adapters.slot_of
+            same = same and _holds_weights(b.model, loaded)
+        if not same:
+            raise WeightsConflict(
+                f"version {version} is served with other weights: weights never change under a "
+                "version the engine serves (load them as a new version)"
+            )
+        return True
+
+    def _loading_while(self, work: Callable[[], None]) -> None:
+        self.loading = True
+        try:
+            work()
+        finally:
+            self.loading = False
+
+    def stalled_s(self) -> float:
+        """How long the engine thread has been inside one step or command, in the foreground and
+        not loading weights (a load has its own deadline, and the idle-policy thread waits for
+        CPU that nothing else wants by design); 0 while it waits for work."""
+        since = self._busy_since
+        if since is None or self.loading or self.background:
+            return 0.0
+        return max(0.0, time.monotonic() - max(since, self._foreground_since))
 
     def unload_weights(self, version: int) -> Future[dict[str, object]]:
         """Drop adapter `version` (refused while it is the newest or still used)."""
@@ -210,24 +259,36 @@ class EngineWorker:
             while True:
                 if command is None:
                     return False
-                command()
+                self._busy(command)
                 if self.background != background:
                     return True
                 command = self._commands.get_nowait()
         except queue.Empty:
             pass
         if self._pending_loads and not self.batcher.running:
-            self._pending_loads.pop(0)[0]()
+            load = self._pending_loads.pop(0)[0]
+            self._busy(lambda: self._loading_while(load))
         if self.batcher.has_work() and not self.paused:
-            try:
-                self.batcher.step()
-            except Exception:
-                log.exception("engine step failed; ending every request in flight")
-                for seq in [*self.batcher.running, *self.batcher.waiting]:
-                    seq.error = "engine step failed (see the engine log)"
-                self.batcher.abort_all()
-            self._record_rate()
+            self._busy(self._step)
         return True
+
+    def _busy(self, work: Callable[[], None]) -> None:
+        """Run `work`, timed for `stalled_s`."""
+        self._busy_since = time.monotonic()
+        try:
+            work()
+        finally:
+            self._busy_since = None
+
+    def _step(self) -> None:
+        try:
+            self.batcher.step()
+        except Exception:
+            log.exception("engine step failed; ending every request in flight")
+            for seq in [*self.batcher.running, *self.batcher.waiting]:
+                seq.error = "engine step failed (see the engine log)"
+            self.batcher.abort_all()
+        self._record_rate()
 
     def _record_rate(self) -> None:
         now = time.monotonic()
@@ -247,8 +308,38 @@ def _lower_to_idle() -> None:
             log.warning("the engine's background thread keeps the normal policy: %s", exc)
 
 
+class WeightsConflict(ValueError):
+    """A load would change the weights under a version the engine serves."""
+
+
+def _check_finite(tensors: dict[str, torch.Tensor]) -> None:
+    """Refuse (ValueError) weights that hold NaN or inf: they would make every logprob NaN."""
+    for name, tensor in tensors.items():
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            bad = int((~torch.isfinite(tensor)).sum())
+            raise ValueError(f"{name}: {bad} values are not finite (NaN or inf)")
+
+
+def _holds_weights(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> bool:
+    """Whether copying `tensors` into `model` (`_copy_weights`) would change nothing."""
+    state = _checked_state(model, tensors)
+    return all(
+        torch.equal(state[name], tensor.to(state[name].dtype)) for name, tensor in tensors.items()
+    )
+
+
 def _copy_weights(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> None:
     """Copy every parameter in place; names must cover all parameters (tied copies optional)."""
+    state = _checked_state(model, tensors)
+    with torch.no_grad():
+        for name, tensor in tensors.items():
+            state[name].copy_(tensor)
+
+
+def _checked_state(
+    model: torch.nn.Module, tensors: dict[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    """The model's state, once `tensors` are known to match it (ValueError naming what not)."""
     state = model.state_dict()
     unknown = sorted(set(tensors) - set(state))
     required = {name for name, _ in model.named_parameters()}
@@ -257,15 +348,13 @@ def _copy_weights(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> N
         raise ValueError(
             f"weights do not match the model: unknown {unknown[:5]}, missing {missing[:5]}"
         )
-    with torch.no_grad():
-        for name, tensor in tensors.items():
-            target = state[name]
-            if tuple(target.shape) != tuple(tensor.shape):
-                raise ValueError(
-                    f"{name}: shape {tuple(tensor.shape)}, model has {tuple(target.shape)}"
-                )
-        for name, tensor in tensors.items():
-            state[name].copy_(tensor)
+    for name, tensor in tensors.items():
+        target = state[name]
+        if tuple(target.shape) != tuple(tensor.shape):
+            raise ValueError(
+                f"{name}: shape {tuple(tensor.shape)}, model has {tuple(target.shape)}"
+            )
+    return state
 
 
 def read_safetensors(folder: str | Path) -> dict[str, torch.Tensor]:

@@ -12,7 +12,10 @@ seconds, not the run.
 
 The probe is cheap on purpose: the engine answers `/health` on its event loop, which never waits
 on the model (the model runs on the engine thread), so a busy instance answers at once and only a
-stalled process misses the deadline.
+stalled process misses the deadline. The answer still tells whether the model runs: the engine
+answers 503 while paused or while its engine thread is stuck in one step (its loads excepted),
+and a 503 fails the probe like no answer. Serve never pauses an engine, so a paused one was paused
+by someone else and is declared unresponsive like a hung one.
 """
 
 from __future__ import annotations

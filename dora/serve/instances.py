@@ -51,6 +51,9 @@ __all__ = [
 
 log = logging.getLogger("dora.serve")
 
+STALL_S = 10.0
+"""The shortest stall bound serve gives its engines (`python -m dora.engine --stall-s`)."""
+
 
 @dataclass(frozen=True, kw_only=True)
 class InstanceSpec:
@@ -65,6 +68,10 @@ class InstanceSpec:
     request_timeout_s: float = 600.0
     control_timeout_s: float = 120.0
     start_timeout_s: float = 120.0
+    stall_s: float = STALL_S
+    """How long an engine's step or command may last before its `/health` says stalled: serve's
+    health deadline, but never under 10 s (a step of a loaded machine may take seconds, and a
+    short deadline is meant for hung processes, not slow steps)."""
 
     @classmethod
     def from_config(cls, config: DoraConfig, model_dir: str | Path) -> InstanceSpec:
@@ -80,6 +87,7 @@ class InstanceSpec:
             request_timeout_s=serve.request_timeout_s,
             control_timeout_s=serve.weight_load_timeout_s,
             start_timeout_s=serve.weight_load_timeout_s,
+            stall_s=max(serve.health_timeout_s, STALL_S),
         )
 
 
@@ -148,7 +156,7 @@ async def _start_process(
     args = [
         *("-m", "dora.engine", "--model", spec.model_dir, "--host", "127.0.0.1", "--port", "0"),
         *("--version", "0", "--threads", str(spec.threads)),
-        *("--max-running", str(spec.max_running)),
+        *("--max-running", str(spec.max_running), "--stall-s", str(spec.stall_s)),
     ]
     if spec.max_model_len is not None:
         args += ["--max-model-len", str(spec.max_model_len)]
@@ -226,6 +234,7 @@ async def start_in_process(spec: InstanceSpec, count: int) -> AsyncIterator[list
                     threads=spec.threads,
                     config=config,
                     control_token=spec.token or None,
+                    stall_s=spec.stall_s,
                 )
             )
             client = _client(server.url, spec)
