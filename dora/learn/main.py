@@ -18,7 +18,6 @@ may bind port 0), else `tcp://{serve.host}:{serve.port}`.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import os
 import signal
 import subprocess
@@ -28,6 +27,7 @@ from pathlib import Path
 from dora.config import DoraConfig, load_config
 from dora.errors import ConfigError
 from dora.heap import settle_heap
+from dora.lifetime import die_with_parent
 from dora.rundir import resolve_run_dir
 
 ADDRESS_ENV = "DORA_SERVE_ADDRESS"
@@ -48,14 +48,6 @@ def serve_address(config: DoraConfig) -> str:
 
 def _in_distributed_env() -> bool:
     return "LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ
-
-
-def die_with_parent(sig: int) -> None:
-    """Ask Linux to send `sig` to this process when its parent exits (a no-op elsewhere)."""
-    if not sys.platform.startswith("linux"):
-        return
-    pr_set_pdeathsig = 1
-    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, sig, 0, 0, 0)
 
 
 def _launch(config: DoraConfig, args: argparse.Namespace, run_dir: Path) -> int:
