@@ -60,6 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("serve", help=helps["serve"], description=helps["serve"])
     _add_config_args(p)
+    p.add_argument("--resume", action="store_true", help="continue the run's journal (needed)")
 
     p = sub.add_parser("learn", help=helps["learn"], description=helps["learn"])
     _add_config_args(p)

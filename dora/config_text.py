@@ -102,6 +102,24 @@ def _type_name(tp: object) -> str:
     return getattr(tp, "__name__", None) or str(tp)
 
 
+def _resume_markdown() -> list[str]:
+    from dora.resume import SAFE_ON_RESUME
+
+    safe = ", ".join(f"`{key}" + (".*" if "." not in key else "") + "`" for key in SAFE_ON_RESUME)
+    return [
+        "## What a resume may change",
+        "",
+        "`dora run --resume` compares the config with the run directory's `config.toml` before it",
+        "starts anything and refuses a change to any setting that defines the run, naming each",
+        "key (old -> new): the model, the rollout (`G`, `B`, `K`, mode, sampling, episode limits,",
+        "error policy), the loss and optimiser, `learn.steps` (the last steps' deadlines depend on",
+        "it), the environment, the training data and the emulation. These may change:",
+        f"{safe}.",
+        "They say how the run is served, supervised, logged and evaluated, and how fast the",
+        "trainer computes, never what it trains on or how.",
+    ]
+
+
 def config_markdown() -> str:
     """docs/config.md, generated from the Structs (a test fails if the file drifts)."""
     out = [
@@ -141,5 +159,5 @@ def config_markdown() -> str:
         out.append(f"| `{key}` | {type_name} | `{default}` | {description} |")
     out += ["", "## Rules across settings", "", "Checked at load, after the mode presets:", ""]
     out += [f"- {rule.text}" for rule in CROSS_FIELD_RULES]
-    out.append("")
+    out += ["", *_resume_markdown(), ""]
     return "\n".join(out).replace("|\n## ", "|\n\n## ")

@@ -52,6 +52,12 @@ class RunAborted(DoraError):
     exit_code = 4
 
 
+class RunDirError(RunAborted):
+    """The run directory cannot be used as it is: another run owns it, a resume would change a
+    setting that defines the run, or what a resume needs (its journal, its last checkpoint, its
+    config) is missing or cut short. A restart would meet the same directory."""
+
+
 class EnvError(DoraError):
     """An environment failed: a bad task, a reward that raised, or an episode that could not
     finish."""

@@ -7,19 +7,27 @@ the run's one progress display); the trainer writes to `learn.log` in the run di
 Supervision (docs/reliability.md): a side that exits with an error is restarted, at most
 `run.max_restarts` times each. A dead `dora learn` is restarted with `--resume`: it continues from
 its last checkpoint under a new incarnation and serve rolls back. A dead `dora serve` is restarted
-on the same run directory and port: it restores its journal (`dora/serve/journal.py`). The trainer
+on the same run directory and port, with `--resume`: it restores its journal
+(`dora/serve/journal.py`), which must be there. The trainer
 is restarted with it (`--resume`), because a trainer's link has no way to say hello to a new serve
 but to start again; the groups of its non-durable steps come back from serve's journal. Whatever
 is left of a dead side (its process group: instances, ranks) is killed first. Each exit and
 restart is a line in `{run_dir}/supervisor.jsonl`. When a side fails once more than allowed, the
 other is stopped and `dora run` exits 1, naming the side and the limit.
 
+The run directory is owned by one run (`dora/rundir.py`): `dora run` locks it before it writes
+anything there and hands the lock to the sides it starts, so a second `dora run` on it is refused
+naming this one's pid. `--resume` needs `log.run_dir`, and what it continues is checked before
+anything starts (`dora/resume.py`): the run's config and journal are there, and no setting that
+defines the run changed; a new run refuses a directory that holds another's journal.
+
 Restarts are for faults during a run. A side that fails before it is ready (a bad config, a model
 folder that cannot serve the environment, a dataset that does not load) would fail again the same
 way, so it is not restarted: the other side is stopped at once and `dora run` exits 1 with the
 side's error (serve's is on the terminal already; learn's last lines are printed from
 `learn.log`). Likewise a side that exits with `RunAborted.exit_code` (every sample of a step
-masked, a non-finite loss: a restart would meet the same data and weights) stops the run at once.
+masked, a non-finite loss: a restart would meet the same data and weights; a run directory that
+cannot continue, `RunDirError`: a cut journal, a missing checkpoint) stops the run at once.
 A side is ready when it calls `mark_ready()`, which creates the file `dora run`
 names in `DORA_READY_FILE`: serve once its instances are up and every prompt was measured, learn
 once its model and optimizer are loaded.
@@ -49,7 +57,8 @@ from dora.config import DoraConfig, default_sections, load_config
 from dora.config_text import render_toml
 from dora.errors import NotYetAvailable, RunAborted
 from dora.net import free_port
-from dora.rundir import resolve_run_dir
+from dora.resume import check_fresh, check_resumable, check_resume
+from dora.rundir import RunDirOwner, own_run_dir, resolve_run_dir
 
 GRACE_S = 20.0
 READY_ENV = "DORA_READY_FILE"
@@ -76,8 +85,14 @@ def main(args: argparse.Namespace) -> int:
     for note in default_sections(args.config, args.overrides):
         print(f"dora run: {note}", flush=True)
     args.overrides = [*args.overrides, *_thread_overrides(args.config, args.overrides, config)]
-    run_dir = resolve_run_dir(config, resume=False)
-    run_dir.mkdir(parents=True, exist_ok=True)
+    run_dir = resolve_run_dir(config, resume=args.resume)
+    # Owned before anything is written; a resume checks what it continues (dora/resume.py).
+    with own_run_dir(run_dir, ("serve", "learn"), command="dora run") as owner:
+        (check_resumable if args.resume else check_fresh)(run_dir)
+        return _run(args, config, run_dir, owner)
+
+
+def _run(args: argparse.Namespace, config: DoraConfig, run_dir: Path, owner: RunDirOwner) -> int:
     port = config.serve.port or free_port(config.serve.host)
     from dora.models.prepare import prepare_model
 
@@ -89,7 +104,10 @@ def main(args: argparse.Namespace) -> int:
         f"model.path={model_dir}",
         "model.warmup_steps=0",
     ]
-    (run_dir / "config.toml").write_text(render_toml(load_config(args.config, overrides)))
+    resolved = load_config(args.config, overrides)
+    if args.resume:
+        check_resume(run_dir, resolved)
+    (run_dir / "config.toml").write_text(render_toml(resolved))
     print(f"dora run: run directory {run_dir}", flush=True)
 
     cli = [sys.executable, "-m", "dora.cli"]
@@ -97,6 +115,7 @@ def main(args: argparse.Namespace) -> int:
         "OMP_WAIT_POLICY": "PASSIVE",
         **os.environ,
         "DORA_SERVE_ADDRESS": f"tcp://{config.serve.host}:{port}",
+        **owner.env,
     }
     supervisor = Supervisor(
         serve_cmd=[*cli, "serve", args.config, *overrides],
@@ -104,6 +123,7 @@ def main(args: argparse.Namespace) -> int:
         env=env,
         run_dir=run_dir,
         max_restarts=config.run.max_restarts,
+        pass_fds=owner.fds,
     )
     code = supervisor.supervise(resume=args.resume)
     if code == 0:
@@ -136,8 +156,10 @@ class Supervisor:
         env: dict[str, str],
         run_dir: Path,
         max_restarts: int,
+        pass_fds: tuple[int, ...] = (),
     ) -> None:
         self.serve_cmd, self.learn_cmd, self.env = serve_cmd, learn_cmd, env
+        self.pass_fds = pass_fds  # the run directory's locks, shared with the sides
         self.run_dir = run_dir
         self.max_restarts = max_restarts
         self.restarts = {"serve": 0, "learn": 0}
@@ -159,7 +181,7 @@ class Supervisor:
 
     def run(self, *, resume: bool) -> int:
         """Start both sides, restart the one that dies; 0 when both finished, 1 past the limit."""
-        self._start("serve")
+        self._start("serve", resume=resume)
         self._start("learn", resume=resume)
         while True:
             failed = _wait_first_failure(self.children)
@@ -207,7 +229,7 @@ class Supervisor:
             if failed == "serve":
                 # The trainer cannot say hello to a new serve but by starting again (resumed).
                 _kill_group(self.children["learn"])
-                self._start("serve")
+                self._start("serve", resume=True)
             self._start("learn", resume=True)
 
     def _failed_at_start(self, name: str, code: int) -> None:
@@ -233,14 +255,17 @@ class Supervisor:
         ready = self._ready_file(name)
         ready.unlink(missing_ok=True)
         env = {**self.env, READY_ENV: str(ready)}
+        cmd = self.serve_cmd if name == "serve" else self.learn_cmd
+        cmd = [*cmd, *(["--resume"] if resume else [])]
         if name == "serve":
-            proc = start_side(self.serve_cmd, env=env)
+            proc = start_side(cmd, env=env, pass_fds=self.pass_fds)
         else:
             proc = start_side(
-                [*self.learn_cmd, *(["--resume"] if resume else [])],
+                cmd,
                 env=env,
                 stdout=self._learn_log,
                 stderr=subprocess.STDOUT,
+                pass_fds=self.pass_fds,
             )
         self.children[name] = proc
         self._record("start", name, pid=proc.pid, resume=resume, restart=self.restarts[name])

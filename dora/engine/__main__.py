@@ -2,7 +2,8 @@
 
 When it serves, it prints exactly one line to stdout, the base URL (e.g. `http://127.0.0.1:41234`),
 so a parent that started it with port 0 can read where it listens. SIGTERM and SIGINT stop it
-cleanly (running requests end with finish_reason "abort").
+cleanly (running requests end with finish_reason "abort"). Started with `DORA_PARENT_PID` (what
+`dora serve` does), it dies with that parent (`dora/lifetime.py`).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import sys
 
 from dora.engine.batcher import BatcherConfig
 from dora.heap import settle_heap
+from dora.lifetime import die_with_parent_from_env
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -76,6 +78,7 @@ async def serve(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    die_with_parent_from_env()  # the serve that started it, killed, leaves no engine behind
     asyncio.run(serve(parse_args(argv)))
     return 0
 

@@ -21,6 +21,10 @@ sent after it moved. The newest `KEEP_CHECKPOINTS` are kept.
 Incarnation: 0 for a fresh run; every `--resume` takes the last started incarnation + 1, even when
 the previous trainer died before its first checkpoint, so a ghost version of a lost trainer can
 never be mistaken for a real one (docs/reliability.md).
+
+A resume needs a trainer to have started in the run directory (`incarnation`) and, once one wrote
+a checkpoint, `latest`: without it the trainer would start again from step 0, under steps serve's
+journal holds durable. Either missing is a `RunDirError` (a restart would meet the same folder).
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ from pathlib import Path
 
 import torch
 
-from dora.errors import ConfigError
+from dora.errors import ConfigError, RunDirError
 
 KEEP_CHECKPOINTS = 2
 
@@ -67,10 +71,31 @@ def start_incarnation(run_dir: Path, *, resume: bool) -> int:
             )
         incarnation = 0
     else:
-        incarnation = int(marker.read_text()) + 1 if marker.exists() else 0
+        _check_resumable(run_dir)
+        incarnation = int(marker.read_text()) + 1
     root.mkdir(parents=True, exist_ok=True)
     _write_atomic(marker, str(incarnation))
     return incarnation
+
+
+def _check_resumable(run_dir: Path) -> None:
+    """A resume continues a trainer that started here, from its newest checkpoint if it wrote
+    one: without `latest` next to checkpoints, it would start again from step 0 instead."""
+    root = checkpoints_dir(run_dir)
+    if not (root / "incarnation").exists():
+        raise RunDirError(
+            f"--resume: no trainer started in {run_dir} ({root / 'incarnation'} is missing), so "
+            "there is nothing to resume: check log.run_dir, or start without --resume"
+        )
+    written = sorted(p.name for p in root.glob("step-*") if p.is_dir())
+    if written and not (root / "latest").exists():
+        raise RunDirError(
+            f"--resume: {root / 'latest'} is missing, but the run wrote checkpoints "
+            f"({', '.join(written)}): resuming would start the trainer again from step 0 under "
+            f"the run's durable steps. Point it at the newest complete one (echo {written[-1]} > "
+            f"{root / 'latest'}) and resume again"
+        )
+    latest_checkpoint(run_dir)  # `latest` names a complete checkpoint
 
 
 def staging_dir(run_dir: Path, *, step: int) -> Path:
@@ -129,7 +154,13 @@ def latest_checkpoint(run_dir: Path) -> CheckpointInfo | None:
     if not latest.exists():
         return None
     path = root / latest.read_text().strip()
-    meta = json.loads((path / "trainer.json").read_text())
+    try:
+        meta = json.loads((path / "trainer.json").read_text())
+    except (OSError, ValueError) as exc:
+        raise RunDirError(
+            f"{latest} names {path.name}, which is not a complete checkpoint ({exc}): point it "
+            "at the newest complete step-* folder and resume again"
+        ) from None
     return CheckpointInfo(
         step=int(meta["step"]),
         version=int(meta["version"]),

@@ -11,6 +11,11 @@ dies with its parent instead (`PR_SET_PDEATHSIG`): torchrun gets SIGTERM when `d
 (and stops its ranks), and every rank gets SIGKILL when its launcher dies, so a killed trainer
 never leaves ranks behind that hold their cores and wait on a link that serve no longer serves.
 
+The run directory's `learn.lock` is held while the trainer runs (`dora/rundir.py`): by `dora
+learn` itself, whose ranks die with it, or by rank 0 under another launcher (`accelerate launch`,
+torchrun); under `dora run` by `dora run`. A second trainer on the directory is refused naming
+the first one's pid: two trainers would write one checkpoint folder.
+
 Rank 0 connects to dora serve at `$DORA_SERVE_ADDRESS` when set (what `dora run` does, since serve
 may bind port 0), else `tcp://{serve.host}:{serve.port}`.
 """
@@ -18,7 +23,6 @@ may bind port 0), else `tcp://{serve.host}:{serve.port}`.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import os
 import signal
 import subprocess
@@ -28,7 +32,8 @@ from pathlib import Path
 from dora.config import DoraConfig, load_config
 from dora.errors import ConfigError
 from dora.heap import settle_heap
-from dora.rundir import resolve_run_dir
+from dora.lifetime import die_with_parent
+from dora.rundir import own_run_dir, resolve_run_dir
 
 ADDRESS_ENV = "DORA_SERVE_ADDRESS"
 
@@ -50,15 +55,9 @@ def _in_distributed_env() -> bool:
     return "LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
-def die_with_parent(sig: int) -> None:
-    """Ask Linux to send `sig` to this process when its parent exits (a no-op elsewhere)."""
-    if not sys.platform.startswith("linux"):
-        return
-    pr_set_pdeathsig = 1
-    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, sig, 0, 0, 0)
-
-
-def _launch(config: DoraConfig, args: argparse.Namespace, run_dir: Path) -> int:
+def _launch(
+    config: DoraConfig, args: argparse.Namespace, run_dir: Path, lock_env: dict[str, str]
+) -> int:
     command = [
         sys.executable,
         "-m",
@@ -74,7 +73,7 @@ def _launch(config: DoraConfig, args: argparse.Namespace, run_dir: Path) -> int:
     ]
     if args.resume:
         command.append("--resume")
-    env = dict(os.environ, OMP_NUM_THREADS=str(config.learn.threads))
+    env = dict(os.environ, OMP_NUM_THREADS=str(config.learn.threads), **lock_env)
     return subprocess.run(
         command, env=env, check=False, preexec_fn=lambda: die_with_parent(signal.SIGTERM)
     ).returncode
@@ -98,12 +97,17 @@ def main(args: argparse.Namespace) -> int:
     config = load_config(args.config, args.overrides)
     run_dir = resolve_run_dir(config, resume=args.resume)
     check_ranks_fit(config, torch.cuda.device_count())
-    if config.learn.processes > 1 and not _in_distributed_env():
-        return _launch(config, args, run_dir)
+    owns = int(os.environ.get("RANK", "0")) == 0  # the other ranks run under rank 0's lock
+    with own_run_dir(run_dir, ("learn",) if owns else (), command="dora learn") as owner:
+        if config.learn.processes > 1 and not _in_distributed_env():
+            return _launch(config, args, run_dir, owner.env)
+        return _train(config, args, run_dir)
+
+
+def _train(config: DoraConfig, args: argparse.Namespace, run_dir: Path) -> int:
     if _in_distributed_env():
         die_with_parent(signal.SIGKILL)
     address = serve_address(config)
-    run_dir.mkdir(parents=True, exist_ok=True)
     from transformers.utils import logging as hf_logging
 
     from dora.learn.trainer import Trainer

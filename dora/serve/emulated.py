@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -21,6 +22,7 @@ from dora.config import DoraConfig
 from dora.emulated.setup import urls_path
 from dora.errors import ServerTimeout, ServerUnavailable
 from dora.instance import EngineClient, InstanceHandle
+from dora.lifetime import PARENT_ENV
 
 __all__ = ["emulated_instances"]
 
@@ -48,7 +50,11 @@ async def emulated_instances(
     if stats_path is not None:
         args += ["--stats", str(stats_path)]
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, *args, stdout=asyncio.subprocess.PIPE, stdin=asyncio.subprocess.DEVNULL
+        sys.executable,
+        *args,
+        stdout=asyncio.subprocess.PIPE,
+        stdin=asyncio.subprocess.DEVNULL,
+        env={**os.environ, PARENT_ENV: str(os.getpid())},  # it dies with this serve
     )
     assert proc.stdout is not None
     handles: list[InstanceHandle] = []

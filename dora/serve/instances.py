@@ -16,6 +16,9 @@ process reads it from `DORA_ENGINE_TOKEN`, never from its command line, which an
 read) and every client sends it: control then needs the token even from loopback. Engines at
 `serve.urls` are someone else's; their clients send the token when one is set.
 
+An engine process dies with the serve that started it, also when serve is SIGKILLed
+(`dora/lifetime.py`): serve passes its pid, and the engine asks Linux for a parent-death signal.
+
 Every instance starts with version 0 (the model folder) loaded. Stopping goes through the handle
 that started the instance (the process object, or the in-process server's context): SIGTERM, a
 bounded wait, then SIGKILL; never a search by name.
@@ -35,6 +38,7 @@ from typing import TYPE_CHECKING
 
 from dora.errors import ServerTimeout, ServerUnavailable
 from dora.instance import EngineClient, InstanceClient, InstanceHandle
+from dora.lifetime import PARENT_ENV
 
 if TYPE_CHECKING:
     from dora.config import DoraConfig
@@ -165,6 +169,7 @@ async def _start_process(
     env.pop("DORA_ENGINE_TOKEN", None)  # only serve.token, never one inherited by accident
     if spec.token:
         env["DORA_ENGINE_TOKEN"] = spec.token
+    env[PARENT_ENV] = str(os.getpid())  # it dies with this serve (dora/lifetime.py)
     proc = await asyncio.create_subprocess_exec(
         sys.executable,
         *args,

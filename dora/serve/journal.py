@@ -57,7 +57,7 @@ from dora.core.transfer_queue import (
     RollbackReport,
     TransferQueue,
 )
-from dora.errors import ProtocolError
+from dora.errors import ProtocolError, RunDirError
 from dora.protocol import Group
 
 __all__ = ["GroupLog", "JournalFile", "JournaledQueue", "Restored", "read_frames"]
@@ -192,16 +192,26 @@ class _Background:
 
 class JournalFile:
     """One append-only file of frames, opened after cutting off a torn tail; written on the
-    journal's thread."""
+    journal's thread.
+
+    Its index (`<name>.index`, JSON) says how many records and bytes the file held at its last
+    `sync` (after the fsync) or `close`, with the `facts` the caller gave then: a file that holds
+    fewer was cut short (a truncation, a lost block, a copy cut off), which no kill mid-write can
+    do. Such a file is left as it is, and `cut` holds its index for the caller to report."""
 
     def __init__(self, path: Path, background: _Background) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         self.path = path
+        self.index = path.with_name(f"{path.name}.index")
         self._bg = background
         self.frames, good = read_frames(path)
+        self.records, self.good_bytes = len(self.frames), good
         self.writes = self.bytes_written = 0
+        self.cut = _read_index(self.index)
+        if self.cut is not None and int(self.cut.get("records", 0)) <= self.records:
+            self.cut = None
         self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-        if os.fstat(self._fd).st_size != good:
+        if self.cut is None and os.fstat(self._fd).st_size != good:
             os.ftruncate(self._fd, good)
 
     def append(self, payload: bytes) -> None:
@@ -210,13 +220,37 @@ class JournalFile:
         self.writes += 1
         self.bytes_written += len(frame)
 
-    def sync(self) -> None:
+    def sync(self, **facts: int) -> None:
         self._bg.submit(os.fsync, self._fd)
+        self._write_index(facts)
 
-    def close(self) -> None:
+    def _write_index(self, facts: dict[str, int]) -> None:
+        if self.cut is None:  # a cut file's index is the record of what it lost: kept
+            total = {"records": self.records + self.writes, "bytes": self.good_bytes}
+            total["bytes"] += self.bytes_written
+            self._bg.submit(_write_json, self.index, {**total, **facts})
+
+    def close(self, **facts: int) -> None:
         if self._fd >= 0:
+            self._write_index(facts)
             self._bg.submit(os.close, self._fd)
             self._fd = -1
+
+
+def _read_index(path: Path) -> dict[str, int] | None:
+    try:
+        index = msgspec.json.decode(path.read_bytes(), type=dict[str, int])
+    except FileNotFoundError:
+        return None
+    except (OSError, msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise RunDirError(f"{path}: unreadable journal index: {exc}") from None
+    return index
+
+
+def _write_json(path: Path, value: dict[str, int]) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_bytes(msgspec.json.encode(value))
+    os.replace(tmp, path)
 
 
 def _fsync_dir(path: Path) -> None:
@@ -340,6 +374,9 @@ class Restored:
     """The next free group number (ids are `g<number>`)."""
 
 
+_FACTS = ("step", "trained_step", "admitted")
+
+
 class JournaledQueue(TransferQueue):
     """A transfer queue that writes every operation to the run's journal before returning.
 
@@ -388,6 +425,8 @@ class JournaledQueue(TransferQueue):
                     self._replay(decode_op(frame), out)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             raise ProtocolError(f"{self._ops.path}: unreadable journal record: {exc}") from exc
+        if self._ops.cut is not None:
+            raise RunDirError(self._cut_short(self._ops, self._ops.cut))
         self._ops.frames = []
         decode_group = msgspec.msgpack.Decoder(Group).decode
         for segment, frame in self._payloads.frames:
@@ -405,6 +444,25 @@ class JournaledQueue(TransferQueue):
         out.lost.sort(key=lambda gid: int(gid[1:]) if gid[1:].isdigit() else 0)
         self._write(Opened())
         return out
+
+    def _cut_short(self, ops: JournalFile, index: dict[str, int]) -> str:
+        """What a cut queue log lost: its records, and the run's progress they held."""
+        lost = index["records"] - ops.records
+        had = ", ".join(f"{k} {index[k]}" for k in _FACTS if k in index)
+        left = ", ".join(f"{k} {v}" for k, v in self._facts().items())
+        return (
+            f"{ops.path} was cut short: it holds {ops.records} of the {index['records']} records "
+            f"({ops.good_bytes} of {index['bytes']} bytes) that {ops.index.name} says were "
+            f"written, {lost} records lost. The queue had reached {had}; what is left replays "
+            f"to {left}. Restoring it would lose that progress and its accounting (a torn last "
+            "record from a kill mid-write is cut off silently; this is not one): put the file "
+            "back from a copy, or start a new run in another directory"
+        )
+
+    def _facts(self) -> dict[str, int]:
+        """The queue's progress, written into the queue log's index at every sync."""
+        acc = self.accounting()
+        return {"step": self.step, "trained_step": self.trained_step, "admitted": acc.admitted}
 
     def _replay(self, op: Op, out: Restored) -> None:
         match op:
@@ -460,7 +518,7 @@ class JournaledQueue(TransferQueue):
     def sync(self) -> None:
         """fsync both files, on the journal's thread (a step went out, or became durable)."""
         if self._ops is not None and self._payloads is not None:
-            self._ops.sync()
+            self._ops.sync(**self._facts())
             self._payloads.sync()
 
     def compact(self, held: Collection[str]) -> None:
@@ -486,7 +544,7 @@ class JournaledQueue(TransferQueue):
         if self._payloads is not None:
             self._payloads.close()
         if self._ops is not None:
-            self._ops.close()
+            self._ops.close(**self._facts())
         if self._bg is not None:
             self._bg.close()
 

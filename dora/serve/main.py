@@ -12,6 +12,11 @@ loop (`rollout.py`) until every step of `learn.steps` is filled, sent and acknow
 `{run_dir}/summary.json`; the live display goes to the terminal when `log.progress` is on and
 stderr is a terminal.
 
+The run directory's `serve.lock` is held while it runs (`dora/rundir.py`: a second serve on
+the directory is refused naming this one's pid; under `dora run` the lock is `dora run`'s).
+With `--resume` (what `dora run` passes to a restarted serve) the journal must be there: a
+restart that would silently begin the run again is refused instead.
+
 The trainer connects to the address printed at start (`dora run` chooses the port and passes it to
 both sides). Stopping (Ctrl-C, SIGTERM, or an error) cancels the task group and stops every
 instance process by its handle.
@@ -35,7 +40,8 @@ from dora.errors import ConfigError
 from dora.heap import collector_clock, settle_heap
 from dora.launch import mark_ready
 from dora.records import write_summary
-from dora.rundir import resolve_run_dir
+from dora.resume import check_resumable
+from dora.rundir import own_run_dir, resolve_run_dir
 from dora.serve.instances import (
     InstanceHandle,
     InstanceSpec,
@@ -172,7 +178,15 @@ def main(args: argparse.Namespace) -> int:
     for note in default_sections(args.config, args.overrides):
         print(f"dora serve: {note}", flush=True)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    run_dir = resolve_run_dir(config, resume=False)
+    resume = getattr(args, "resume", False)
+    run_dir = resolve_run_dir(config, resume=resume)
+    with own_run_dir(run_dir, ("serve",), command="dora serve"):
+        if resume:
+            check_resumable(run_dir, config=False)
+        return _serve(config, run_dir)
+
+
+def _serve(config: DoraConfig, run_dir: Path) -> int:
     print(f"dora serve: run directory {run_dir}", flush=True)
 
     async def serve() -> object:

@@ -48,6 +48,7 @@ import aiohttp
 from dora.errors import ConfigError, ServerTimeout, ServerUnavailable
 from dora.instance import InstanceHandle
 from dora.instance.client import SERVER_KEEPALIVE_S
+from dora.lifetime import PARENT_ENV
 from dora.net import free_port, is_loopback
 from dora.vllm.adapters import VllmAdapterClient
 from dora.vllm.client import VllmClient
@@ -129,11 +130,16 @@ class VllmSpec:
 
 
 # Runs the server module as `python -m` would, after asking Linux to SIGTERM the server when the
-# process that started it dies: a crashed `dora serve` must not leave GPU-sized servers behind.
+# process that started it dies: a crashed `dora serve` must not leave GPU-sized servers behind. A
+# serve that died before the request was made is caught by its pid (dora/lifetime.py, which the
+# vLLM virtualenv need not import).
 _BOOTSTRAP = (
-    "import ctypes, runpy, signal, sys\n"
+    "import ctypes, os, runpy, signal, sys\n"
     "if sys.platform == 'linux':\n"
     "    ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG\n"
+    f"    parent = os.environ.pop({PARENT_ENV!r}, '')\n"
+    "    if parent.isdigit() and os.getppid() != int(parent):\n"
+    "        sys.exit('the dora serve that started this vLLM server is gone')\n"
     "runpy.run_module('vllm.entrypoints.openai.api_server', run_name='__main__', alter_sys=True)"
 )
 
@@ -267,7 +273,7 @@ async def start_server(
     os.makedirs(log_dir, exist_ok=True)
     log_path = Path(log_dir) / f"vllm-{instance_id}.log"
     command = server_command(spec, port, bootstrap=True)
-    env = server_env(spec, index)
+    env = {**server_env(spec, index), PARENT_ENV: str(os.getpid())}
     scratch = None
     if "TMPDIR" not in spec.env:
         from torch._inductor.runtime.cache_dir_utils import default_cache_dir  # 1 s: only here

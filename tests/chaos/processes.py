@@ -1,9 +1,22 @@
-"""What a chaos test started, for the `owned` fixture (conftest.py) to stop at teardown."""
+"""What a test started: its children (`children`), and for the chaos tests' `owned` fixture
+(conftest.py) what to stop at teardown."""
 
 from __future__ import annotations
 
 import subprocess
 from dataclasses import dataclass, field
+from pathlib import Path
+
+
+def children(pid: int) -> list[int]:
+    """The child processes of `pid` (Linux's /proc), for a test to find what a command started."""
+    out: list[int] = []
+    for path in Path(f"/proc/{pid}/task").glob("*/children"):
+        try:
+            out += [int(p) for p in path.read_text().split()]
+        except FileNotFoundError:
+            continue
+    return out
 
 
 @dataclass

@@ -28,6 +28,7 @@ import psutil
 import pytest
 
 from dora.emulated.checks import check_accounting as read_accounting
+from tests.chaos.processes import children as _children
 
 pytestmark = [pytest.mark.chaos, pytest.mark.timeout(240)]
 
@@ -36,16 +37,6 @@ EXAMPLE = ROOT / "examples" / "math" / "config.toml"
 STEPS, B, G, K, EVERY = 12, 2, 4, 2, 3
 FAULTS = ("instance", "learn", "serve")
 HEALTH_TIMEOUT_S = 5
-
-
-def _children(pid: int) -> list[int]:
-    out: list[int] = []
-    for path in Path(f"/proc/{pid}/task").glob("*/children"):
-        try:
-            out += [int(p) for p in path.read_text().split()]
-        except FileNotFoundError:
-            continue
-    return out
 
 
 def _cmdline(pid: int) -> list[str]:

@@ -53,8 +53,9 @@ def test_a_dying_serve_is_restarted_with_a_resumed_learn_until_the_limit(
     exits = [r for r in records if r["kind"] == "exit"]
     assert [(r["component"], r["returncode"]) for r in exits] == [("serve", 3)] * 3
     starts = [(r["component"], r["resume"]) for r in records if r["kind"] == "start"]
-    # serve and learn, then twice: serve again, learn resumed (it cannot greet a new serve)
-    assert starts == [("serve", False), ("learn", False)] + [("serve", False), ("learn", True)] * 2
+    # serve and learn, then twice: serve resumed from its journal, learn resumed (it cannot greet
+    # a new serve)
+    assert starts == [("serve", False), ("learn", False)] + [("serve", True), ("learn", True)] * 2
     assert all(p.poll() is not None for p in sup.children.values()), "both sides stopped"
     assert "2 restarts used (run.max_restarts = 2)" in capfd.readouterr().err
 

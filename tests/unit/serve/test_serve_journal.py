@@ -285,3 +285,26 @@ def test_restart_keeps_the_invariant_and_refuses_assigned_groups(tmp_path: Path)
     q.restart("b", version=0)
     q.check_invariant()
     assert q.restore().starts == 0  # no run directory: nothing journaled
+
+
+def test_a_journal_cut_in_half_is_reported_with_what_was_lost(tmp_path: Path) -> None:
+    from dora.errors import RunAborted
+
+    q = _queue(tmp_path)
+    q.restore()
+    _drive(q, random.Random(3), events=300)
+    q.sync()
+    q.close()
+    path = tmp_path / "journal" / "queue.msgpack"
+    frames, _ = read_frames(path)
+    whole = path.read_bytes()
+    path.write_bytes(whole[: len(whole) // 2])  # not a torn last record: half the file
+    left, _ = read_frames(path)
+    again = _queue(tmp_path)
+    with pytest.raises(RunAborted) as refused:
+        again.restore()
+    message = str(refused.value)
+    assert str(path) in message
+    assert f"{len(left)} of the {len(frames)} records" in message, message
+    assert f"{len(frames) - len(left)} records lost" in message, message
+    assert path.read_bytes() == whole[: len(whole) // 2], "the cut journal is left as it is"
