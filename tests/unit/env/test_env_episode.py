@@ -291,7 +291,7 @@ async def test_env_that_raises_gives_a_masked_sample(tokenizer, scripted, where,
     assert sample.metadata["prompt_id"] == "t0"
     assert sample.metadata["error"]
     if where in ("nan-reward", "inf-component"):
-        assert sample.metadata["error"].startswith("reward: ")
+        assert sample.metadata["error"].startswith("reward returned ")
         assert "not finite" in sample.metadata["error"]
     assert len(sample.mask()) == len(sample.tokens()) == len(sample.behaviour_logprobs())
     if where == "reset":
