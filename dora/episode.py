@@ -229,7 +229,19 @@ async def run_episode(
     of the tokenizer to skip re-probing the template for every episode.
     """
     limits = limits or EpisodeLimits()
-    hooks = Hooks()
+    return await _guarded_episode(Hooks(), sampler, tokenizer, env, task, params, limits)
+
+
+async def _guarded_episode(
+    hooks: Hooks,
+    sampler: Sampler,
+    tokenizer: PreTrainedTokenizerBase | ChatRenderer,
+    env: Env,
+    task: Task,
+    params: SamplingParams,
+    limits: EpisodeLimits,
+) -> Sample:
+    """The episode under its deadline, then `close()`; the hooks' threads go with it."""
     try:
         if not limits.episode_timeout_s:
             return await _run_episode(sampler, tokenizer, env, hooks, task, params, limits)
@@ -494,16 +506,18 @@ async def run_fresh_episode(
     params: SamplingParams,
     limits: EpisodeLimits | None = None,
 ) -> Sample:
-    """One episode of `task` on a new environment from `env_factory`; a factory that raises gives
-    a masked sample (`env factory: ...`), as an episode that fails does."""
+    """One episode of `task` on a new environment from `env_factory` (user code too: it runs in
+    the episode's thread, under `step_timeout_s`); a factory that raises gives a masked sample
+    (`env factory raised ...`), as an episode that fails does."""
+    limits = limits or EpisodeLimits()
+    hooks = Hooks()
     try:
-        env = env_factory()
-    except Exception as exc:
-        log.warning("env factory raised", exc_info=True)
-        return masked_sample(task, f"env factory: {exc!r}")
-    return await run_episode(
-        sampler=sampler, tokenizer=renderer, env=env, task=task, params=params, limits=limits
-    )
+        made = await hooks.call("env factory", env_factory, timeout_s=limits.step_timeout_s)
+    except EnvFailure as failure:
+        hooks.threads.close()
+        return masked_sample(task, f"{failure} (task {task.prompt_id})")
+    env = cast(Env, made)
+    return await _guarded_episode(hooks, sampler, renderer, env, task, params, limits)
 
 
 async def run_group(

@@ -328,7 +328,7 @@ async def test_group_policy_mask_and_retry(tokenizer, scripted) -> None:
     assert all(s.masked for s in samples)
     # counted under one reason, whether serve's dispatcher or run_group started the episode
     reasons = {masked_reason(s.metadata, s.finish_reason) for s in samples}
-    assert reasons == {"env factory"}
+    assert reasons == {"env factory raised TypeError"}
 
 
 async def test_limits_end_the_episode(tokenizer, scripted) -> None:
