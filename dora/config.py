@@ -325,6 +325,33 @@ class EnvConfig(_Section):
             "tokens (a base model's BOS); false encodes it without them"
         ),
     ] = True
+    step_timeout_s: Annotated[
+        float,
+        M(
+            gt=0,
+            le=86400,
+            description="Deadline for each call of reset, tools and step; past it the episode "
+            "is masked ('step timed out after ...')",
+        ),
+    ] = 300.0
+    reward_timeout_s: Annotated[
+        float,
+        M(
+            gt=0,
+            le=86400,
+            description="Deadline for reward; past it the episode is masked "
+            "('reward timed out after ...')",
+        ),
+    ] = 120.0
+    episode_timeout_s: Annotated[
+        float,
+        M(
+            ge=0,
+            le=86400,
+            description="Deadline for a whole episode, LLM calls included; past it the episode is "
+            "masked; 0: none (each hook and LLM call has its own)",
+        ),
+    ] = 0.0
 
 
 class DataConfig(_Section):

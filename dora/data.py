@@ -20,7 +20,6 @@ have them) would stop a run that is otherwise fine. The skipped rows are named, 
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import inspect
 import json
@@ -30,8 +29,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol, cast
 
-from dora.env import Env, Message, Prompt, Task, call_maybe_async, load_object
+from dora.env import Env, Message, Prompt, Task, load_object
 from dora.errors import ChatTemplateMissing, ConfigError, DataError
+from dora.hooks import HookTimeout, OffLoop, call_hook
 from dora.tools import JSON, tool_schema
 
 if TYPE_CHECKING:
@@ -219,12 +219,16 @@ async def fit_context(
     """
     kept: list[Task] = []
     skipped: list[tuple[str, int]] = []
-    for task in tasks:
-        length = await _prompt_length(env_factory, renderer, task, timeout_s)
-        if length is not None and length >= context_limit:
-            skipped.append((task.prompt_id, length))
-        else:
-            kept.append(task)
+    threads = OffLoop(1, name="dora-env-fit")  # reset is user code: off the loop
+    try:
+        for task in tasks:
+            length = await _prompt_length(env_factory, renderer, task, timeout_s, threads)
+            if length is not None and length >= context_limit:
+                skipped.append((task.prompt_id, length))
+            else:
+                kept.append(task)
+    finally:
+        threads.close()
     if skipped:
         named = ", ".join(f"{pid} ({n} tokens)" for pid, n in skipped[:20])
         more = f" and {len(skipped) - 20} more" if len(skipped) > 20 else ""
@@ -239,21 +243,27 @@ async def fit_context(
 
 
 async def _prompt_length(
-    env_factory: Callable[[], Env], renderer: PromptRenderer, task: Task, timeout_s: float
+    env_factory: Callable[[], Env],
+    renderer: PromptRenderer,
+    task: Task,
+    timeout_s: float,
+    threads: OffLoop,
 ) -> int | None:
     env = env_factory()
     try:
-        async with asyncio.timeout(timeout_s):
-            prompt = cast(Prompt, await call_maybe_async(env.reset, task))
+        prompt = cast(Prompt, await call_hook(threads, env.reset, task, timeout_s=timeout_s))
         schemas = [tool_schema(tool) for tool in env.tools()]
         return len(renderer.prompt_ids(prompt, schemas))
     except ChatTemplateMissing:
         raise  # the model cannot render this kind of prompt at all: stop at start
+    except HookTimeout:
+        threads.close()  # its thread may hang for good: the next task gets a fresh one
+        log.debug("prompt of %r not measured: reset timed out", task.prompt_id)
+        return None
     except Exception as exc:  # the episode's error policy owns a failing reset, not the loader
         log.debug("prompt of %r not measured: %r", task.prompt_id, exc)
         return None
     finally:
         close = getattr(env, "close", None)  # an environment need not hold anything to release
         if close is not None:
-            async with asyncio.timeout(timeout_s):
-                await call_maybe_async(close)
+            await call_hook(threads, close, timeout_s=timeout_s)

@@ -30,8 +30,10 @@ The life of an episode (the runner is `dora.episode.run_episode`):
    ends the episode (for chat and for plain text): a single-turn task or a ReAct-style tool loop
    needs no `step`. A simulated user or a game overrides it.
 4. `reward(episode)` scores the finished episode: a float, or a dict of named components whose sum
-   is the reward. Any of `reset`, `step`, `reward` may be `async`; CPU-heavy scoring belongs in a
-   `ScorerPool`.
+   is the reward: real numbers only, finite; text such as "0.5" is refused, never parsed. Any of
+   `reset`, `step`, `reward` may be `async`; a synchronous one runs in a worker thread of its
+   episode, never on serve's event loop, and each has a deadline (`env.step_timeout_s`,
+   `env.reward_timeout_s`). CPU-heavy scoring belongs in a `ScorerPool`.
 5. `close()` (async) releases what the episode holds (client sessions, sandboxes, processes). The
    runner awaits it once at the end of every episode it runs, however the episode ends: normally,
    by an error (one in `reset` too), or cancelled (then it still runs, bounded by a deadline, and
@@ -41,7 +43,8 @@ The life of an episode (the runner is `dora.episode.run_episode`):
 continuation of `reset(task)`'s conversation (assistant turns with their tool calls, tool results,
 replies), which teaches a model from scratch the format before RL.
 
-An exception from `reset`, `step` or `reward` never crashes training: the episode's sample is masked
+An exception from `reset`, `step` or `reward`, a hook past its deadline or a value it returns
+that cannot be used never crashes training: the episode's sample is masked
 (it stays in its group but has no gradient), the error is logged and counted, and the group policy
 applies. An exception inside a tool is the model's business: it becomes a tool message.
 
@@ -106,7 +109,7 @@ Reply = tuple[list[Message] | str, bool]
 `done`."""
 
 Reward = float | dict[str, float]
-"""A reward, or named components whose sum is the reward."""
+"""A reward, or named components whose sum is the reward: real numbers (numpy's too), never text."""
 
 
 @dataclass(frozen=True)

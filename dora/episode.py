@@ -14,9 +14,16 @@ Invariants (docs/environments.md, "How an episode becomes a training sample"):
   (tests/unit/env/test_env_episode.py checks it).
 - `loss_mask` is 1 exactly on sampled tokens, which carry their behaviour log-prob and version;
   every other token has mask 0, log-prob 0 and version -1.
-- Environment errors (`reset`, `tools`, `step`, `reward` raising) never propagate: the sample is
-  masked, the error is logged and put in `metadata["error"]`. Sampler errors (a dead server) do
-  propagate: the serve side owns that policy. Cancellation always propagates.
+- Environment hooks (`reset`, `tools`, `step`, `reward`, `close`) never run synchronous code on the
+  event loop: a synchronous hook runs in a thread of the episode's own (`dora.hooks`), and every
+  hook has a deadline (`step_timeout_s` for `reset`, `tools` and `step`, `reward_timeout_s`,
+  `close_timeout_s`), the episode one more (`episode_timeout_s`).
+- Environment errors (a hook that raises, overruns its deadline or returns what cannot be used;
+  an empty prompt; text the tokenizer refuses, such as a lone surrogate) never propagate: the
+  sample is masked, the error is logged and put in `metadata["error"]`, whose head names the hook
+  and what went wrong (`reward timed out after 60 s`, the reason serve counts) and whose tail
+  names the environment class and the task. Sampler errors (a dead server) do propagate: the serve
+  side owns that policy. Cancellation always propagates.
 - Limits: `max_turns` model turns, `max_total_tokens` sampled tokens over all turns, `context_limit`
   tokens in the whole sequence; environment tokens that would cross the context limit are not
   appended and the episode stops with finish reason "context". A turn cut off by a token limit
@@ -38,17 +45,17 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import uuid
 from array import array
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal, Protocol, TypeVar, cast
+from typing import TYPE_CHECKING, Literal, Protocol, cast
 
 import msgspec
 
-from dora.env import Env, Episode, Message, Reward, Task, call_maybe_async
-from dora.errors import ChatTemplateMissing, EnvError
+from dora.env import Env, Episode, Message, Task
+from dora.episode_guard import EnvFailure, Hooks, check_reply, guarded, reward_total
+from dora.errors import EnvError
 from dora.instance.interface import InstanceClient
 from dora.protocol import Completion, FinishReason, Sample, SamplingParams, extend_array
 from dora.render import ChatRenderer
@@ -121,6 +128,12 @@ class EpisodeLimits:
     """Calls beyond this in one turn get an error message instead of running."""
     close_timeout_s: float = 30.0
     """Deadline for the environment's `close()`."""
+    step_timeout_s: float = 300.0
+    """Deadline for each call of `reset`, `tools` and `step`."""
+    reward_timeout_s: float = 120.0
+    """Deadline for `reward`."""
+    episode_timeout_s: float = 0.0
+    """Deadline for the whole episode, LLM calls included; 0: none (every part has its own)."""
 
 
 class GroupFailed(EnvError):
@@ -133,72 +146,6 @@ class GroupFailed(EnvError):
         self.prompt_id = prompt_id
         self.samples = samples
         self.errors = errors
-
-
-class _EnvFailure(Exception):
-    """Internal: an environment hook raised; carries the finish reason for the masked sample."""
-
-    def __init__(self, message: str, finish_reason: FinishReason = "error") -> None:
-        super().__init__(message)
-        self.finish_reason = finish_reason
-
-
-async def _env_call(what: str, fn: Callable[..., object], *args: object) -> object:
-    try:
-        return await call_maybe_async(fn, *args)
-    except (asyncio.CancelledError, ChatTemplateMissing):
-        raise  # a model that cannot render chat messages is the config's error, not the env's
-    except Exception as exc:
-        log.warning("environment %s raised", what, exc_info=True)
-        raise _EnvFailure(f"{what} raised {type(exc).__name__}: {exc}") from exc
-
-
-R = TypeVar("R", list[Message], str)
-
-
-def _check_reply(raw: object, kind: type[R]) -> tuple[R, bool]:
-    """`step`'s return value, checked: a (reply, done) pair whose reply has the episode's kind.
-    An empty reply (`[]` or `""`, the default `step`'s) is no reply in either kind."""
-    if (
-        isinstance(raw, tuple)
-        and len(raw) == 2
-        and isinstance(raw[0], (list, str))
-        and not raw[0]
-        and isinstance(raw[1], bool)
-    ):
-        return kind(), raw[1]
-    if (
-        not isinstance(raw, tuple)
-        or len(raw) != 2
-        or not isinstance(raw[0], kind)
-        or not isinstance(raw[1], bool)
-    ):
-        what = "a list of messages" if kind is list else "text"
-        raise _EnvFailure(f"step() must return ({what}, done: bool), got {raw!r:.200}")
-    if kind is list and not all(isinstance(m, dict) and "role" in m for m in raw[0]):
-        raise _EnvFailure(
-            f"step() returned a reply that is not a list of messages: {raw[0]!r:.200}"
-        )
-    return raw[0], raw[1]
-
-
-def _total(reward: Reward) -> tuple[float, dict[str, float]]:
-    """The reward and its components; a non-finite one is a ValueError naming it (a NaN or an
-    infinity would poison the group's advantages and then every weight the trainer touches)."""
-    if isinstance(reward, dict):
-        components = {str(k): float(v) for k, v in reward.items()}
-        bad = {k: v for k, v in components.items() if not math.isfinite(v)}
-        if bad:
-            raise ValueError(f"reward components are not finite: {bad}")
-        total = sum(components.values())
-        if not math.isfinite(total):
-            raise ValueError(f"the sum of the reward components is not finite: {components}")
-        return total, components
-    if isinstance(reward, (int, float)) and not isinstance(reward, bool):
-        if not math.isfinite(reward):
-            raise ValueError(f"reward is not finite: {reward}")
-        return float(reward), {}
-    raise TypeError(f"reward must be a float or a dict of floats, got {type(reward).__name__}")
 
 
 class _Trajectory:
@@ -282,27 +229,55 @@ async def run_episode(
     of the tokenizer to skip re-probing the template for every episode.
     """
     limits = limits or EpisodeLimits()
+    return await _guarded_episode(Hooks(), sampler, tokenizer, env, task, params, limits)
+
+
+async def _guarded_episode(
+    hooks: Hooks,
+    sampler: Sampler,
+    tokenizer: PreTrainedTokenizerBase | ChatRenderer,
+    env: Env,
+    task: Task,
+    params: SamplingParams,
+    limits: EpisodeLimits,
+) -> Sample:
+    """The episode under its deadline, then `close()`; the hooks' threads go with it."""
     try:
-        return await _run_episode(sampler, tokenizer, env, task, params, limits)
+        if not limits.episode_timeout_s:
+            return await _run_episode(sampler, tokenizer, env, hooks, task, params, limits)
+        deadline = asyncio.timeout(limits.episode_timeout_s)
+        try:
+            async with deadline:
+                return await _run_episode(sampler, tokenizer, env, hooks, task, params, limits)
+        except TimeoutError:
+            if not deadline.expired():
+                raise
+            error = f"episode timed out after {limits.episode_timeout_s:g} s"
+            log.warning("episode of prompt %r masked: %s", task.prompt_id, error)
+            return masked_sample(task, f"{error} {_where(env, task)}")
     finally:
-        await _close_env(env, task, limits.close_timeout_s)
+        await _close_env(env, hooks, task, limits.close_timeout_s)
+        hooks.threads.close()
 
 
-async def _close_env(env: Env, task: Task, timeout_s: float) -> None:
+def _where(env: Env, task: Task) -> str:
+    """The tail of a masked sample's error: which environment, which task."""
+    return f"(env {type(env).__name__}, task {task.prompt_id})"
+
+
+async def _close_env(env: Env, hooks: Hooks, task: Task, timeout_s: float) -> None:
     """`env.close()` with a deadline; runs during cancellation too, and never raises but for it."""
     try:
-        async with asyncio.timeout(timeout_s):
-            await env.close()
-    except asyncio.CancelledError:
-        raise
-    except Exception:
-        log.warning("environment close() of prompt %r raised", task.prompt_id, exc_info=True)
+        await hooks.call("close", env.close, timeout_s=timeout_s)
+    except EnvFailure as failure:
+        log.warning("environment close() of prompt %r failed: %s", task.prompt_id, failure)
 
 
 async def _run_episode(
     sampler: Sampler,
     tokenizer: PreTrainedTokenizerBase | ChatRenderer,
     env: Env,
+    hooks: Hooks,
     task: Task,
     params: SamplingParams,
     limits: EpisodeLimits,
@@ -312,44 +287,26 @@ async def _run_episode(
     prompt_len = 0
     counts = _Counts()
     try:
-        prompt = await _env_call("reset", env.reset, task)
-        tools = cast("Sequence[Callable[..., object]]", await _env_call("tools", env.tools))
-        try:
-            toolbox = ToolBox(tools, timeout_s=limits.tool_timeout_s)
-        except TypeError as exc:
-            raise _EnvFailure(f"bad tool: {exc}") from exc
-        if isinstance(prompt, str):
-            if len(toolbox):
-                raise _EnvFailure("tools need a chat prompt: reset() returned plain text")
-            traj.add_context(renderer.prompt_ids(prompt, ()))
-        elif isinstance(prompt, list):
-            ids = await _env_call(
-                "rendering reset()'s messages", renderer.prompt_ids, prompt, toolbox.schemas
-            )
-            traj.add_context(cast("list[int]", ids))
-        else:
-            raise _EnvFailure(
-                f"reset() must return messages or a string, not {type(prompt).__name__}"
-            )
+        prompt, toolbox = await _open(renderer, env, hooks, task, limits, traj)
         prompt_len = len(traj.ids)
         if prompt_len >= limits.context_limit:
-            raise _EnvFailure(
+            raise EnvFailure(
                 f"prompt of {prompt_len} tokens leaves no room under "
                 f"context_limit {limits.context_limit}",
                 "context",
             )
         try:
             episode = await _loop(
-                sampler, renderer, env, task, params, limits, prompt, toolbox, traj, counts
+                sampler, renderer, env, hooks, task, params, limits, prompt, toolbox, traj, counts
             )
         finally:
             toolbox.close()
-        raw = await _env_call("reward", env.reward, episode)
+        raw = await hooks.call("reward", env.reward, episode, timeout_s=limits.reward_timeout_s)
         try:
-            reward, components = _total(cast(Reward, raw))
+            reward, components = reward_total(raw)
         except (TypeError, ValueError) as exc:
-            raise _EnvFailure(f"reward: {exc}") from exc
-    except _EnvFailure as failure:
+            raise EnvFailure(f"reward returned {exc}") from exc
+    except EnvFailure as failure:
         log.warning("episode of prompt %r masked: %s", task.prompt_id, failure)
         return traj.to_sample(
             prompt_len=prompt_len,
@@ -358,7 +315,7 @@ async def _run_episode(
             masked=True,
             num_turns=counts.turns,
             num_tool_calls=counts.tool_calls,
-            metadata={"prompt_id": task.prompt_id, "error": str(failure)},
+            metadata={"prompt_id": task.prompt_id, "error": f"{failure} {_where(env, task)}"},
         )
     return traj.to_sample(
         prompt_len=prompt_len,
@@ -371,10 +328,45 @@ async def _run_episode(
     )
 
 
+async def _open(
+    renderer: ChatRenderer,
+    env: Env,
+    hooks: Hooks,
+    task: Task,
+    limits: EpisodeLimits,
+    traj: _Trajectory,
+) -> tuple[list[Message] | str, ToolBox]:
+    """`reset` and `tools`: the prompt, its ids added to `traj`, and the episode's toolbox."""
+    prompt = await hooks.call("reset", env.reset, task, timeout_s=limits.step_timeout_s)
+    tools = await hooks.call("tools", env.tools, timeout_s=limits.step_timeout_s)
+    if not isinstance(tools, Sequence) or isinstance(tools, str):
+        raise EnvFailure(f"tools() must return a list of tools, not {type(tools).__name__}")
+    try:
+        toolbox = ToolBox(tools, timeout_s=limits.tool_timeout_s)
+    except TypeError as exc:
+        raise EnvFailure(f"bad tool: {exc}") from exc
+    if not isinstance(prompt, (str, list)):
+        raise EnvFailure(f"reset() must return messages or a string, not {type(prompt).__name__}")
+    if not prompt:
+        raise EnvFailure(f"reset() returned an empty prompt ({prompt!r})")
+    if isinstance(prompt, str):
+        if len(toolbox):
+            raise EnvFailure("tools need a chat prompt: reset() returned plain text")
+        ids = guarded("encoding reset()'s prompt", renderer.prompt_ids, prompt, ())
+    else:
+        what = "rendering reset()'s messages"
+        ids = guarded(what, renderer.prompt_ids, prompt, toolbox.schemas)
+    if not ids:
+        raise EnvFailure(f"reset() returned a prompt of no tokens ({prompt!r:.100})")
+    traj.add_context(ids)
+    return cast("list[Message] | str", prompt), toolbox
+
+
 async def _loop(
     sampler: Sampler,
     renderer: ChatRenderer,
     env: Env,
+    hooks: Hooks,
     task: Task,
     params: SamplingParams,
     limits: EpisodeLimits,
@@ -404,7 +396,7 @@ async def _loop(
             traj.ids.tolist(), msgspec.structs.replace(params, max_tokens=budget)
         )
         if completion.finish_reason in ("abort", "error"):
-            raise _EnvFailure(
+            raise EnvFailure(
                 f"the sampler ended the request with {completion.finish_reason!r}", "abort"
             )
         traj.add_sampled(completion)
@@ -428,19 +420,21 @@ async def _loop(
                 replies, done = await _run_tools(toolbox, parsed, limits, counts)
                 messages.extend(replies)
             else:
-                raw = await _env_call("step", env.step, messages[since:])
-                replies, done = _check_reply(raw, list)
+                raw = await hooks.call(
+                    "step", env.step, messages[since:], timeout_s=limits.step_timeout_s
+                )
+                replies, done = check_reply(raw, list)
                 messages.extend(replies)
                 since = len(messages)
             if not done and counts.turns < limits.max_turns:
-                rendered = await _env_call("rendering", renderer.new_message_ids, replies)
-                new_ids = renderer.encode(turn_end) + cast("list[int]", rendered)
+                rendered = guarded("rendering", renderer.new_message_ids, replies)
+                new_ids = renderer.encode(turn_end) + rendered
         else:
             completion_text = text
-            raw = await _env_call("step", env.step, text)
-            reply_text, done = _check_reply(raw, str)
+            raw = await hooks.call("step", env.step, text, timeout_s=limits.step_timeout_s)
+            reply_text, done = check_reply(raw, str)
             messages = cast(str, messages) + text + reply_text
-            new_ids = renderer.encode(reply_text)
+            new_ids = guarded("encoding step()'s reply", renderer.encode, reply_text)
         if done:
             finish = "stop"
             break
@@ -512,16 +506,18 @@ async def run_fresh_episode(
     params: SamplingParams,
     limits: EpisodeLimits | None = None,
 ) -> Sample:
-    """One episode of `task` on a new environment from `env_factory`; a factory that raises gives
-    a masked sample (`env factory: ...`), as an episode that fails does."""
+    """One episode of `task` on a new environment from `env_factory` (user code too: it runs in
+    the episode's thread, under `step_timeout_s`); a factory that raises gives a masked sample
+    (`env factory raised ...`), as an episode that fails does."""
+    limits = limits or EpisodeLimits()
+    hooks = Hooks()
     try:
-        env = env_factory()
-    except Exception as exc:
-        log.warning("env factory raised", exc_info=True)
-        return masked_sample(task, f"env factory: {exc!r}")
-    return await run_episode(
-        sampler=sampler, tokenizer=renderer, env=env, task=task, params=params, limits=limits
-    )
+        made = await hooks.call("env factory", env_factory, timeout_s=limits.step_timeout_s)
+    except EnvFailure as failure:
+        hooks.threads.close()
+        return masked_sample(task, f"{failure} (task {task.prompt_id})")
+    env = cast(Env, made)
+    return await _guarded_episode(hooks, sampler, renderer, env, task, params, limits)
 
 
 async def run_group(

@@ -46,6 +46,7 @@ SAFE_ON_RESUME: tuple[str, ...] = (
     "data.eval_size",
     "data.eval_every",
     "data.eval_every_s",
+    "data.eval_success_at",
 )
 """Keys (or whole sections and tables) a resume may change; every other key defines the run."""
 

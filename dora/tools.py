@@ -23,28 +23,28 @@ they happen, without a `step` to notice them.
 
 Everything that goes wrong on the model's side becomes a tool message the model reads, never an
 exception: malformed JSON, an unknown tool, bad arguments, a tool that raises, a tool that hangs (it
-is timed out). Sync tools run in the ToolBox's own worker threads, so they cannot block the event
-loop, and a hung one cannot starve the loop's default executor; a timed-out sync tool keeps its
-thread until it returns (Python cannot kill a thread), so tools that can hang for good should be
-async or bound their own work. `close()` lets the threads go.
+is timed out). Sync tools run in the ToolBox's own worker threads (`dora.hooks.OffLoop`, as every
+synchronous hook of an environment does), so they cannot block the event loop, and a hung one
+cannot starve the loop's default executor; a timed-out sync tool keeps its thread until it returns
+(Python cannot kill a thread), so tools that can hang for good should be async or bound their own
+work. `close()` lets the threads go.
 """
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import inspect
 import json
 import re
 import types
 import typing
-from collections.abc import Awaitable, Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal, NamedTuple, NewType
 
 import msgspec
 
+from dora.hooks import HookTimeout, OffLoop, call_hook
 from dora.tool_calls import FunctionCall, ParsedTurn, ToolCall, parse_tool_calls
 
 __all__ = [
@@ -260,7 +260,7 @@ class ToolBox:
         self.timeout_s = timeout_s
         self._tools: dict[str, _Entry] = {}
         self.schemas: list[JSON] = []
-        self._executor: ThreadPoolExecutor | None = None
+        self._threads = OffLoop(4, name="dora-tool")
         for tool in tools:
             schema = tool_schema(tool)
             function = schema["function"]
@@ -283,9 +283,7 @@ class ToolBox:
 
     def close(self) -> None:
         """Let go of the tool threads; a sync tool still hanging keeps only its own thread."""
-        if self._executor is not None:
-            self._executor.shutdown(wait=False, cancel_futures=True)
-            self._executor = None
+        self._threads.close()
 
     def __len__(self) -> int:
         return len(self._tools)
@@ -311,18 +309,10 @@ class ToolBox:
             return ToolResult(f"Error: bad arguments for {name!r}: {exc}", False)
         if entry.call_id is not None:
             kwargs[entry.call_id] = CallId(call["id"])
-        fn = entry.fn
+        fn = functools.partial(entry.fn, **kwargs)
         try:
-            async with asyncio.timeout(self.timeout_s):
-                if inspect.iscoroutinefunction(fn):
-                    result = await typing.cast(Awaitable[object], fn(**kwargs))
-                else:
-                    if self._executor is None:
-                        self._executor = ThreadPoolExecutor(4, thread_name_prefix="dora-tool")
-                    call_fn = functools.partial(fn, **kwargs)
-                    loop = asyncio.get_running_loop()
-                    result = await loop.run_in_executor(self._executor, call_fn)
-        except TimeoutError:
+            result = await call_hook(self._threads, fn, timeout_s=self.timeout_s)
+        except HookTimeout:
             return ToolResult(f"Error: tool {name!r} timed out after {self.timeout_s:g} s", False)
         except Exception as exc:  # the tool's own failure is the model's information, not ours
             return ToolResult(f"Error: tool {name!r} raised {type(exc).__name__}: {exc}", False)

@@ -245,10 +245,13 @@ def turn_max_tokens(cfg: DoraConfig) -> int:
 
 
 def episode_limits(cfg: DoraConfig) -> EpisodeLimits:
-    """The limits of one episode, from `rollout.*` and `model.max_model_len`."""
+    """The limits of one episode, from `rollout.*`, `env.*` and `model.max_model_len`."""
     return EpisodeLimits(
         max_turns=cfg.rollout.max_turns,
         max_total_tokens=cfg.rollout.max_tokens,
         context_limit=cfg.model.max_model_len,
         tool_timeout_s=cfg.rollout.tool_timeout_s,
+        step_timeout_s=cfg.env.step_timeout_s,
+        reward_timeout_s=cfg.env.reward_timeout_s,
+        episode_timeout_s=cfg.env.episode_timeout_s,
     )

@@ -74,8 +74,9 @@ def read_history(path: Path) -> History:
 
 def masked_reason(metadata: dict[str, str], finish_reason: str) -> str:
     """Why a sample was masked, as a short counted key: what failed, from the head of the
-    sample's error (`reset raised KeyError`, `reward`, `step`, `env factory`, ...); without an
-    error, its finish reason (`error`: the instance refused the request; `context`)."""
+    sample's error (`reset raised KeyError`, `reward timed out after 60 s`, `env factory raised
+    TypeError`, ...: the hook and the cause; the environment and the task follow in the error);
+    without an error, its finish reason (`error`: the instance refused the request; `context`)."""
     error = metadata.get("error", "")
     head = error.partition(":")[0].partition("(")[0].strip()
     return head[:60] if head else finish_reason

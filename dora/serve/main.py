@@ -112,13 +112,14 @@ async def run_serve(
     # The initial weights the trainer starts from too (built, warmed up and cached once, under a
     # lock, by whichever side comes first): version 0 must be the same on both sides.
     model_dir = await asyncio.to_thread(prepare_model, config)
-    env_factory = load_env(config.env.cls, **config.env.kwargs)
+    # The environment's setup() and task source are user code: off the loop, as its hooks are.
+    env_factory = await asyncio.to_thread(load_env, config.env.cls, **config.env.kwargs)
     tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, str(model_dir))
     renderer = ChatRenderer(tokenizer, add_special_tokens=config.env.prompt_special_tokens)
     # Rows whose prompt cannot fit are left out before the prompt stream is built, so a restarted
     # serve (same data, same tokenizer) drops the same rows and its journaled position still holds.
     train = await fit_context(
-        config_tasks(config.data, env_factory),
+        await asyncio.to_thread(config_tasks, config.data, env_factory),
         env_factory=env_factory,
         renderer=renderer,
         context_limit=config.model.max_model_len,
@@ -128,7 +129,7 @@ async def run_serve(
     eval_skipped = 0
     if config.data.eval_source and config.data.eval_size > 0:
         held_out = await fit_context(
-            config_tasks(config.data, env_factory, held_out=True),
+            await asyncio.to_thread(config_tasks, config.data, env_factory, held_out=True),
             env_factory=env_factory,
             renderer=renderer,
             context_limit=config.model.max_model_len,

@@ -32,7 +32,7 @@ from typing import IO, TYPE_CHECKING
 
 import msgspec
 
-from dora.looplag import LoopProbe
+from dora.looplag import LoopProbe, StallWatch
 from dora.records import Record, RolloutReport, Tick
 
 if TYPE_CHECKING:
@@ -148,7 +148,8 @@ class Ticker:
     Two measures of the loop: `lag_ms`, how late the tick itself woke (one sample per tick), and
     `stall_ms`, the longest any wake-up waited since the previous tick, from a probe that sleeps
     `probe_s` at a time: a pause between two ticks shows in the second, where a one-second tick
-    would see it only if it fell due during the pause."""
+    would see it only if it fell due during the pause. A stall of a second or more is also logged
+    with the task that held the loop and where (`dora.looplag.StallWatch`)."""
 
     def __init__(
         self,
@@ -163,7 +164,7 @@ class Ticker:
         self._snapshot = snapshot
         self._every_s = every_s
         self._progress = progress
-        self._probe = LoopProbe(probe_s)
+        self._probe = LoopProbe(probe_s, watch=StallWatch(after_s=1.0))
         self.max_lag_ms = 0.0
         self.max_stall_ms = 0.0
 

@@ -3,9 +3,13 @@ and row."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import ClassVar
 
 import pytest
 
@@ -199,3 +203,33 @@ async def test_no_prompt_fitting_is_an_error_naming_the_rows(renderer: object) -
             context_limit=100,
             key="data.eval_source",
         )
+
+
+class _StuckEnv(_LongEnv):
+    """A synchronous reset that hangs on one task (a loader waiting on a dead share)."""
+
+    threads: ClassVar[list[str]] = []
+
+    def reset(self, task: Task) -> object:  # type: ignore[override]
+        _StuckEnv.threads.append(threading.current_thread().name)
+        if task.prompt_id == "stuck":
+            time.sleep(3.0)
+        return super().reset(task)
+
+
+async def test_a_sync_reset_that_hangs_is_measured_off_the_loop_and_cut(renderer: object) -> None:
+    from dora.data import fit_context
+
+    tasks = [Task(pid, {"question": "1+1?"}) for pid in ("a", "stuck", "b")]
+    loop = asyncio.get_running_loop()
+    began = loop.time()
+    fitted = await fit_context(
+        tasks,
+        env_factory=_StuckEnv,
+        renderer=renderer,  # type: ignore[arg-type]
+        context_limit=200,
+        timeout_s=0.3,
+    )
+    assert loop.time() - began < 2.5, "the hung reset is cut, and the next task has a thread"
+    assert [t.prompt_id for t in fitted.tasks] == ["a", "stuck", "b"]  # kept for the episode
+    assert _StuckEnv.threads and all(n.startswith("dora-env-fit") for n in _StuckEnv.threads)

@@ -112,7 +112,8 @@ async def test_a_failing_or_hanging_close_is_logged_and_leaves_the_sample_alone(
     failing = ClosingEnv(close_error=True)
     sample = await episode(failing, scripted(["hello" + END]))
     assert not sample.masked and sample.reward == 1.0  # type: ignore[attr-defined]
-    assert failing.closed == 1 and "close() of prompt 't0' raised" in caplog.text
+    assert failing.closed == 1
+    assert "close() of prompt 't0' failed: close raised RuntimeError" in caplog.text
 
     hanging = ClosingEnv(close_s=60.0)
     loop = asyncio.get_running_loop()
@@ -120,6 +121,7 @@ async def test_a_failing_or_hanging_close_is_logged_and_leaves_the_sample_alone(
     sample = await episode(hanging, scripted(["hello" + END]), EpisodeLimits(close_timeout_s=0.1))
     assert loop.time() - began < 5.0 and not sample.masked  # type: ignore[attr-defined]
     assert hanging.closed == 1 and not hanging.close_finished
+    assert "close() of prompt 't0' failed: close timed out after 0.1 s" in caplog.text
 
 
 async def test_every_episode_of_a_group_closes_its_own_env(scripted) -> None:

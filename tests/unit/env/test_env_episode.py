@@ -291,7 +291,7 @@ async def test_env_that_raises_gives_a_masked_sample(tokenizer, scripted, where,
     assert sample.metadata["prompt_id"] == "t0"
     assert sample.metadata["error"]
     if where in ("nan-reward", "inf-component"):
-        assert sample.metadata["error"].startswith("reward: ")
+        assert sample.metadata["error"].startswith("reward returned ")
         assert "not finite" in sample.metadata["error"]
     assert len(sample.mask()) == len(sample.tokens()) == len(sample.behaviour_logprobs())
     if where == "reset":
@@ -328,7 +328,7 @@ async def test_group_policy_mask_and_retry(tokenizer, scripted) -> None:
     assert all(s.masked for s in samples)
     # counted under one reason, whether serve's dispatcher or run_group started the episode
     reasons = {masked_reason(s.metadata, s.finish_reason) for s in samples}
-    assert reasons == {"env factory"}
+    assert reasons == {"env factory raised TypeError"}
 
 
 async def test_limits_end_the_episode(tokenizer, scripted) -> None:

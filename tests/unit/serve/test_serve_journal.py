@@ -15,7 +15,8 @@ import pytest
 
 from dora.core.transfer_queue import Admitted, GroupState
 from dora.protocol import Group, Sample
-from dora.serve.journal import JournaledQueue, read_frames
+from dora.serve.journal import JournaledQueue
+from dora.serve.journal_files import read_frames
 
 B, K, T = 2, 2, 8
 
@@ -216,16 +217,16 @@ def test_lost_groups_restart_at_a_newer_version_and_are_counted(tmp_path: Path) 
 async def test_records_are_written_off_the_loop_and_waited_for_before_sending(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from dora.serve import journal
+    from dora.serve import journal_files
 
     gate = threading.Event()
-    write = journal._write_all
+    write = journal_files._write_all
 
     def held_write(fd: int, data: bytes) -> None:
         gate.wait(5)
         write(fd, data)
 
-    monkeypatch.setattr(journal, "_write_all", held_write)
+    monkeypatch.setattr(journal_files, "_write_all", held_write)
     q = _queue(tmp_path)
     q.restore()
     q.on_version_loaded(0)
