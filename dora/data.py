@@ -213,22 +213,34 @@ async def fit_context(
     Each prompt is rendered as an episode renders it (`reset`, the tools' schemas, the chat
     template). Skipped rows are named in one warning; none fitting is a `DataError`. A `reset`
     that raises or takes longer than `timeout_s` is not judged here: the task is kept, and the
-    episode's error policy handles it when it runs. A prompt the model cannot render at all (chat
+    episode's error policy handles it when it runs; but a source none of whose tasks gives a
+    prompt (every `reset` failing, or text the tokenizer refuses in every row) is a `DataError`
+    naming the source, at start. A prompt the model cannot render at all (chat
     messages for a tokenizer without a chat template) is a `ChatTemplateMissing` (a `ConfigError`),
     raised here, at start.
     """
     kept: list[Task] = []
     skipped: list[tuple[str, int]] = []
+    failed: list[tuple[str, str]] = []
     threads = OffLoop(1, name="dora-env-fit")  # reset is user code: off the loop
     try:
         for task in tasks:
             length = await _prompt_length(env_factory, renderer, task, timeout_s, threads)
-            if length is not None and length >= context_limit:
+            if isinstance(length, str):
+                failed.append((task.prompt_id, length))
+            if isinstance(length, int) and length >= context_limit:
                 skipped.append((task.prompt_id, length))
             else:
                 kept.append(task)
     finally:
         threads.close()
+    if tasks and len(failed) == len(tasks):
+        named = "; ".join(f"{pid}: {why}" for pid, why in failed[:3])
+        raise DataError(
+            f"{key}: not one of its {len(tasks)} tasks gives a prompt the model can take "
+            f"({named}{'; ...' if len(failed) > 3 else ''}): check the rows and the "
+            "environment's reset()"
+        )
     if skipped:
         named = ", ".join(f"{pid} ({n} tokens)" for pid, n in skipped[:20])
         more = f" and {len(skipped) - 20} more" if len(skipped) > 20 else ""
@@ -248,7 +260,8 @@ async def _prompt_length(
     task: Task,
     timeout_s: float,
     threads: OffLoop,
-) -> int | None:
+) -> int | str:
+    """The prompt's length in tokens, or why it could not be measured."""
     env = env_factory()
     try:
         prompt = cast(Prompt, await call_hook(threads, env.reset, task, timeout_s=timeout_s))
@@ -259,10 +272,10 @@ async def _prompt_length(
     except HookTimeout:
         threads.close()  # its thread may hang for good: the next task gets a fresh one
         log.debug("prompt of %r not measured: reset timed out", task.prompt_id)
-        return None
+        return f"reset() took over {timeout_s:g} s"
     except Exception as exc:  # the episode's error policy owns a failing reset, not the loader
         log.debug("prompt of %r not measured: %r", task.prompt_id, exc)
-        return None
+        return f"{type(exc).__name__}: {exc}"[:200]
     finally:
         close = getattr(env, "close", None)  # an environment need not hold anything to release
         if close is not None:

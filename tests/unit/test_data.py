@@ -233,3 +233,28 @@ async def test_a_sync_reset_that_hangs_is_measured_off_the_loop_and_cut(renderer
     assert loop.time() - began < 2.5, "the hung reset is cut, and the next task has a thread"
     assert [t.prompt_id for t in fitted.tasks] == ["a", "stuck", "b"]  # kept for the episode
     assert _StuckEnv.threads and all(n.startswith("dora-env-fit") for n in _StuckEnv.threads)
+
+
+async def test_a_source_whose_every_row_is_unusable_stops_at_start_naming_it(
+    renderer: object,
+) -> None:
+    from dora.data import fit_context
+
+    broken = [Task(f"b{i}", {"broken": True}) for i in range(3)]
+    surrogate = [Task(f"s{i}", {"question": "\ud83d?", "chat": False}) for i in range(3)]
+    for tasks, why in ((broken, "b0: "), (surrogate, "s0: ")):
+        with pytest.raises(DataError, match=rf"data\.source: not one of its 3 tasks .*{why}"):
+            await fit_context(
+                tasks,
+                env_factory=_LongEnv,
+                renderer=renderer,  # type: ignore[arg-type]
+                context_limit=200,
+            )
+    # one usable row is enough: the others are left to the episode's error policy
+    fitted = await fit_context(
+        [*broken, Task("ok", {"question": "1+1?"})],
+        env_factory=_LongEnv,
+        renderer=renderer,  # type: ignore[arg-type]
+        context_limit=200,
+    )
+    assert len(fitted.tasks) == 4
