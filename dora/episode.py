@@ -77,6 +77,9 @@ __all__ = [
     "run_group",
 ]
 
+SAMPLER_ENDED = "the sampler ended the request"
+"""The head of the error of an episode whose LLM call the instance refused or abandoned."""
+
 log = logging.getLogger("dora.env")
 
 ErrorPolicy = Literal["mask", "retry"]
@@ -396,9 +399,7 @@ async def _loop(
             traj.ids.tolist(), msgspec.structs.replace(params, max_tokens=budget)
         )
         if completion.finish_reason in ("abort", "error"):
-            raise EnvFailure(
-                f"the sampler ended the request with {completion.finish_reason!r}", "abort"
-            )
+            raise EnvFailure(f"{SAMPLER_ENDED} with {completion.finish_reason!r}", "abort")
         traj.add_sampled(completion)
         sampled += len(completion.token_ids)
         counts.turns += 1

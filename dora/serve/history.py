@@ -20,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from dora.episode import SAMPLER_ENDED
 from dora.errors import AllMasked
 from dora.protocol import Sample
 from dora.records import (
@@ -31,7 +32,14 @@ from dora.records import (
     read_records,
 )
 
-__all__ = ["History", "check_not_all_masked", "masked_reason", "masked_reasons", "read_history"]
+__all__ = [
+    "History",
+    "check_not_all_masked",
+    "masked_by_source",
+    "masked_reason",
+    "masked_reasons",
+    "read_history",
+]
 
 
 @dataclass
@@ -80,6 +88,18 @@ def masked_reason(metadata: dict[str, str], finish_reason: str) -> str:
     error = metadata.get("error", "")
     head = error.partition(":")[0].partition("(")[0].strip()
     return head[:60] if head else finish_reason
+
+
+def masked_by_source(reasons: dict[str, int]) -> dict[str, int]:
+    """Masked samples split by who failed, from their `masked_reason` counts: `environment` (a
+    hook of the user's environment, its data, or text the tokenizer refused) or `instance` (an
+    inference instance refused or abandoned the call). Calls lost with a dead instance are not
+    here: they are resubmitted to another instance of the same version (`resubmissions`)."""
+    out = {"environment": 0, "instance": 0}
+    for reason, n in reasons.items():
+        by_instance = reason.startswith(SAMPLER_ENDED) or reason == "error"
+        out["instance" if by_instance else "environment"] += n
+    return out
 
 
 def masked_reasons(samples: list[Sample]) -> dict[str, int]:

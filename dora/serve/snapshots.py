@@ -11,7 +11,7 @@ from dora.heap import peak_rss_mb
 from dora.link import ServeLink
 from dora.records import InstanceTick, LinkCounts, Tick, TickEval
 from dora.serve.coretime import CoreClock
-from dora.serve.history import History
+from dora.serve.history import History, masked_by_source
 from dora.serve.journal import JournaledQueue
 from dora.serve.metrics import RolloutReport
 from dora.serve.placement import Placement
@@ -176,6 +176,8 @@ class Snapshots:
         reasons = dict(h.masked_reasons)
         for reason, n in st.masked_reasons.items():
             reasons[reason] = reasons.get(reason, 0) + n
+        for source, n in masked_by_source(reasons).items():
+            extra[f"masked_samples_{source}"] = n
         return RolloutReport(
             mode=self._mode,
             steps=q.step,

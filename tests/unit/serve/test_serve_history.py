@@ -13,7 +13,7 @@ from dora.records import (
     ServeStart,
     WeightLoad,
 )
-from dora.serve.history import masked_reason, read_history
+from dora.serve.history import masked_by_source, masked_reason, read_history
 from dora.serve.metrics import MetricsLog
 
 
@@ -69,3 +69,14 @@ def test_masked_reasons_name_what_failed() -> None:
     assert masked_reason(reset, "error") == "reset raised KeyError"
     assert masked_reason({"error": "step() must return (text, done: bool)"}, "error") == "step"
     assert masked_reason({}, "context") == "context"
+
+
+def test_masked_samples_are_counted_apart_by_who_failed() -> None:
+    refused = {"error": "the sampler ended the request with 'error' (env E, task t1)"}
+    reasons = {
+        masked_reason(refused, "error"): 2,
+        masked_reason({"error": "reward timed out after 1 s (env E, task t2)"}, "error"): 3,
+        masked_reason({"error": "encoding reset()'s prompt raised TypeError: x"}, "error"): 1,
+        "error": 1,  # a sample masked with the instance's own finish reason and no error
+    }
+    assert masked_by_source(reasons) == {"environment": 4, "instance": 3}
