@@ -158,6 +158,19 @@ class ServeConfig(_Section):
     vllm_tensor_parallel: Annotated[
         int, M(ge=1, description="Tensor-parallel size of each vLLM instance")
     ] = 1
+    gpu_memory_fraction: Annotated[
+        float,
+        M(
+            gt=0,
+            le=1,
+            description="Share of each GPU's memory a vLLM instance takes (--gpu-memory-"
+            "utilization); unset while run.colocate is on: 0.45",
+        ),
+    ] = 0.9
+    enforce_eager: Annotated[
+        bool,
+        M(description="vLLM without CUDA graphs (--enforce-eager); on the CPU it always is"),
+    ] = False
     stage_dir: Annotated[
         str,
         M(description="Folder dora writes and vLLM servers read weights from; '' is a temp dir"),
@@ -241,6 +254,13 @@ class LearnConfig(_Section):
     processes: Annotated[
         int, M(ge=1, description="Trainer ranks dora learn starts itself (torchrun; gloo on CPU)")
     ] = 1
+    devices: Annotated[
+        str,
+        M(
+            description="CUDA_VISIBLE_DEVICES of the trainer, one GPU per rank, e.g. '4,5,6,7'; "
+            "'' plans it (docs/gpu.md)"
+        ),
+    ] = ""
     strategy: Annotated[
         Literal["ddp", "fsdp"],
         M(description="How ranks share the model: ddp (a whole copy each) or fsdp (FSDP2 shards)"),
@@ -415,6 +435,13 @@ class RunConfig(_Section):
             "dora run stops",
         ),
     ] = 3
+    colocate: Annotated[
+        bool,
+        M(
+            description="The trainer shares the inference instances' GPUs (vLLM then takes "
+            "serve.gpu_memory_fraction of each); off: disjoint GPUs"
+        ),
+    ] = False
 
 
 class EmulateConfig(_Section):
