@@ -45,9 +45,11 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from dora.config import DoraConfig, default_sections, load_config
+from dora.config import default_sections, load_config
 from dora.config_text import render_toml
+from dora.dryrun import planned, process_lines, thread_overrides
 from dora.errors import NotYetAvailable, RunAborted
+from dora.gpu_plan import GpuPlan
 from dora.net import free_port
 from dora.rundir import resolve_run_dir
 
@@ -75,7 +77,9 @@ def main(args: argparse.Namespace) -> int:
     config = load_config(args.config, args.overrides)
     for note in default_sections(args.config, args.overrides):
         print(f"dora run: {note}", flush=True)
-    args.overrides = [*args.overrides, *_thread_overrides(args.config, args.overrides, config)]
+    args.overrides = [*args.overrides, *thread_overrides(args.config, args.overrides, config)]
+    start = planned(args.config, args.overrides)  # refused here, before anything is written
+    config, plan, args.overrides = start.config, start.plan, start.overrides
     run_dir = resolve_run_dir(config, resume=False)
     run_dir.mkdir(parents=True, exist_ok=True)
     port = config.serve.port or free_port(config.serve.host)
@@ -91,6 +95,8 @@ def main(args: argparse.Namespace) -> int:
     ]
     (run_dir / "config.toml").write_text(render_toml(load_config(args.config, overrides)))
     print(f"dora run: run directory {run_dir}", flush=True)
+    for line in process_lines(config, plan, weights=str(model_dir)):
+        print(f"dora run: {line}", flush=True)
 
     cli = [sys.executable, "-m", "dora.cli"]
     env = {
@@ -102,6 +108,7 @@ def main(args: argparse.Namespace) -> int:
         serve_cmd=[*cli, "serve", args.config, *overrides],
         learn_cmd=[*cli, "learn", args.config, *overrides],
         env=env,
+        learn_env=learn_env(plan),
         run_dir=run_dir,
         max_restarts=config.run.max_restarts,
     )
@@ -111,18 +118,10 @@ def main(args: argparse.Namespace) -> int:
     return code
 
 
-def _thread_overrides(path: str | None, overrides: list[str], config: DoraConfig) -> list[str]:
-    """Threads per instance and trainer threads for this mode on this machine, where unset."""
-    from dora.config import read_config_file
-    from dora.placement import given_keys, run_threads
-
-    raw = read_config_file(Path(path)) if path else {}
-    return run_threads(
-        config.rollout.mode,
-        len(os.sched_getaffinity(0)),
-        instances=config.serve.instances,
-        given=given_keys(raw, overrides),
-    )
+def learn_env(plan: GpuPlan) -> dict[str, str]:
+    """What the trainer's environment gets on top of the run's: its planned GPUs. Serve keeps
+    every visible GPU: it gives each instance its own."""
+    return {"CUDA_VISIBLE_DEVICES": plan.trainer_env()} if plan.on_gpu else {}
 
 
 class Supervisor:
@@ -136,8 +135,10 @@ class Supervisor:
         env: dict[str, str],
         run_dir: Path,
         max_restarts: int,
+        learn_env: dict[str, str] | None = None,
     ) -> None:
         self.serve_cmd, self.learn_cmd, self.env = serve_cmd, learn_cmd, env
+        self.learn_env = learn_env or {}
         self.run_dir = run_dir
         self.max_restarts = max_restarts
         self.restarts = {"serve": 0, "learn": 0}
@@ -238,7 +239,7 @@ class Supervisor:
         else:
             proc = start_side(
                 [*self.learn_cmd, *(["--resume"] if resume else [])],
-                env=env,
+                env={**env, **self.learn_env},
                 stdout=self._learn_log,
                 stderr=subprocess.STDOUT,
             )

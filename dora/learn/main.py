@@ -93,9 +93,11 @@ def check_ranks_fit(config: DoraConfig, gpus: int) -> None:
 
 def main(args: argparse.Namespace) -> int:
     """Run the trainer (or launch its ranks); 0 when it trained its steps or serve shut it down."""
+    config = load_config(args.config, args.overrides)
+    if config.learn.devices:  # the plan's GPUs (dora run sets them too), before CUDA starts
+        os.environ["CUDA_VISIBLE_DEVICES"] = config.learn.devices
     import torch
 
-    config = load_config(args.config, args.overrides)
     run_dir = resolve_run_dir(config, resume=args.resume)
     check_ranks_fit(config, torch.cuda.device_count())
     if config.learn.processes > 1 and not _in_distributed_env():

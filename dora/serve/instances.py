@@ -154,6 +154,8 @@ async def _start_process(
         args += ["--max-model-len", str(spec.max_model_len)]
     # Progress bars of model loading from N processes would garble the terminal.
     env = {"HF_HUB_DISABLE_PROGRESS_BARS": "1", **os.environ}
+    # The engine decodes on the CPU (docs/gpu.md): no GPU of the plan's is taken by it.
+    env["CUDA_VISIBLE_DEVICES"] = ""
     env.pop("DORA_ENGINE_TOKEN", None)  # only serve.token, never one inherited by accident
     if spec.token:
         env["DORA_ENGINE_TOKEN"] = spec.token

@@ -1,0 +1,107 @@
+"""What each process would be started with: `--dry-run` plans (nothing started, nothing written),
+the vLLM command line and environment from the plan and `model.*`, the trainer's and the
+engines' CUDA_VISIBLE_DEVICES."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from dora.config import load_config
+from dora.gpu_plan import PINNED, plan_gpus, visible_devices
+from dora.launch import learn_env
+from dora.vllm.launcher import server_command, server_env, spec_from_config
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _dora(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": str(REPO), "DORA_CACHE": str(cwd / "cache")}
+    return subprocess.run(
+        [sys.executable, "-m", "dora.cli", *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def test_dry_run_of_airline_on_8_gpus_plans_4_disjoint_vllm_and_the_trainer_apart(
+    tmp_path: Path,
+) -> None:
+    config = str(REPO / "examples/tau2/airline.toml")
+    done = _dora("run", config, "--dry-run", "--gpus", "8", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    vllm = [line for line in lines if line.strip().startswith("vllm i")]
+    assert [line.split()[2] for line in vllm] == [f"CUDA_VISIBLE_DEVICES={i}" for i in range(4)]
+    assert all("dtype=bfloat16" in line and "--enforce-eager" not in line for line in vllm)
+    (learn,) = [line for line in lines if line.strip().startswith("dora learn")]
+    assert "CUDA_VISIBLE_DEVICES=4,5,6,7" in learn and "ranks=4" in learn
+    assert "[serve]" in done.stdout  # the resolved config
+    assert sorted(p.name for p in tmp_path.iterdir()) == []  # nothing written
+
+
+def test_dry_run_refuses_a_plan_that_cannot_fit_naming_the_keys(tmp_path: Path) -> None:
+    config = str(REPO / "examples/tau2/airline.toml")
+    done = _dora(
+        "run", config, "serve.vllm_tensor_parallel=4", "--dry-run", "--gpus", "2", cwd=tmp_path
+    )
+    assert done.returncode == 1
+    assert "serve.instances" in done.stderr and "serve.vllm_tensor_parallel" in done.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_dry_run_on_this_cpu_machine_prints_the_cpu_plan(tmp_path: Path) -> None:
+    done = _dora("run", str(REPO / "examples/math/config.toml"), "--dry-run", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert "every process on the CPU" in done.stdout
+    assert done.stdout.count("engine i") == 2 and "ranks=1 on cpu" in done.stdout
+
+
+def test_gpus_without_dry_run_is_refused(tmp_path: Path) -> None:
+    done = _dora("run", str(REPO / "examples/math/config.toml"), "--gpus", "8", cwd=tmp_path)
+    assert done.returncode == 2 and "--dry-run" in done.stderr
+
+
+def _spec(overrides: list[str], visible: tuple[str, ...]):
+    config = load_config(None, ["serve.backend=vllm", "serve.vllm_python=py", *overrides])
+    plan = plan_gpus(config, visible, {*PINNED, *(o.split("=")[0] for o in overrides)})
+    return spec_from_config(config, "/m", plan=plan), plan
+
+
+def test_vllm_on_gpus_gets_the_dtype_cuda_graphs_memory_and_its_own_devices() -> None:
+    spec, plan = _spec(
+        ["model.dtype=bfloat16", "serve.vllm_tensor_parallel=2", "serve.gpu_memory_fraction=0.8"],
+        visible_devices({"CUDA_VISIBLE_DEVICES": "3,4,5,6,7"}, 5),
+    )
+    command = server_command(spec, 8000)
+    assert command[command.index("--dtype") + 1] == "bfloat16"
+    assert "--enforce-eager" not in command
+    assert command[command.index("--gpu-memory-utilization") + 1] == "0.8"
+    assert command[command.index("--tensor-parallel-size") + 1] == "2"
+    assert command[command.index("--max-num-seqs") + 1] == "64"
+    assert command[command.index("--max-model-len") + 1] == "1024"
+    assert server_env(spec, 0)["CUDA_VISIBLE_DEVICES"] == "3,4"
+    assert server_env(spec, 1)["CUDA_VISIBLE_DEVICES"] == "5,6"
+    assert learn_env(plan) == {"CUDA_VISIBLE_DEVICES": "7"}
+
+
+def test_enforce_eager_only_where_asked_and_on_the_cpu() -> None:
+    spec, _ = _spec(["serve.enforce_eager=true"], ("0", "1", "2"))
+    assert "--enforce-eager" in server_command(spec, 8000)
+    cpu, plan = _spec([], ())
+    assert "--enforce-eager" in server_command(cpu, 8000)
+    assert "--gpu-memory-utilization" not in server_command(cpu, 8000)
+    assert learn_env(plan) == {}
+
+
+def test_vllm_servers_are_not_forced_offline(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    spec, _ = _spec([], ())
+    assert "HF_HUB_OFFLINE" not in server_env(spec, 0)
