@@ -16,10 +16,19 @@ from pathlib import Path
 
 from dora.config import DoraConfig, load_config, read_config_file
 from dora.config_text import render_toml
-from dora.gpu_plan import GpuPlan, plan_gpus, visible_devices
+from dora.errors import ConfigError
+from dora.gpu_plan import GpuPlan, cpu_bf16_refusal, plan_gpus, visible_devices
 from dora.placement import given_keys
 
-__all__ = ["Planned", "count_gpus", "dry_run", "planned", "process_lines", "thread_overrides"]
+__all__ = [
+    "Planned",
+    "count_gpus",
+    "cpu_flags",
+    "dry_run",
+    "planned",
+    "process_lines",
+    "thread_overrides",
+]
 
 
 @dataclass(frozen=True)
@@ -28,6 +37,19 @@ class Planned:
     plan: GpuPlan
     overrides: list[str]
     """The command's overrides followed by the plan's pinned settings."""
+
+
+def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> frozenset[str] | None:
+    """This CPU's feature flags (x86 `flags`, Arm `Features`); None where there is no cpuinfo."""
+    try:
+        text = cpuinfo.read_text()
+    except OSError:
+        return None
+    for line in text.splitlines():
+        key, sep, value = line.partition(":")
+        if sep and key.strip() in ("flags", "Features"):
+            return frozenset(value.split())
+    return None
 
 
 def count_gpus() -> int:
@@ -44,6 +66,9 @@ def planned(path: str | None, overrides: list[str], gpus: int | None = None) -> 
     count = count_gpus() if gpus is None else gpus
     env = os.environ if gpus is None else {}
     plan = plan_gpus(config, visible_devices(env, count), given_keys(raw, overrides))
+    refusal = cpu_bf16_refusal(config, plan, cpu_flags())
+    if refusal:
+        raise ConfigError(refusal)
     pinned = [*overrides, *plan.overrides()]
     return Planned(config=load_config(path, pinned), plan=plan, overrides=pinned)
 

@@ -34,9 +34,11 @@ from dora.config import DoraConfig
 from dora.errors import ConfigError
 
 __all__ = [
+    "BF16_CPU_FLAGS",
     "COLOCATED_MEMORY_FRACTION",
     "PINNED",
     "GpuPlan",
+    "cpu_bf16_refusal",
     "plan_gpus",
     "visible_devices",
 ]
@@ -145,6 +147,31 @@ def plan_gpus(config: DoraConfig, visible: Sequence[str], given: Collection[str]
         trainer=trainer,
         colocated=colocated,
         memory_fraction=fraction,
+    )
+
+
+BF16_CPU_FLAGS = frozenset({"avx512_bf16", "amx_bf16", "bf16"})
+"""CPU feature flags (`/proc/cpuinfo`: x86's AVX-512 BF16 and AMX, Arm's BF16) of native
+bfloat16 arithmetic. Without one, torch emulates it many times slower than float32."""
+
+
+def cpu_bf16_refusal(config: DoraConfig, plan: GpuPlan, flags: frozenset[str] | None) -> str | None:
+    """The error for `model.dtype = "bfloat16"` computed on a CPU without native bfloat16, or
+    None. `flags` are the CPU's feature flags; None: unknown (not Linux), never refused."""
+    if config.model.dtype != "bfloat16" or flags is None or flags & BF16_CPU_FLAGS:
+        return None
+    on_cpu = []
+    serve = config.serve
+    if serve.backend != "emulated" and not serve.urls and not any(plan.instances):
+        on_cpu.append("the inference instances")
+    if not plan.trainer and not config.emulate.trainer:
+        on_cpu.append("the trainer")
+    if not on_cpu:
+        return None
+    return (
+        f"model.dtype = 'bfloat16', but {' and '.join(on_cpu)} would run on this CPU, which has "
+        "no native bfloat16 (no avx512_bf16, amx_bf16 or bf16 flag): set model.dtype = "
+        "'float32', or run them on GPUs"
     )
 
 

@@ -34,6 +34,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-kv-gib", type=float, default=4.0)
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument(
+        "--dtype", choices=["float32", "bfloat16", "float16"], default="float32", help="weights"
+    )
+    p.add_argument(
         "--control-token-env",
         default="DORA_ENGINE_TOKEN",
         help="environment variable with the bearer token for /control (unset: loopback only)",
@@ -60,6 +63,7 @@ async def serve(args: argparse.Namespace) -> None:
         port=args.port,
         version=args.version,
         threads=args.threads,
+        dtype=args.dtype,
         config=config,
         control_token=os.environ.get(args.control_token_env) or None,
     ) as server:

@@ -152,3 +152,31 @@ def test_every_plan_that_is_made_holds(
         assert plan.memory_fraction == COLOCATED_MEMORY_FRACTION
     if instances is None and processes is None and not colocate:
         assert len(used) + len(plan.trainer) > gpus - tp, "GPUs left idle"
+
+
+def test_bf16_on_a_cpu_without_it_is_refused_naming_the_key() -> None:
+    from dora.gpu_plan import cpu_bf16_refusal
+
+    config = load_config(None, ["model.dtype=bfloat16"])
+    cpu = _plan(["model.dtype=bfloat16"], 0)
+    problem = cpu_bf16_refusal(config, cpu, frozenset({"avx2", "fma"}))
+    assert problem is not None and "model.dtype" in problem and "trainer" in problem
+    assert cpu_bf16_refusal(config, cpu, frozenset({"avx512_bf16"})) is None
+    assert cpu_bf16_refusal(config, cpu, None) is None  # unknown CPU: not refused
+    vllm = ["model.dtype=bfloat16", "serve.backend=vllm"]
+    on_gpus = _plan(vllm, 4)
+    assert cpu_bf16_refusal(load_config(None, vllm), on_gpus, frozenset({"avx2"})) is None
+    fp32 = load_config(None, [])
+    assert cpu_bf16_refusal(fp32, _plan([], 0), frozenset({"avx2"})) is None
+
+
+def test_cpu_flags_read_x86_and_arm_cpuinfo(tmp_path) -> None:
+    from dora.dryrun import cpu_flags
+
+    x86 = tmp_path / "x86"
+    x86.write_text("processor\t: 0\nflags\t\t: fpu avx2 avx512_bf16\n")
+    arm = tmp_path / "arm"
+    arm.write_text("processor\t: 0\nFeatures\t: fp asimd bf16\n")
+    assert cpu_flags(x86) == {"fpu", "avx2", "avx512_bf16"}
+    assert "bf16" in (cpu_flags(arm) or ())
+    assert cpu_flags(tmp_path / "missing") is None
