@@ -190,41 +190,55 @@ def _instance_devices(
 ) -> tuple[tuple[str, ...], ...]:
     serve = config.serve
     tp = serve.vllm_tensor_parallel
+    trainer_need = 0 if config.run.colocate else _trainer_need(config, given)
     if serve.vllm_devices:
-        groups = tuple(
-            _ids(entry, f"serve.vllm_devices[{i}]", visible)
-            for i, entry in enumerate(serve.vllm_devices)
-        )
-        if "serve.instances" in given and len(groups) != serve.instances:
-            raise ConfigError(
-                f"serve.vllm_devices has {len(groups)} entries but serve.instances = "
-                f"{serve.instances}: give one entry (one CUDA_VISIBLE_DEVICES) per instance"
-            )
-        for i, group in enumerate(groups):
-            if len(group) != tp:
-                raise ConfigError(
-                    f"serve.vllm_devices[{i}] = {serve.vllm_devices[i]!r} holds {len(group)} "
-                    f"GPU(s) but serve.vllm_tensor_parallel = {tp}: each entry needs as many "
-                    "GPUs as the tensor-parallel size"
-                )
-        _disjoint(groups, "serve.vllm_devices")
-        return groups
-    trainer_need = _trainer_need(config, given)
-    if "serve.instances" in given:
+        count = len(serve.vllm_devices)
+    elif "serve.instances" in given:
         count = serve.instances
     else:
-        room = len(visible) if config.run.colocate else len(visible) - trainer_need
-        count = max(1, min(len(visible) // 2, room) // tp)
-    need = count * tp + (0 if config.run.colocate else trainer_need)
-    if need > len(visible):
-        trainer_part = "" if config.run.colocate else f" + {trainer_need} for the trainer"
+        room = len(visible) - trainer_need
+        count = max(1, min(len(visible) // 2 if trainer_need else len(visible), room) // tp)
+    _check_fits(config, count, trainer_need, len(visible))
+    for i, entry in enumerate(serve.vllm_devices):
+        size = len(entry.split(","))
+        if size != tp:
+            raise ConfigError(
+                f"serve.vllm_devices[{i}] = {entry!r} holds {size} GPU(s) but "
+                f"serve.vllm_tensor_parallel = {tp}: each entry needs as many GPUs as the "
+                "tensor-parallel size"
+            )
+    if not serve.vllm_devices:
+        return tuple(tuple(visible[i * tp : (i + 1) * tp]) for i in range(count))
+    groups = tuple(
+        _ids(entry, f"serve.vllm_devices[{i}]", visible)
+        for i, entry in enumerate(serve.vllm_devices)
+    )
+    if "serve.instances" in given and count != serve.instances:
         raise ConfigError(
-            f"serve.instances = {count} x serve.vllm_tensor_parallel = {tp} GPUs{trainer_part} "
-            f"need {need} GPUs, but {len(visible)} are visible: lower serve.instances or "
-            "serve.vllm_tensor_parallel"
-            + ("" if config.run.colocate else ", or set run.colocate = true to share them")
+            f"serve.vllm_devices has {count} entries but serve.instances = "
+            f"{serve.instances}: give one entry (one CUDA_VISIBLE_DEVICES) per instance"
         )
-    return tuple(tuple(visible[i * tp : (i + 1) * tp]) for i in range(count))
+    _disjoint(groups, "serve.vllm_devices")
+    return groups
+
+
+def _check_fits(config: DoraConfig, count: int, trainer_need: int, gpus: int) -> None:
+    """Refuse more GPUs than there are, naming every key that sets the count."""
+    tp = config.serve.vllm_tensor_parallel
+    need = count * tp + trainer_need
+    if need <= gpus:
+        return
+    keys = (
+        "serve.instances (or the entries of serve.vllm_devices)"
+        if config.serve.vllm_devices
+        else "serve.instances"
+    )
+    trainer_part = f" + {trainer_need} for the trainer (learn.processes)" if trainer_need else ""
+    raise ConfigError(
+        f"{count} instance(s) x serve.vllm_tensor_parallel = {tp} GPUs{trainer_part} need "
+        f"{need} GPUs, but {gpus} are visible: lower {keys} or serve.vllm_tensor_parallel"
+        + ("" if config.run.colocate else ", or set run.colocate = true to share them")
+    )
 
 
 def _trainer_need(config: DoraConfig, given: Collection[str]) -> int:
@@ -256,12 +270,6 @@ def _trainer_devices(
     else:
         free = visible if config.run.colocate else tuple(g for g in visible if g not in used)
         devices = free[: learn.processes] if "learn.processes" in given else free
-        if not devices:
-            raise ConfigError(
-                f"no GPU is left for the trainer: the instances take all {len(visible)} "
-                "(serve.instances x serve.vllm_tensor_parallel, or serve.vllm_devices); lower "
-                "them, or set run.colocate = true"
-            )
     if "learn.processes" in given and learn.processes != len(devices):
         raise ConfigError(
             f"learn.processes = {learn.processes} ranks but the trainer has {len(devices)} "

@@ -42,7 +42,7 @@ def test_dry_run_of_airline_on_8_gpus_plans_4_disjoint_vllm_and_the_trainer_apar
     assert [line.split()[2] for line in vllm] == [f"CUDA_VISIBLE_DEVICES={i}" for i in range(4)]
     assert all("dtype=bfloat16" in line and "--enforce-eager" not in line for line in vllm)
     (learn,) = [line for line in lines if line.strip().startswith("dora learn")]
-    assert "CUDA_VISIBLE_DEVICES=4,5,6,7" in learn and "ranks=4" in learn
+    assert "CUDA_VISIBLE_DEVICES=4,5" in learn and "ranks=2" in learn  # 6, 7: the user simulator
     assert "[serve]" in done.stdout  # the resolved config
     assert sorted(p.name for p in tmp_path.iterdir()) == []  # nothing written
 

@@ -30,8 +30,14 @@ def _plan(overrides: list[str], gpus: int, path: str | None = None):
 def test_airline_on_8_gpus_puts_4_instances_and_the_trainer_on_disjoint_gpus() -> None:
     plan = _plan([], 8, AIRLINE)
     assert plan.instances == (("0",), ("1",), ("2",), ("3",))
+    assert plan.trainer == ("4", "5")  # 6 and 7 run the user simulator
+    assert plan.trainer_processes == 2
+
+
+def test_with_nothing_said_8_gpus_are_filled_half_inference_half_training() -> None:
+    plan = _plan(["serve.backend=vllm"], 8)
+    assert plan.instances == (("0",), ("1",), ("2",), ("3",))
     assert plan.trainer == ("4", "5", "6", "7")
-    assert plan.trainer_processes == 4
 
 
 def test_airline_with_tp_4_on_2_gpus_is_refused_naming_the_keys() -> None:
@@ -84,14 +90,18 @@ def test_explicit_devices_win_and_map_to_the_visible_ids() -> None:
         (["serve.vllm_devices=['0', '0']"], ["serve.vllm_devices"]),
         (["serve.vllm_devices=['0', '9']"], ["serve.vllm_devices[1]", "does not exist"]),
         (
-            ["serve.vllm_tensor_parallel=2", "serve.vllm_devices=['0,1', '2']"],
+            [
+                "serve.vllm_tensor_parallel=2",
+                "serve.vllm_devices=['0,1', '2']",
+                "run.colocate=true",
+            ],
             ["serve.vllm_devices[1]", "serve.vllm_tensor_parallel"],
         ),
         (["serve.vllm_devices=['0', '1']", "learn.devices='1'"], ["learn.devices", "colocate"]),
         (["serve.instances=3", "serve.vllm_devices=['0', '1']"], ["serve.instances"]),
         (["learn.processes=3", "learn.devices='2,3'"], ["learn.processes", "learn.devices"]),
         (["serve.instances=4"], ["serve.instances", "run.colocate"]),
-        (["serve.vllm_devices=['0', '1', '2', '3']"], ["no GPU is left", "run.colocate"]),
+        (["serve.vllm_devices=['0', '1', '2', '3']"], ["serve.vllm_devices", "run.colocate"]),
     ],
 )
 def test_bad_plans_are_refused_naming_the_keys(overrides: list[str], keys: list[str]) -> None:
