@@ -35,11 +35,12 @@ import os
 import struct
 import uuid
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
 import msgspec
 
-from dora.errors import RequestError, ServerError, ServerTimeout, VersionMismatch
+from dora.errors import ConfigError, RequestError, ServerError, ServerTimeout, VersionMismatch
 from dora.instance import EngineClient, ExportedRequest
 from dora.instance.client import ClientOptions, generate_body
 from dora.protocol import Completion, FinishReason, SamplingParams
@@ -159,6 +160,10 @@ class VllmClient(EngineClient):
             # vLLM's keep mode works, but /v1/completions cannot say which tokens each version
             # sampled; dora's partial mode resumes by resubmission instead.
             raise RequestError(f"load_weights: mode {mode!r} is not supported by vLLM instances")
+        if tensors is not None and self.stage_dir is None:
+            problem = base64_refusal(sum(len(t[2]) for t in tensors.values()))
+            if problem:
+                raise ConfigError(problem)
         deadline = timeout_s or self.control_timeout_s
         staged: str | None = None
         if tensors is not None and self.stage_dir is not None:
@@ -374,6 +379,31 @@ async def _write_staged(path: str, tensors: Mapping[str, tuple[str, list[int], b
 def _remove(path: str) -> None:
     with contextlib.suppress(FileNotFoundError):
         os.remove(path)
+
+
+MAX_BASE64_BYTES = 1 << 30
+"""Most weight bytes sent as base64 JSON over HTTP (a third more on the wire, parsed whole by the
+server): past this a version takes minutes per instance, so it goes through a stage folder."""
+
+
+def base64_refusal(total_bytes: int) -> str | None:
+    """The error for a version of `total_bytes` that would go as base64 over HTTP, or None."""
+    if total_bytes <= MAX_BASE64_BYTES:
+        return None
+    return (
+        f"a version of {total_bytes / (1 << 30):.1f} GiB would go to each vLLM server as base64 "
+        f"JSON over HTTP (at most {MAX_BASE64_BYTES >> 20} MiB is sent that way): set "
+        "serve.stage_dir to a folder dora writes and the servers read (a shared file system "
+        "for servers on other nodes)"
+    )
+
+
+def weights_bytes(model_dir: str) -> int:
+    """Bytes of the weight files (`*.safetensors`, `*.bin`) in a model folder; 0 if none."""
+    folder = Path(model_dir)
+    if not folder.is_dir():
+        return 0
+    return sum(f.stat().st_size for f in folder.iterdir() if f.suffix in (".safetensors", ".bin"))
 
 
 def _encode(tensors: Mapping[str, tuple[str, list[int], bytes]]) -> Json:

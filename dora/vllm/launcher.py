@@ -50,7 +50,7 @@ from dora.instance import InstanceHandle
 from dora.instance.client import SERVER_KEEPALIVE_S
 from dora.net import free_port, is_loopback
 from dora.vllm.adapters import VllmAdapterClient
-from dora.vllm.client import VllmClient
+from dora.vllm.client import VllmClient, base64_refusal, weights_bytes
 
 if TYPE_CHECKING:
     from dora.config import DoraConfig
@@ -454,6 +454,10 @@ async def vllm_instances(
     """The hook for `dora serve`: attach to `serve.urls` if given, else start `serve.instances`
     servers of `model_dir` (version 0) where `plan` puts them; stop what was started on exit."""
     spec = spec_from_config(config, model_dir, plan=plan, log_dir=log_dir)
+    if config.serve.urls and spec.stage_dir is None:
+        problem = base64_refusal(weights_bytes(model_dir))
+        if problem:  # refused now, not at the first publish
+            raise ConfigError(problem)
     if config.serve.urls:
         async with attach(config.serve.urls, spec) as handles:
             yield handles

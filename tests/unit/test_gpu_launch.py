@@ -16,6 +16,8 @@ from dora.gpu_plan import PINNED, plan_gpus, visible_devices
 from dora.launch import learn_env
 from dora.vllm.launcher import server_command, server_env, spec_from_config
 
+pytestmark = pytest.mark.timeout(180)
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -105,3 +107,42 @@ def test_vllm_servers_are_not_forced_offline(monkeypatch: pytest.MonkeyPatch) ->
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     spec, _ = _spec([], ())
     assert "HF_HUB_OFFLINE" not in server_env(spec, 0)
+
+
+def test_a_version_too_large_for_base64_over_http_names_the_stage_folder() -> None:
+    from dora.vllm.client import MAX_BASE64_BYTES, base64_refusal
+
+    assert base64_refusal(MAX_BASE64_BYTES) is None
+    problem = base64_refusal(16 << 30)  # an 8B model in bf16
+    assert problem is not None and "serve.stage_dir" in problem and "16.0 GiB" in problem
+
+
+async def test_the_client_refuses_it_before_touching_the_server(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from dora.errors import ConfigError
+    from dora.vllm import client as vllm_client
+
+    monkeypatch.setattr(vllm_client, "MAX_BASE64_BYTES", 1000)  # not 1 GiB of test memory
+    client = vllm_client.VllmClient("http://127.0.0.1:9", stage_dir=None)  # nothing listens
+    try:
+        with pytest.raises(ConfigError, match=r"serve\.stage_dir"):
+            await client.load_weights(1, tensors={"w": ("float32", [500], bytes(2000))})
+    finally:
+        await client.close()
+
+
+async def test_attached_servers_without_a_stage_folder_refuse_a_large_model_at_start(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from dora.errors import ConfigError
+    from dora.vllm import client as vllm_client
+    from dora.vllm.launcher import vllm_instances
+
+    (tmp_path / "model.safetensors").write_bytes(bytes(4000))
+    monkeypatch.setattr(vllm_client, "MAX_BASE64_BYTES", 1000)
+    config = load_config(None, ["serve.backend=vllm", "serve.urls=['http://127.0.0.1:9']"])
+    plan = plan_gpus(config, (), PINNED)
+    with pytest.raises(ConfigError, match=r"serve\.stage_dir"):
+        async with vllm_instances(config, str(tmp_path), plan=plan):
+            pass
