@@ -233,7 +233,8 @@ def _check_fits(config: DoraConfig, count: int, trainer_need: int, gpus: int) ->
         if config.serve.vllm_devices
         else "serve.instances"
     )
-    trainer_part = f" + {trainer_need} for the trainer (learn.processes)" if trainer_need else ""
+    trainer_key = "learn.devices" if config.learn.devices else "learn.processes"
+    trainer_part = f" + {trainer_need} for the trainer ({trainer_key})" if trainer_need else ""
     raise ConfigError(
         f"{count} instance(s) x serve.vllm_tensor_parallel = {tp} GPUs{trainer_part} need "
         f"{need} GPUs, but {gpus} are visible: lower {keys} or serve.vllm_tensor_parallel"
