@@ -34,7 +34,7 @@ import json
 import os
 import struct
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
@@ -172,20 +172,31 @@ class VllmClient(EngineClient):
             )
             await _write_staged(staged, tensors)
             path, tensors = staged, None
+        if path is not None:
+            rpc: Json = {"method": "dora_load_path", "args": [path]}
+        else:
+            assert tensors is not None
+            rpc = {"method": "dora_load_tensors", "args": [_encode(tensors)]}
         try:
-            return await self._load(version, path, tensors, mode, deadline)
+            return await self.load_with(
+                version, lambda: self._control("/collective_rpc", rpc, "load"), mode, deadline
+            )
         finally:
             if staged is not None:
                 await asyncio.to_thread(_remove, staged)
 
-    async def _load(
+    async def load_with(
         self,
         version: int,
-        path: str | None,
-        tensors: Mapping[str, tuple[str, list[int], bytes]] | None,
-        mode: str,
-        deadline: float,
+        step: Callable[[], Awaitable[object]],
+        mode: str = "drain",
+        deadline: float | None = None,
     ) -> Json:
+        """Load `version` by `step` (what changes the weights: the worker extension, or vLLM's
+        NCCL weight transfer, `dora.vllm.nccl`), with the bookkeeping every load needs: requests
+        drained (or aborted), the server paused, the prefix cache reset, the version label set,
+        the server resumed; a step that fails leaves the instance paused and unusable."""
+        deadline = deadline or self.control_timeout_s
         loop = asyncio.get_running_loop()
         async with self._load_lock:
             self._ready.clear()
@@ -205,12 +216,7 @@ class VllmClient(EngineClient):
                         await asyncio.wait(list(self._inflight.values()))
                     await self._control("/pause?mode=wait", None, "pause")
                     self.version = -1  # the weights are in between until the load succeeds
-                    if path is not None:
-                        rpc: Json = {"method": "dora_load_path", "args": [path]}
-                    else:
-                        assert tensors is not None
-                        rpc = {"method": "dora_load_tensors", "args": [_encode(tensors)]}
-                    out = await self._control("/collective_rpc", rpc, "load")
+                    out = await step()
                     reset = await self._control(
                         "/reset_prefix_cache?reset_running_requests=true", None, "prefix reset"
                     )
@@ -309,6 +315,11 @@ class VllmClient(EngineClient):
             return None
 
     # -- transport ---------------------------------------------------------------------------------
+
+    async def control(self, path: str, body: Json | None, what: str) -> object:
+        """POST `body` to the server's control route `path` under the control deadline; the
+        decoded answer (None when empty). `what` names the call in errors."""
+        return await self._control(path, body, what)
 
     async def _control(self, path: str, body: Json | None, what: str) -> object:
         data = None if body is None else msgspec.json.encode(body)
