@@ -11,6 +11,9 @@ with, its dtype, its ports, its weights and its command line.
 from __future__ import annotations
 
 import os
+import shutil
+import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -53,10 +56,22 @@ def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> frozenset[str] | None:
 
 
 def count_gpus() -> int:
-    """GPUs this process sees (0 without CUDA). Imports torch: only where a command starts."""
-    import torch
+    """GPUs this process sees: 0 without an NVIDIA driver, else torch's count, asked in a child
+    process so that this one has not touched CUDA yet and may still set the
+    `CUDA_VISIBLE_DEVICES` of its own trainer (torch reads it once)."""
+    if not (os.path.isdir("/proc/driver/nvidia") or shutil.which("nvidia-smi")):
+        return 0
+    probe = "import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)"
+    done = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=False
+    )
+    return int(done.stdout.strip() or 0) if done.returncode == 0 else 0
 
-    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+def trainer_environment(plan: GpuPlan) -> dict[str, str]:
+    """What `dora learn` sets in its environment before torch starts: the plan's GPUs for the
+    trainer ('' hides every GPU from a trainer the plan keeps on the CPU); nothing without GPUs."""
+    return {"CUDA_VISIBLE_DEVICES": plan.trainer_env()} if plan.on_gpu else {}
 
 
 def planned(path: str | None, overrides: list[str], gpus: int | None = None) -> Planned:

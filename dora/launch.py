@@ -49,7 +49,6 @@ from dora.config import default_sections, load_config
 from dora.config_text import render_toml
 from dora.dryrun import planned, process_lines, thread_overrides
 from dora.errors import NotYetAvailable, RunAborted
-from dora.gpu_plan import GpuPlan
 from dora.net import free_port
 from dora.rundir import resolve_run_dir
 
@@ -108,7 +107,6 @@ def main(args: argparse.Namespace) -> int:
         serve_cmd=[*cli, "serve", args.config, *overrides],
         learn_cmd=[*cli, "learn", args.config, *overrides],
         env=env,
-        learn_env=learn_env(plan),
         run_dir=run_dir,
         max_restarts=config.run.max_restarts,
     )
@@ -116,12 +114,6 @@ def main(args: argparse.Namespace) -> int:
     if code == 0:
         print(f"dora run: finished; run directory {run_dir}", flush=True)
     return code
-
-
-def learn_env(plan: GpuPlan) -> dict[str, str]:
-    """What the trainer's environment gets on top of the run's: its planned GPUs. Serve keeps
-    every visible GPU: it gives each instance its own."""
-    return {"CUDA_VISIBLE_DEVICES": plan.trainer_env()} if plan.on_gpu else {}
 
 
 class Supervisor:
@@ -135,10 +127,8 @@ class Supervisor:
         env: dict[str, str],
         run_dir: Path,
         max_restarts: int,
-        learn_env: dict[str, str] | None = None,
     ) -> None:
         self.serve_cmd, self.learn_cmd, self.env = serve_cmd, learn_cmd, env
-        self.learn_env = learn_env or {}
         self.run_dir = run_dir
         self.max_restarts = max_restarts
         self.restarts = {"serve": 0, "learn": 0}
@@ -239,7 +229,7 @@ class Supervisor:
         else:
             proc = start_side(
                 [*self.learn_cmd, *(["--resume"] if resume else [])],
-                env={**env, **self.learn_env},
+                env=env,
                 stdout=self._learn_log,
                 stderr=subprocess.STDOUT,
             )

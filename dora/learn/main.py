@@ -93,9 +93,14 @@ def check_ranks_fit(config: DoraConfig, gpus: int) -> None:
 
 def main(args: argparse.Namespace) -> int:
     """Run the trainer (or launch its ranks); 0 when it trained its steps or serve shut it down."""
-    config = load_config(args.config, args.overrides)
-    if config.learn.devices:  # the plan's GPUs (dora run sets them too), before CUDA starts
-        os.environ["CUDA_VISIBLE_DEVICES"] = config.learn.devices
+    if _in_distributed_env():  # a rank: its launcher planned and set its GPUs
+        config = load_config(args.config, args.overrides)
+    else:
+        from dora.dryrun import planned, trainer_environment
+
+        start = planned(args.config, args.overrides)
+        config, args.overrides = start.config, start.overrides
+        os.environ.update(trainer_environment(start.plan))  # before torch reads it
     import torch
 
     run_dir = resolve_run_dir(config, resume=args.resume)

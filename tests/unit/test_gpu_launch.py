@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from dora.config import load_config
+from dora.dryrun import trainer_environment
 from dora.gpu_plan import PINNED, plan_gpus, visible_devices
-from dora.launch import learn_env
 from dora.vllm.launcher import server_command, server_env, spec_from_config
 
 pytestmark = pytest.mark.timeout(180)
@@ -91,7 +91,7 @@ def test_vllm_on_gpus_gets_the_dtype_cuda_graphs_memory_and_its_own_devices() ->
     assert command[command.index("--max-model-len") + 1] == "1024"
     assert server_env(spec, 0)["CUDA_VISIBLE_DEVICES"] == "3,4"
     assert server_env(spec, 1)["CUDA_VISIBLE_DEVICES"] == "5,6"
-    assert learn_env(plan) == {"CUDA_VISIBLE_DEVICES": "7"}
+    assert trainer_environment(plan) == {"CUDA_VISIBLE_DEVICES": "7"}
 
 
 def test_enforce_eager_only_where_asked_and_on_the_cpu() -> None:
@@ -100,7 +100,7 @@ def test_enforce_eager_only_where_asked_and_on_the_cpu() -> None:
     cpu, plan = _spec([], ())
     assert "--enforce-eager" in server_command(cpu, 8000)
     assert "--gpu-memory-utilization" not in server_command(cpu, 8000)
-    assert learn_env(plan) == {}
+    assert trainer_environment(plan) == {}
 
 
 def test_vllm_servers_are_not_forced_offline(monkeypatch: pytest.MonkeyPatch) -> None:
