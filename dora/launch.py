@@ -79,12 +79,14 @@ def main(args: argparse.Namespace) -> int:
     args.overrides = [*args.overrides, *thread_overrides(args.config, args.overrides, config)]
     start = planned(args.config, args.overrides)  # refused here, before anything is written
     config, plan, args.overrides = start.config, start.plan, start.overrides
+    from dora.models.prepare import prepare_model
+
+    # both sides then start from these exact weights; a model.path that is not there is refused
+    # before the run directory exists
+    model_dir = prepare_model(config)
     run_dir = resolve_run_dir(config, resume=False)
     run_dir.mkdir(parents=True, exist_ok=True)
     port = config.serve.port or free_port(config.serve.host)
-    from dora.models.prepare import prepare_model
-
-    model_dir = prepare_model(config)  # both sides then start from these exact weights
     overrides = [
         *args.overrides,
         f"serve.port={port}",

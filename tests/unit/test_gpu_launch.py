@@ -146,3 +146,19 @@ async def test_attached_servers_without_a_stage_folder_refuse_a_large_model_at_s
     with pytest.raises(ConfigError, match=r"serve\.stage_dir"):
         async with vllm_instances(config, str(tmp_path), plan=plan):
             pass
+
+
+@pytest.mark.parametrize(
+    ("setting", "key"),
+    [
+        ("learn.devices='0'", "learn.devices"),  # no GPU on this machine
+        ("model.path=./no-such-model", "model.path"),
+    ],
+)
+def test_a_run_refused_at_start_writes_nothing_but_its_error(
+    tmp_path: Path, setting: str, key: str
+) -> None:
+    config = str(REPO / "examples/math/config.toml")
+    done = _dora("run", config, setting, "model.warmup_steps=0", cwd=tmp_path)
+    assert done.returncode == 1 and key in done.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == []  # no runs/, no cache
