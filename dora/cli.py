@@ -50,6 +50,21 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_plan_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="print the resolved config and where each process would run; start nothing",
+    )
+    p.add_argument(
+        "--gpus",
+        type=int,
+        default=None,
+        metavar="N",
+        help="with --dry-run: plan for N GPUs instead of those this machine has",
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="dora",
@@ -61,13 +76,16 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("serve", help=helps["serve"], description=helps["serve"])
     _add_config_args(p)
     p.add_argument("--resume", action="store_true", help="continue the run's journal (needed)")
+    _add_plan_args(p)
 
     p = sub.add_parser("learn", help=helps["learn"], description=helps["learn"])
     _add_config_args(p)
+    _add_plan_args(p)
     p.add_argument("--resume", action="store_true", help="continue from the last durable step")
 
     p = sub.add_parser("run", help=helps["run"], description=helps["run"])
     _add_config_args(p)
+    _add_plan_args(p)
     p.add_argument("--resume", action="store_true", help="continue from the last durable step")
 
     p = sub.add_parser("simulate", help=helps["simulate"], description=helps["simulate"])
@@ -149,6 +167,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     # script puts its own folder first instead); PYTHONPATH still comes first.
     if "" not in sys.path and os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
+    if getattr(args, "gpus", None) is not None and not args.dry_run:
+        parser.error("--gpus plans for GPUs this machine may not have: it goes with --dry-run")
+    if getattr(args, "dry_run", False):
+        from dora.dryrun import dry_run
+
+        return run_command(
+            args.command,
+            lambda a: dry_run(a.command, a.config, a.overrides, a.gpus),
+            args,
+        )
     module, function, _ = COMMANDS[args.command]
     fn = _load(module, function)
     if fn is None:

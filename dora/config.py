@@ -15,7 +15,6 @@ The resolved config (what `dora config show` prints) is what runs.
 
 from __future__ import annotations
 
-import tomllib
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Annotated, Literal
@@ -23,6 +22,7 @@ from typing import Annotated, Literal
 import msgspec
 
 from dora.config_check import check_finite, check_keys, explain
+from dora.config_file import raw_config, read_config_file
 from dora.config_rules import CROSS_FIELD_RULES
 from dora.errors import ConfigError
 from dora.protocol import MIN_TEMPERATURE
@@ -157,6 +157,19 @@ class ServeConfig(_Section):
     vllm_tensor_parallel: Annotated[
         int, M(ge=1, description="Tensor-parallel size of each vLLM instance")
     ] = 1
+    gpu_memory_fraction: Annotated[
+        float,
+        M(
+            gt=0,
+            le=1,
+            description="Share of each GPU's memory a vLLM instance takes (--gpu-memory-"
+            "utilization); unset while run.colocate is on: 0.45",
+        ),
+    ] = 0.9
+    enforce_eager: Annotated[
+        bool,
+        M(description="vLLM without CUDA graphs (--enforce-eager); on the CPU it always is"),
+    ] = False
     stage_dir: Annotated[
         str,
         M(description="Folder dora writes and vLLM servers read weights from; '' is a temp dir"),
@@ -240,6 +253,13 @@ class LearnConfig(_Section):
     processes: Annotated[
         int, M(ge=1, description="Trainer ranks dora learn starts itself (torchrun; gloo on CPU)")
     ] = 1
+    devices: Annotated[
+        str,
+        M(
+            description="CUDA_VISIBLE_DEVICES of the trainer, one GPU per rank, e.g. '4,5,6,7'; "
+            "'' plans it (docs/gpu.md)"
+        ),
+    ] = ""
     strategy: Annotated[
         Literal["ddp", "fsdp"],
         M(description="How ranks share the model: ddp (a whole copy each) or fsdp (FSDP2 shards)"),
@@ -452,6 +472,13 @@ class RunConfig(_Section):
             "dora run stops",
         ),
     ] = 3
+    colocate: Annotated[
+        bool,
+        M(
+            description="The trainer shares the inference instances' GPUs (vLLM then takes "
+            "serve.gpu_memory_fraction of each); off: disjoint GPUs"
+        ),
+    ] = False
 
 
 class EmulateConfig(_Section):
@@ -505,40 +532,13 @@ MODE_STALENESS: dict[str, int] = {"sync": 0, "one_step_off": 1}
 
 def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> DoraConfig:
     """Load a TOML or YAML file, apply `key=value` overrides, validate, resolve mode presets."""
-    raw: dict[str, object] = {}
-    if path is not None:
-        raw = read_config_file(Path(path))
-    for item in overrides:
-        key, value = _parse_override(item)
-        _set_dotted(raw, key, value, origin=item)
+    raw = raw_config(path, overrides)
     check_keys(raw, DoraConfig, prefix="")
     try:
         config = msgspec.convert(raw, DoraConfig, strict=False)
     except msgspec.ValidationError as exc:
         raise ConfigError(explain(exc, raw, DoraConfig)) from None
     return _resolve(config)
-
-
-def read_config_file(path: Path) -> dict[str, object]:
-    """The sections of a TOML or YAML config file as written: no overrides, defaults or checks
-    (what a caller needs to tell a key the file sets from one left at its default)."""
-    if not path.is_file():
-        raise ConfigError(f"config file not found: {path}")
-    text = path.read_text()
-    try:
-        if path.suffix == ".toml":
-            data: object = tomllib.loads(text)
-        elif path.suffix in (".yaml", ".yml"):
-            import yaml
-
-            data = yaml.safe_load(text) or {}
-        else:
-            raise ConfigError(f"{path}: config files end in .toml, .yaml or .yml")
-    except (tomllib.TOMLDecodeError, ValueError) as exc:
-        raise ConfigError(f"{path}: not valid {path.suffix[1:].upper()}: {exc}") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"{path}: the top level must be a table of sections")
-    return data
 
 
 def default_sections(path: str | Path | None, overrides: Sequence[str]) -> list[str]:
@@ -559,28 +559,6 @@ def default_sections(path: str | Path | None, overrides: Sequence[str]) -> list[
             f"(env.cls = {EnvConfig().cls!r}; set it to 'module:Class' of yours)"
         )
     return notes
-
-
-def _parse_override(item: str) -> tuple[str, object]:
-    key, sep, text = item.partition("=")
-    if not sep or not key:
-        raise ConfigError(f"override {item!r} is not of the form section.key=value")
-    try:
-        value: object = tomllib.loads(f"v = {text}")["v"]
-    except tomllib.TOMLDecodeError:
-        value = text  # a bare word is a string: rollout.mode=sync
-    return key.strip(), value
-
-
-def _set_dotted(raw: dict[str, object], key: str, value: object, *, origin: str) -> None:
-    parts = key.split(".")
-    node = raw
-    for part in parts[:-1]:
-        child = node.setdefault(part, {})
-        if not isinstance(child, dict):
-            raise ConfigError(f"override {origin!r}: {part} is a value, not a section")
-        node = child
-    node[parts[-1]] = value
 
 
 def _resolve(config: DoraConfig) -> DoraConfig:

@@ -55,7 +55,9 @@ from typing import Any
 
 from dora.config import DoraConfig, default_sections, load_config
 from dora.config_text import render_toml
+from dora.dryrun import planned, process_lines, thread_overrides
 from dora.errors import NotYetAvailable, RunAborted
+from dora.gpu_plan import GpuPlan
 from dora.net import free_port
 from dora.resume import check_fresh, check_resumable, check_resume
 from dora.rundir import RunDirOwner, own_run_dir, resolve_run_dir
@@ -84,19 +86,31 @@ def main(args: argparse.Namespace) -> int:
     config = load_config(args.config, args.overrides)
     for note in default_sections(args.config, args.overrides):
         print(f"dora run: {note}", flush=True)
-    args.overrides = [*args.overrides, *_thread_overrides(args.config, args.overrides, config)]
+    args.overrides = [*args.overrides, *thread_overrides(args.config, args.overrides, config)]
+    start = planned(args.config, args.overrides)  # refused here, before anything is written
+    config, plan, args.overrides = start.config, start.plan, start.overrides
+    from dora.models.prepare import prepare_model
+
+    # both sides then start from these exact weights; a model.path that is not there is refused
+    # before the run directory exists
+    model_dir = prepare_model(config)
     run_dir = resolve_run_dir(config, resume=args.resume)
     # Owned before anything is written; a resume checks what it continues (dora/resume.py).
     with own_run_dir(run_dir, ("serve", "learn"), command="dora run") as owner:
         (check_resumable if args.resume else check_fresh)(run_dir)
-        return _run(args, config, run_dir, owner)
+        return _run(args, config, run_dir, owner, model_dir=model_dir, plan=plan)
 
 
-def _run(args: argparse.Namespace, config: DoraConfig, run_dir: Path, owner: RunDirOwner) -> int:
+def _run(
+    args: argparse.Namespace,
+    config: DoraConfig,
+    run_dir: Path,
+    owner: RunDirOwner,
+    *,
+    model_dir: Path,
+    plan: GpuPlan,
+) -> int:
     port = config.serve.port or free_port(config.serve.host)
-    from dora.models.prepare import prepare_model
-
-    model_dir = prepare_model(config)  # both sides then start from these exact weights
     overrides = [
         *args.overrides,
         f"serve.port={port}",
@@ -109,6 +123,8 @@ def _run(args: argparse.Namespace, config: DoraConfig, run_dir: Path, owner: Run
         check_resume(run_dir, resolved)
     (run_dir / "config.toml").write_text(render_toml(resolved))
     print(f"dora run: run directory {run_dir}", flush=True)
+    for line in process_lines(config, plan, weights=str(model_dir)):
+        print(f"dora run: {line}", flush=True)
 
     cli = [sys.executable, "-m", "dora.cli"]
     env = {
@@ -129,20 +145,6 @@ def _run(args: argparse.Namespace, config: DoraConfig, run_dir: Path, owner: Run
     if code == 0:
         print(f"dora run: finished; run directory {run_dir}", flush=True)
     return code
-
-
-def _thread_overrides(path: str | None, overrides: list[str], config: DoraConfig) -> list[str]:
-    """Threads per instance and trainer threads for this mode on this machine, where unset."""
-    from dora.config import read_config_file
-    from dora.placement import given_keys, run_threads
-
-    raw = read_config_file(Path(path)) if path else {}
-    return run_threads(
-        config.rollout.mode,
-        len(os.sched_getaffinity(0)),
-        instances=config.serve.instances,
-        given=given_keys(raw, overrides),
-    )
 
 
 class Supervisor:

@@ -42,6 +42,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="/health answers 503 once one engine step or command lasts longer (loads excepted)",
     )
     p.add_argument(
+        "--dtype", choices=["float32", "bfloat16", "float16"], default="float32", help="weights"
+    )
+    p.add_argument(
         "--control-token-env",
         default="DORA_ENGINE_TOKEN",
         help="environment variable with the bearer token for /control (unset: loopback only)",
@@ -68,6 +71,7 @@ async def serve(args: argparse.Namespace) -> None:
         port=args.port,
         version=args.version,
         threads=args.threads,
+        dtype=args.dtype,
         config=config,
         control_token=os.environ.get(args.control_token_env) or None,
         stall_s=args.stall_s,

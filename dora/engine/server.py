@@ -142,8 +142,10 @@ class EngineServer:
         max_control_bytes: int = MAX_CONTROL_BYTES,
         body_timeout_s: float = BODY_TIMEOUT_S,
         stall_s: float = STALL_S,
+        dtype: str = "float32",
     ) -> AsyncIterator[EngineServer]:
-        """Load the model, start the engine thread and serve; stop all of it on exit."""
+        """Load the model in `dtype`, start the engine thread and serve; stop all of it on
+        exit."""
         if not is_loopback(host) and not control_token:
             raise ConfigError(
                 f"the engine would bind {host!r}, off loopback, with no control token: set "
@@ -151,7 +153,7 @@ class EngineServer:
             )
         if threads is not None:
             torch.set_num_threads(threads)
-        model, loaded = await asyncio.to_thread(load_model, model_dir)
+        model, loaded = await asyncio.to_thread(load_model, model_dir, dtype)
         tok: Any = loaded
         eos = [tok.eos_token_id] if tok.eos_token_id is not None else []
         batcher = Batcher(
@@ -422,10 +424,10 @@ class EngineServer:
         return web.json_response(out)
 
 
-def load_model(model_dir: str | Path) -> tuple[torch.nn.Module, object]:
-    """The model (float32 unless it is stored otherwise, eval mode) and its tokenizer."""
+def load_model(model_dir: str | Path, dtype: str = "float32") -> tuple[torch.nn.Module, object]:
+    """The model in `dtype` (`model.dtype`; eval mode, on the CPU) and its tokenizer."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
     return model, tok

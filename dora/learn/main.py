@@ -92,9 +92,16 @@ def check_ranks_fit(config: DoraConfig, gpus: int) -> None:
 
 def main(args: argparse.Namespace) -> int:
     """Run the trainer (or launch its ranks); 0 when it trained its steps or serve shut it down."""
+    if _in_distributed_env():  # a rank: its launcher planned and set its GPUs
+        config = load_config(args.config, args.overrides)
+    else:
+        from dora.dryrun import planned, trainer_environment
+
+        start = planned(args.config, args.overrides)
+        config, args.overrides = start.config, start.overrides
+        os.environ.update(trainer_environment(start.plan))  # before torch reads it
     import torch
 
-    config = load_config(args.config, args.overrides)
     run_dir = resolve_run_dir(config, resume=args.resume)
     check_ranks_fit(config, torch.cuda.device_count())
     owns = int(os.environ.get("RANK", "0")) == 0  # the other ranks run under rank 0's lock

@@ -24,6 +24,7 @@ from types import ModuleType
 import msgspec
 
 from dora.config import DoraConfig
+from dora.models.hub import resolve_model_path
 
 
 def cache_root() -> Path:
@@ -97,8 +98,14 @@ def _package_sources(module: ModuleType) -> list[tuple[str, Path]]:
 def prepare_model(config: DoraConfig, *, log: bool = True) -> Path:
     """The folder of the run's initial weights, building and warming it up if needed."""
     model = config.model
-    if model.path != "tiny" and model.warmup_steps == 0:
-        return Path(model.path)
+    if model.path != "tiny":
+        local = resolve_model_path(model.path)
+        assert local is not None  # downloaded, or ConfigError
+        config = msgspec.structs.replace(
+            config, model=msgspec.structs.replace(model, path=str(local))
+        )
+        if model.warmup_steps == 0:
+            return local
     root = cache_root()
     root.mkdir(parents=True, exist_ok=True)
     final = root / model_key(config)

@@ -49,6 +49,7 @@ __all__ = [
     "InstanceSpec",
     "ProcessPool",
     "attach",
+    "engine_args",
     "start_in_process",
     "start_processes",
 ]
@@ -67,6 +68,8 @@ class InstanceSpec:
     token: str = ""
     """Bearer token of the engines' control endpoints ('' is none: loopback callers only)."""
     threads: int = 1
+    dtype: str = "float32"
+    """`model.dtype`: the weights' dtype in the engine."""
     max_running: int = 64
     max_model_len: int | None = None
     request_timeout_s: float = 600.0
@@ -86,6 +89,7 @@ class InstanceSpec:
             model_dir=str(model_dir),
             token=serve.token,
             threads=serve.threads_per_instance,
+            dtype=config.model.dtype,
             max_running=serve.max_running,
             max_model_len=config.model.max_model_len,
             request_timeout_s=serve.request_timeout_s,
@@ -154,18 +158,26 @@ async def start_processes(spec: InstanceSpec, count: int) -> AsyncIterator[Proce
         await pool.close()
 
 
-async def _start_process(
-    spec: InstanceSpec, instance_id: str, procs: dict[str, asyncio.subprocess.Process]
-) -> InstanceHandle:
+def engine_args(spec: InstanceSpec) -> list[str]:
+    """The arguments of `python` that start one engine process of `spec`."""
     args = [
         *("-m", "dora.engine", "--model", spec.model_dir, "--host", "127.0.0.1", "--port", "0"),
-        *("--version", "0", "--threads", str(spec.threads)),
+        *("--version", "0", "--threads", str(spec.threads), "--dtype", spec.dtype),
         *("--max-running", str(spec.max_running), "--stall-s", str(spec.stall_s)),
     ]
     if spec.max_model_len is not None:
         args += ["--max-model-len", str(spec.max_model_len)]
+    return args
+
+
+async def _start_process(
+    spec: InstanceSpec, instance_id: str, procs: dict[str, asyncio.subprocess.Process]
+) -> InstanceHandle:
+    args = engine_args(spec)
     # Progress bars of model loading from N processes would garble the terminal.
     env = {"HF_HUB_DISABLE_PROGRESS_BARS": "1", **os.environ}
+    # The engine decodes on the CPU (docs/gpu.md): no GPU of the plan's is taken by it.
+    env["CUDA_VISIBLE_DEVICES"] = ""
     env.pop("DORA_ENGINE_TOKEN", None)  # only serve.token, never one inherited by accident
     if spec.token:
         env["DORA_ENGINE_TOKEN"] = spec.token
@@ -237,6 +249,7 @@ async def start_in_process(spec: InstanceSpec, count: int) -> AsyncIterator[list
                     port=0,
                     version=0,
                     threads=spec.threads,
+                    dtype=spec.dtype,
                     config=config,
                     control_token=spec.token or None,
                     stall_s=spec.stall_s,

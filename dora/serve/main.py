@@ -28,6 +28,7 @@ import argparse
 import asyncio
 import contextlib
 import logging
+import os
 import signal
 import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -35,8 +36,10 @@ from pathlib import Path
 
 import msgspec
 
-from dora.config import DoraConfig, default_sections, load_config
+from dora.config import DoraConfig, default_sections
+from dora.dryrun import count_gpus
 from dora.errors import ConfigError
+from dora.gpu_plan import PINNED, GpuPlan, plan_gpus, visible_devices
 from dora.heap import collector_clock, settle_heap
 from dora.launch import mark_ready
 from dora.records import write_summary
@@ -60,7 +63,7 @@ Replace = Callable[[str], Awaitable[InstanceHandle]]
 
 @contextlib.asynccontextmanager
 async def _instances(
-    config: DoraConfig, model_dir: Path, *, run_dir: Path
+    config: DoraConfig, model_dir: Path, *, run_dir: Path, plan: GpuPlan | None
 ) -> AsyncIterator[tuple[list[InstanceHandle], Replace | None]]:
     """The instances of the configured backend (started here, or attached at `serve.urls`), and
     how to replace one that died (only for engine processes that this serve started)."""
@@ -71,7 +74,10 @@ async def _instances(
             raise ConfigError(
                 f"serve.backend = 'vllm' is not available in dora serve yet ({exc}); use 'embedded'"
             ) from exc
-        async with vllm_instances(config, str(model_dir), log_dir=str(run_dir / "vllm")) as vh:
+        if plan is None:  # a config object without a command line: its counts as they are
+            plan = plan_gpus(config, visible_devices(os.environ, count_gpus()), PINNED)
+        log_dir = str(run_dir / "vllm")
+        async with vllm_instances(config, str(model_dir), plan=plan, log_dir=log_dir) as vh:
             yield list(vh), None
         return
     if config.serve.backend == "emulated":
@@ -97,6 +103,7 @@ async def run_serve(
     *,
     run_dir: Path,
     progress: bool | None = None,
+    plan: GpuPlan | None = None,
 ) -> object:
     """The whole rollout side; returns the `RolloutReport`."""
     from transformers import AutoTokenizer
@@ -141,7 +148,7 @@ async def run_serve(
         progress = config.log.progress and sys.stderr.isatty()
     try:
         print(f"dora serve: trainer link on {serve_link.address}", flush=True)
-        instances = _instances(config, model_dir, run_dir=run_dir)
+        instances = _instances(config, model_dir, run_dir=run_dir, plan=plan)
         async with instances as (handles, replace):
             rollout = Rollout(
                 config,
@@ -175,7 +182,10 @@ async def run_serve(
 
 def main(args: argparse.Namespace) -> int:
     """`dora serve`: 0 when the run finished."""
-    config = load_config(args.config, args.overrides)
+    from dora.dryrun import planned
+
+    start = planned(args.config, args.overrides)
+    config = start.config
     for note in default_sections(args.config, args.overrides):
         print(f"dora serve: {note}", flush=True)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
@@ -184,10 +194,10 @@ def main(args: argparse.Namespace) -> int:
     with own_run_dir(run_dir, ("serve",), command="dora serve"):
         if resume:
             check_resumable(run_dir, config=False)
-        return _serve(config, run_dir)
+        return _serve(config, run_dir, start.plan)
 
 
-def _serve(config: DoraConfig, run_dir: Path) -> int:
+def _serve(config: DoraConfig, run_dir: Path, plan: GpuPlan) -> int:
     print(f"dora serve: run directory {run_dir}", flush=True)
 
     async def serve() -> object:
@@ -196,7 +206,7 @@ def _serve(config: DoraConfig, run_dir: Path) -> int:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, task.cancel)
-        return await run_serve(config, run_dir=run_dir)
+        return await run_serve(config, run_dir=run_dir, plan=plan)
 
     try:
         report = asyncio.run(serve())

@@ -34,12 +34,13 @@ import json
 import os
 import struct
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
 import msgspec
 
-from dora.errors import RequestError, ServerError, ServerTimeout, VersionMismatch
+from dora.errors import ConfigError, RequestError, ServerError, ServerTimeout, VersionMismatch
 from dora.instance import EngineClient, ExportedRequest
 from dora.instance.client import ClientOptions, generate_body
 from dora.protocol import Completion, FinishReason, SamplingParams
@@ -159,6 +160,10 @@ class VllmClient(EngineClient):
             # vLLM's keep mode works, but /v1/completions cannot say which tokens each version
             # sampled; dora's partial mode resumes by resubmission instead.
             raise RequestError(f"load_weights: mode {mode!r} is not supported by vLLM instances")
+        if tensors is not None and self.stage_dir is None:
+            problem = base64_refusal(sum(len(t[2]) for t in tensors.values()))
+            if problem:
+                raise ConfigError(problem)
         deadline = timeout_s or self.control_timeout_s
         staged: str | None = None
         if tensors is not None and self.stage_dir is not None:
@@ -167,20 +172,31 @@ class VllmClient(EngineClient):
             )
             await _write_staged(staged, tensors)
             path, tensors = staged, None
+        if path is not None:
+            rpc: Json = {"method": "dora_load_path", "args": [path]}
+        else:
+            assert tensors is not None
+            rpc = {"method": "dora_load_tensors", "args": [_encode(tensors)]}
         try:
-            return await self._load(version, path, tensors, mode, deadline)
+            return await self.load_with(
+                version, lambda: self._control("/collective_rpc", rpc, "load"), mode, deadline
+            )
         finally:
             if staged is not None:
                 await asyncio.to_thread(_remove, staged)
 
-    async def _load(
+    async def load_with(
         self,
         version: int,
-        path: str | None,
-        tensors: Mapping[str, tuple[str, list[int], bytes]] | None,
-        mode: str,
-        deadline: float,
+        step: Callable[[], Awaitable[object]],
+        mode: str = "drain",
+        deadline: float | None = None,
     ) -> Json:
+        """Load `version` by `step` (what changes the weights: the worker extension, or vLLM's
+        NCCL weight transfer, `dora.vllm.nccl`), with the bookkeeping every load needs: requests
+        drained (or aborted), the server paused, the prefix cache reset, the version label set,
+        the server resumed; a step that fails leaves the instance paused and unusable."""
+        deadline = deadline or self.control_timeout_s
         loop = asyncio.get_running_loop()
         async with self._load_lock:
             self._ready.clear()
@@ -200,12 +216,7 @@ class VllmClient(EngineClient):
                         await asyncio.wait(list(self._inflight.values()))
                     await self._control("/pause?mode=wait", None, "pause")
                     self.version = -1  # the weights are in between until the load succeeds
-                    if path is not None:
-                        rpc: Json = {"method": "dora_load_path", "args": [path]}
-                    else:
-                        assert tensors is not None
-                        rpc = {"method": "dora_load_tensors", "args": [_encode(tensors)]}
-                    out = await self._control("/collective_rpc", rpc, "load")
+                    out = await step()
                     reset = await self._control(
                         "/reset_prefix_cache?reset_running_requests=true", None, "prefix reset"
                     )
@@ -305,6 +316,11 @@ class VllmClient(EngineClient):
 
     # -- transport ---------------------------------------------------------------------------------
 
+    async def control(self, path: str, body: Json | None, what: str) -> object:
+        """POST `body` to the server's control route `path` under the control deadline; the
+        decoded answer (None when empty). `what` names the call in errors."""
+        return await self._control(path, body, what)
+
     async def _control(self, path: str, body: Json | None, what: str) -> object:
         data = None if body is None else msgspec.json.encode(body)
         raw, _ = await self._call(
@@ -374,6 +390,31 @@ async def _write_staged(path: str, tensors: Mapping[str, tuple[str, list[int], b
 def _remove(path: str) -> None:
     with contextlib.suppress(FileNotFoundError):
         os.remove(path)
+
+
+MAX_BASE64_BYTES = 1 << 30
+"""Most weight bytes sent as base64 JSON over HTTP (a third more on the wire, parsed whole by the
+server): past this a version takes minutes per instance, so it goes through a stage folder."""
+
+
+def base64_refusal(total_bytes: int) -> str | None:
+    """The error for a version of `total_bytes` that would go as base64 over HTTP, or None."""
+    if total_bytes <= MAX_BASE64_BYTES:
+        return None
+    return (
+        f"a version of {total_bytes / (1 << 30):.1f} GiB would go to each vLLM server as base64 "
+        f"JSON over HTTP (at most {MAX_BASE64_BYTES >> 20} MiB is sent that way): set "
+        "serve.stage_dir to a folder dora writes and the servers read (a shared file system "
+        "for servers on other nodes)"
+    )
+
+
+def weights_bytes(model_dir: str) -> int:
+    """Bytes of the weight files (`*.safetensors`, `*.bin`) in a model folder; 0 if none."""
+    folder = Path(model_dir)
+    if not folder.is_dir():
+        return 0
+    return sum(f.stat().st_size for f in folder.iterdir() if f.suffix in (".safetensors", ".bin"))
 
 
 def _encode(tensors: Mapping[str, tuple[str, list[int], bytes]]) -> Json:

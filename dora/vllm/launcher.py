@@ -51,10 +51,11 @@ from dora.instance.client import SERVER_KEEPALIVE_S
 from dora.lifetime import PARENT_ENV
 from dora.net import free_port, is_loopback
 from dora.vllm.adapters import VllmAdapterClient
-from dora.vllm.client import VllmClient
+from dora.vllm.client import VllmClient, base64_refusal, weights_bytes
 
 if TYPE_CHECKING:
     from dora.config import DoraConfig
+    from dora.gpu_plan import GpuPlan
 
 __all__ = [
     "SCRATCH_MAX_LEN",
@@ -101,6 +102,9 @@ class VllmSpec:
     max_num_seqs: int = 64
     seed: int = 0
     enforce_eager: bool = True
+    """Without CUDA graphs; the CPU build always runs eager."""
+    gpu_memory_fraction: float | None = None
+    """`--gpu-memory-utilization`; None: vLLM's default (and on the CPU, where it means nothing)."""
     tensor_parallel_size: int = 1
     extra_args: Sequence[str] = ()
     """More `api_server` flags, appended last (e.g. `--gpu-memory-utilization 0.85`)."""
@@ -167,6 +171,8 @@ def server_command(spec: VllmSpec, port: int, *, bootstrap: bool = False) -> lis
         args += ["--max-model-len", str(spec.max_model_len)]
     if spec.enforce_eager:
         args.append("--enforce-eager")
+    if spec.gpu_memory_fraction is not None:
+        args += ["--gpu-memory-utilization", f"{spec.gpu_memory_fraction:g}"]
     if spec.tensor_parallel_size > 1:
         args += ["--tensor-parallel-size", str(spec.tensor_parallel_size)]
     if spec.max_lora_rank:
@@ -197,7 +203,6 @@ def server_env(spec: VllmSpec, index: int = 0) -> dict[str, str]:
     env.update(
         VLLM_SERVER_DEV_MODE="1",
         VLLM_CPU_KVCACHE_SPACE=str(spec.cpu_kvcache_gib),
-        HF_HUB_OFFLINE="1",
         # vLLM closes idle connections after 5 s by default, the client keeps them 120 s
         VLLM_HTTP_TIMEOUT_KEEP_ALIVE=str(SERVER_KEEPALIVE_S),
         PYTHONPATH=os.pathsep.join(python_path),  # the worker extension, without installing dora
@@ -419,9 +424,13 @@ async def attach(urls: Sequence[str], spec: VllmSpec) -> AsyncIterator[list[Inst
             await h.client.close()
 
 
-def spec_from_config(config: DoraConfig, model_dir: str, *, log_dir: str | None = None) -> VllmSpec:
-    """The `VllmSpec` that `dora serve` uses for `serve.backend = "vllm"`."""
+def spec_from_config(
+    config: DoraConfig, model_dir: str, *, plan: GpuPlan, log_dir: str | None = None
+) -> VllmSpec:
+    """The `VllmSpec` that `dora serve` uses for `serve.backend = "vllm"`: the plan's devices for
+    each instance, `model.dtype`, CUDA graphs on GPUs unless `serve.enforce_eager`."""
     serve = config.serve
+    on_gpu = plan.on_gpu and any(plan.instances)
     return VllmSpec(
         model_dir=model_dir,
         host="127.0.0.1",  # never serve.host: see the module docstring
@@ -433,7 +442,10 @@ def spec_from_config(config: DoraConfig, model_dir: str, *, log_dir: str | None 
         control_timeout_s=serve.weight_load_timeout_s,
         python=serve.vllm_python or None,
         extra_args=tuple(serve.vllm_args),
-        devices=tuple(serve.vllm_devices),
+        dtype=config.model.dtype,
+        enforce_eager=serve.enforce_eager or not on_gpu,
+        gpu_memory_fraction=plan.memory_fraction if on_gpu else None,
+        devices=tuple(plan.instance_env(i) for i in range(len(plan.instances))) if on_gpu else (),
         tensor_parallel_size=serve.vllm_tensor_parallel,
         stage_dir=serve.stage_dir or None,
         max_lora_rank=config.model.lora.rank,
@@ -443,11 +455,15 @@ def spec_from_config(config: DoraConfig, model_dir: str, *, log_dir: str | None 
 
 @contextlib.asynccontextmanager
 async def vllm_instances(
-    config: DoraConfig, model_dir: str, *, log_dir: str | None = None
+    config: DoraConfig, model_dir: str, *, plan: GpuPlan, log_dir: str | None = None
 ) -> AsyncIterator[list[InstanceHandle]]:
     """The hook for `dora serve`: attach to `serve.urls` if given, else start `serve.instances`
-    servers of `model_dir` (version 0); stop what was started on exit."""
-    spec = spec_from_config(config, model_dir, log_dir=log_dir)
+    servers of `model_dir` (version 0) where `plan` puts them; stop what was started on exit."""
+    spec = spec_from_config(config, model_dir, plan=plan, log_dir=log_dir)
+    if config.serve.urls and spec.stage_dir is None:
+        problem = base64_refusal(weights_bytes(model_dir))
+        if problem:  # refused now, not at the first publish
+            raise ConfigError(problem)
     if config.serve.urls:
         async with attach(config.serve.urls, spec) as handles:
             yield handles

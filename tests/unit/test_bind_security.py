@@ -11,6 +11,7 @@ from aiohttp import web
 
 from dora.config import DoraConfig, ServeConfig
 from dora.errors import ConfigError
+from dora.gpu_plan import PINNED, plan_gpus
 from dora.net import is_loopback
 from dora.vllm.launcher import VllmSpec, attach, server_command, server_env, spec_from_config
 
@@ -45,7 +46,7 @@ async def test_vllm_launcher_refuses_an_off_loopback_server() -> None:
 
 def test_vllm_servers_bind_loopback_and_get_the_token_out_of_sight() -> None:
     config = DoraConfig(serve=ServeConfig(host="0.0.0.0", token="s3cret", backend="vllm"))
-    spec = spec_from_config(config, "model")
+    spec = spec_from_config(config, "model", plan=plan_gpus(config, (), PINNED))
     assert spec.host == "127.0.0.1" and spec.token == "s3cret"
     command = server_command(VllmSpec(model_dir="m", python="py", token="s3cret"), 8000)
     assert "s3cret" not in " ".join(command)  # `ps` would show it

@@ -27,7 +27,7 @@ def test_the_dora_script_imports_env_modules_from_the_working_directory(tmp_path
         pytest.skip("no dora console script next to this Python")
     (tmp_path / "usermod.py").write_text(USER_MODULE)
     (tmp_path / "config.toml").write_text(
-        f'[model]\npath = "{tmp_path}"\n[env]\ncls = "usermod:UserEnv"\n'
+        '[model]\npath = "tiny"\nwarmup_steps = 0\n[env]\ncls = "usermod:UserEnv"\n'
         f'[log]\nrun_dir = "{tmp_path / "run"}"\nprogress = false\n'
     )
     proc = subprocess.run(

@@ -42,13 +42,13 @@ def test_what_the_user_set_is_left_alone() -> None:
 
 
 def test_dora_run_reads_what_the_config_file_and_the_command_line_set(tmp_path: Path) -> None:
-    from dora.launch import _thread_overrides
+    from dora.launch import thread_overrides
 
     path = tmp_path / "c.toml"
     path.write_text('[rollout]\nmode = "sync"\n[learn]\nthreads = 3\n')
     config = load_config(path, [])
     cores = len(os.sched_getaffinity(0))
-    assert _thread_overrides(str(path), [], config) == [
+    assert thread_overrides(str(path), [], config) == [
         f"serve.threads_per_instance={max(1, cores // config.serve.instances)}"
     ]
-    assert _thread_overrides(str(path), ["serve.threads_per_instance=2"], config) == []
+    assert thread_overrides(str(path), ["serve.threads_per_instance=2"], config) == []

@@ -61,9 +61,12 @@ def test_lora_settings_do_not_change_the_initial_model() -> None:
     assert model_key(lora) == model_key(config)
 
 
-def test_a_user_model_without_warmup_is_used_as_is() -> None:
-    config = load_config(None, ["model.path=/models/mine"])
-    assert prepare_model(config, log=False) == Path("/models/mine")
+def test_a_user_model_without_warmup_is_used_as_is(tmp_path: Path) -> None:
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "config.json").write_text("{}")  # a model folder; prepare_model reads no weights
+    config = load_config(None, [f"model.path={mine}"])
+    assert prepare_model(config, log=False) == mine
 
 
 def test_the_cache_key_covers_the_environment_code_and_the_data(

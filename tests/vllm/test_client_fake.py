@@ -342,14 +342,19 @@ def test_config_reaches_the_vllm_spec() -> None:
             "serve.vllm_devices=['0,1', '2,3']",
             "serve.vllm_tensor_parallel=2",
             "serve.stage_dir=/shared/stage",
+            "learn.devices='4'",
         ],
     )
-    spec = spec_from_config(config, "/models/m")
+    from dora.gpu_plan import PINNED, plan_gpus
+
+    plan = plan_gpus(config, tuple(map(str, range(8))), PINNED)
+    spec = spec_from_config(config, "/models/m", plan=plan)
     assert spec.python == "/opt/vllm/bin/python"
     assert tuple(spec.extra_args) == ("--gpu-memory-utilization", "0.85")
     assert tuple(spec.devices) == ("0,1", "2,3") and spec.tensor_parallel_size == 2
     assert spec.stage_dir == "/shared/stage"
-    assert spec_from_config(load_config(None), "/m").python is None
+    cpu = plan_gpus(load_config(None), (), PINNED)
+    assert spec_from_config(load_config(None), "/m", plan=cpu).python is None
 
 
 async def test_adapter_versions_load_beside_each_other_and_pin_by_name(tmp_path: Path) -> None:

@@ -554,12 +554,19 @@ async def test_sampler_errors_propagate_and_aborts_mask(tokenizer) -> None:
 
 
 class BlockingSampler:
-    def __init__(self) -> None:
+    """Every call blocks; `started` is set once `expected` calls are waiting (the episodes reach
+    the sampler at their own pace: their environment hooks run in threads first)."""
+
+    def __init__(self, expected: int = 1) -> None:
         self.started = asyncio.Event()
+        self.expected = expected
+        self.calls = 0
         self.cancelled = 0
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams) -> Completion:
-        self.started.set()
+        self.calls += 1
+        if self.calls >= self.expected:
+            self.started.set()
         try:
             await asyncio.Event().wait()
         except asyncio.CancelledError:
@@ -569,7 +576,7 @@ class BlockingSampler:
 
 
 async def test_cancelling_a_group_cancels_every_episode(tokenizer) -> None:
-    sampler = BlockingSampler()
+    sampler = BlockingSampler(expected=3)
     group = asyncio.ensure_future(
         run_group(
             sampler=sampler,
