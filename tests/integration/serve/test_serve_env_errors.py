@@ -34,9 +34,12 @@ class FlakyEnv(ChainArithmeticEnv):
 
 
 class BrokenEnv(ChainArithmeticEnv):
-    """Every reset raises: no episode can run."""
+    """Every reset raises but one task's (a source without a single usable row stops at start
+    instead, naming the source): the episodes of the first steps cannot run."""
 
     def reset(self, task: Task) -> list[dict[str, str]]:
+        if task.prompt_id == "chain-0-49":
+            return super().reset(task)
         raise KeyError("no such task")
 
 
