@@ -215,3 +215,13 @@ def test_links_to_a_heading_find_it() -> None:
             if anchor not in headings:
                 broken.append(f"{page.relative_to(ROOT)} -> {target}#{anchor}")
     assert not broken, broken
+
+
+SHOWN = re.compile(r"^<!-- file: (\S+) -->\n```[^\n]*\n(.*?)^```", re.MULTILINE | re.DOTALL)
+
+
+def test_a_block_that_shows_a_file_is_that_file() -> None:
+    shown = [(page, *m) for page in PAGES for m in SHOWN.findall(page.read_text())]
+    assert shown, "examples/guess's files are shown in docs/environments.md"
+    for page, path, code in shown:
+        assert code == (ROOT / path).read_text(), f"{page.relative_to(ROOT)} shows {path} changed"
