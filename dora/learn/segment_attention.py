@@ -10,7 +10,7 @@ queries against `[prefix; the sequence]`, `b0^2 / 2 + sum n_i (b0 + n_i)` scores
 the same (up to float rounding: the softmax sums over the same keys in another order).
 
 On the project's math workload (prompts of about 94 tokens, rows of up to 1,024 tokens) attention
-was about a third of the trainer's CPU time under the dense mask (docs/benchmarks.md).
+was about a third of the trainer's CPU time under the dense mask (docs/trainer.md).
 
 `use_segment_attention(model)` switches a model whose attention is `sdpa` to this function (it is
 registered in Hugging Face's `AttentionInterface`); a micro-batch passes the row's segment bounds

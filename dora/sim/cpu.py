@@ -533,7 +533,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = p.parse_intermixed_args(argv)
     # as `dora bench modes` runs every process: a 2-thread trainer spins at each OpenMP barrier
-    # otherwise, and measured 10x slower than 1 thread on a loaded machine (docs/benchmarks.md)
+    # otherwise, and measured 10x slower than 1 thread on a loaded machine (docs/trainer.md)
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     config = load_config(args.config, args.overrides)
     costs, groups = measure(config)

@@ -106,7 +106,7 @@ async def test_tutorial_env_runs_against_the_embedded_engine(tiny_model, served)
         logprobs = sample.behaviour_logprobs()[mask == 1]
         np.testing.assert_allclose(logprobs, [lp for _, c in mine for lp in c.logprobs], rtol=1e-6)
         assert (logprobs < 0).all() and (sample.token_versions()[mask == 1] == 0).all()
-        assert set(sample.reward_components) == {"solved", "guesses"}
+        assert set(sample.reward_components) == {"solved", "spared"}
     multi = [s for s in samples if s.num_turns > 1]
     assert multi, "stop tokens end every turn early, so episodes go on to step()"
     text = tokenizer.decode(multi[0].tokens().tolist())

@@ -1,5 +1,6 @@
-"""The tutorial's environment, executed from docs/environments.md exactly as written, so the docs
-cannot drift from the API; and the PinnedSampler adapter."""
+"""The tutorial's environment, executed from docs/environments.md exactly as written (and the same
+as examples/guess/guess.py), so the docs cannot drift from the API or the example; and the
+PinnedSampler adapter."""
 
 from __future__ import annotations
 
@@ -16,17 +17,24 @@ from dora.tools import tool_schema
 
 pytestmark = pytest.mark.timeout(30)
 
-DOC = Path(__file__).resolve().parents[3] / "docs" / "environments.md"
+ROOT = Path(__file__).resolve().parents[3]
+DOC = ROOT / "docs" / "environments.md"
+EXAMPLE = ROOT / "examples" / "guess" / "guess.py"
+
+
+def tutorial_block() -> str:
+    text = DOC.read_text()
+    block = re.search(r"<!-- tutorial.*?-->\n```python\n(.*?)```", text, re.DOTALL)
+    assert block is not None, "the tutorial block is marked in docs/environments.md"
+    return block.group(1)
 
 
 def tutorial_env() -> type[Env]:
     """The first python block after the `<!-- tutorial` marker, executed in a fresh namespace."""
-    text = DOC.read_text()
-    block = re.search(r"<!-- tutorial.*?-->\n```python\n(.*?)```", text, re.DOTALL)
-    assert block is not None, "the tutorial block is marked in docs/environments.md"
-    assert len(block.group(1).splitlines()) < 60, "the tutorial promises under 60 lines"
+    code = tutorial_block()
+    assert len(code.splitlines()) < 60, "the tutorial promises under 60 lines"
     namespace: dict[str, object] = {"__name__": "tutorial"}
-    exec(compile(block.group(1), str(DOC), "exec"), namespace)
+    exec(compile(code, str(DOC), "exec"), namespace)
     env_cls = namespace["GuessEnv"]
     assert isinstance(env_cls, type) and issubclass(env_cls, Env)
     return env_cls
@@ -34,6 +42,21 @@ def tutorial_env() -> type[Env]:
 
 def guess_turn(n: int) -> str:
     return f'<tool_call>{{"name": "guess", "arguments": {{"number": {n}}}}}</tool_call><|im_end|>'
+
+
+def test_tutorial_block_is_the_saved_example() -> None:
+    """The page shows examples/guess/guess.py as it is: a user who copies either gets the other."""
+    assert tutorial_block() == EXAMPLE.read_text()
+
+
+def test_a_won_game_and_only_a_won_game_counts_as_a_success() -> None:
+    """Held-out accuracy counts rewards >= 1.0: every win reaches it, no loss does."""
+    GuessEnv = tutorial_env()
+    won, lost = GuessEnv(max_guesses=7), GuessEnv(max_guesses=7)
+    won.guesses, won.solved = [1] * 7, True
+    lost.guesses = [1] * 6
+    assert sum(won.reward(None).values()) >= 1.0  # type: ignore[arg-type]
+    assert sum(lost.reward(None).values()) < 1.0  # type: ignore[arg-type]
 
 
 async def test_tutorial_env_plays_a_game_that_its_tool_ends(tokenizer, scripted) -> None:
@@ -64,7 +87,7 @@ async def test_tutorial_env_plays_a_game_that_its_tool_ends(tokenizer, scripted)
     )
     assert not sample.masked and sample.finish_reason == "stop"
     assert (sample.num_turns, sample.num_tool_calls, len(sampler.prompts)) == (3, 2, 3)
-    assert sample.reward_components == {"solved": 1.0, "guesses": pytest.approx(-0.04)}
+    assert sample.reward_components == {"solved": 1.0, "spared": pytest.approx(0.1)}
     text = tokenizer.decode(sample.tokens().tolist())
     assert "Keep guessing with the guess tool." in text
     assert ("higher" if low < secret else "lower") in text
@@ -95,7 +118,7 @@ async def test_the_last_guess_allowed_ends_the_game_too(tokenizer, scripted) -> 
         params=SamplingParams(max_tokens=100),
     )
     assert (sample.finish_reason, sample.num_turns) == ("stop", 2)
-    assert sample.reward_components == {"solved": 0.0, "guesses": pytest.approx(-0.04)}
+    assert sample.reward_components == {"solved": 0.0, "spared": 0.0}
 
 
 class RecordingClient:
