@@ -1,8 +1,11 @@
 """`dora run`: `dora serve` and `dora learn` on one machine, started and stopped together.
 
 Both sides get the same resolved config, the same run directory and a free port for the trainer
-link, chosen here so neither has to tell the other. Serve owns the terminal (its live display is
-the run's one progress display); the trainer writes to `learn.log` in the run directory.
+link, chosen here so neither has to tell the other. Unless the config sets `serve.token`, the run
+directory gets the run's secret (`dora/secret.py`), which both sides read from there as their
+token: the trainer link and the engines' control routes are authenticated by default. Serve owns
+the terminal (its live display is the run's one progress display); the trainer writes to
+`learn.log` in the run directory.
 
 Supervision (docs/reliability.md): a side that exits with an error is restarted, at most
 `run.max_restarts` times each. A dead `dora learn` is restarted with `--resume`: it continues from
@@ -50,6 +53,7 @@ from dora.config_text import render_toml
 from dora.errors import NotYetAvailable, RunAborted
 from dora.net import free_port
 from dora.rundir import resolve_run_dir
+from dora.secret import create_run_secret
 
 GRACE_S = 20.0
 READY_ENV = "DORA_READY_FILE"
@@ -76,6 +80,8 @@ def main(args: argparse.Namespace) -> int:
     args.overrides = [*args.overrides, *_thread_overrides(args.config, args.overrides, config)]
     run_dir = resolve_run_dir(config, resume=False)
     run_dir.mkdir(parents=True, exist_ok=True)
+    if not config.serve.token:
+        create_run_secret(run_dir)  # both sides read it from there (dora/secret.py)
     port = config.serve.port or free_port(config.serve.host)
     from dora.models.prepare import prepare_model
 

@@ -29,6 +29,7 @@ from dora.config import DoraConfig, load_config
 from dora.errors import ConfigError
 from dora.heap import settle_heap
 from dora.rundir import resolve_run_dir
+from dora.secret import with_run_token
 
 ADDRESS_ENV = "DORA_SERVE_ADDRESS"
 
@@ -97,6 +98,7 @@ def main(args: argparse.Namespace) -> int:
 
     config = load_config(args.config, args.overrides)
     run_dir = resolve_run_dir(config, resume=args.resume)
+    config = with_run_token(config, run_dir)  # the hello's token: serve.token or the run's secret
     check_ranks_fit(config, torch.cuda.device_count())
     if config.learn.processes > 1 and not _in_distributed_env():
         return _launch(config, args, run_dir)

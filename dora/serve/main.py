@@ -36,6 +36,7 @@ from dora.heap import collector_clock, settle_heap
 from dora.launch import mark_ready
 from dora.records import write_summary
 from dora.rundir import resolve_run_dir
+from dora.secret import with_run_token
 from dora.serve.instances import (
     InstanceHandle,
     InstanceSpec,
@@ -171,7 +172,14 @@ def main(args: argparse.Namespace) -> int:
     config = load_config(args.config, args.overrides)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     run_dir = resolve_run_dir(config, resume=False)
+    config = with_run_token(config, run_dir)
     print(f"dora serve: run directory {run_dir}", flush=True)
+    if not config.serve.token:
+        log.warning(
+            "no serve.token and no run secret in %s: the trainer link and the control routes of "
+            "the engines serve starts admit any local process (dora run makes a run secret)",
+            run_dir,
+        )
 
     async def serve() -> object:
         task = asyncio.current_task()
