@@ -11,8 +11,9 @@ other trainer is connected, and the caller's `admit` check passes (serve's train
 incarnation it could have issued, `dora.serve.trainer_link`). Anything else is refused: logged
 (at most one line per `REFUSAL_LOG_S`, with a count), never answered, and the bound trainer keeps
 the link. "Connected" is read from the socket's monitor: a peer is identified by its routing id
-and the connection (file descriptor) its frames arrive on, and its `DISCONNECTED` event unbinds
-it. A hello refused only because another trainer held the link is kept (the newest one) and
+and the connection (file descriptor) its frames arrive on; its `DISCONNECTED` event marks it gone
+(what it sent before it left is still read, a send to it fails, and another trainer may say
+hello). A hello refused only because another trainer held the link is kept (the newest one) and
 admitted when that trainer disconnects, so a restarted trainer whose hello overtakes the news of
 its predecessor's death is not lost. Messages other than a hello count only from the bound peer.
 
@@ -190,6 +191,9 @@ class ServeLink:
         self._poller.register(self._monitor, zmq.POLLIN)
         self._poller.register(self._sock, zmq.POLLIN)
         self._peer: _Peer | None = None
+        self._gone = False
+        """The bound trainer disconnected: nothing more is sent to it, another may say hello, and
+        what it sent before it left is still read (its frames outlive the connection)."""
         self._waiting: tuple[_Peer, Hello] | None = None
         """The newest authentic hello refused because another trainer held the link."""
         self.sent_messages = self.sent_bytes = 0
@@ -255,7 +259,7 @@ class ServeLink:
         if self._token and not hmac.compare_digest(hello.token.encode(), self._token.encode()):
             self._refuse(hello, "it does not carry serve.token (the run's secret)")
             return False
-        if self._peer is not None and peer != self._peer:
+        if self._peer is not None and not self._gone and peer != self._peer:
             self._waiting = (peer, hello)
             self._refuse(hello, "another trainer is connected; it is heard once that one is gone")
             return False
@@ -266,7 +270,7 @@ class ServeLink:
         if problem is not None:
             self._refuse(hello, problem)
             return False
-        self._peer, self.hello = peer, hello
+        self._peer, self.hello, self._gone = peer, hello, False
         self.connected.set()
         return True
 
@@ -278,10 +282,10 @@ class ServeLink:
         waiting, self._waiting = self._waiting, None
         if waiting is not None and waiting[0].fd != fd:
             self._waiting = waiting
-        if self._peer is None or self._peer.fd != fd:
+        if self._peer is None or self._gone or self._peer.fd != fd:
             return None
         log.info("%s: the trainer disconnected", self.address)
-        self._peer = None
+        self._gone = True
         waiting, self._waiting = self._waiting, None
         return waiting
 
@@ -309,7 +313,7 @@ class ServeLink:
         try:
             async with asyncio.timeout(timeout_s):
                 await self.connected.wait()
-                if self._peer is None:
+                if self._peer is None or self._gone:
                     raise ServerUnavailable(f"the trainer on {self.address} disconnected")
                 frame = encode(message)
                 await self._sock.send_multipart([self._peer.routing_id, frame])

@@ -41,6 +41,9 @@ async def test_wrong_token_is_refused_and_a_restart_takes_over_once_the_first_is
     try:
         intruder.send(Hello(role="learn", incarnation=9, step=0, token="wrong"))
         intruder.send(Hello(role="learn", incarnation=9, step=0, token="\u00e9t\u00e9"))
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(serve.recv(), 2)
+        assert serve.refused == 2
         first.send(Hello(role="learn", incarnation=0, step=0, token="right"))
         hello = await asyncio.wait_for(serve.recv(), 5)
         assert isinstance(hello, Hello) and hello.incarnation == 0
@@ -54,7 +57,7 @@ async def test_wrong_token_is_refused_and_a_restart_takes_over_once_the_first_is
         assert isinstance(hello, Hello) and hello.incarnation == 1
         second.send(StepDone(step=3, incarnation=1))
         assert await asyncio.wait_for(serve.recv(), 5) == StepDone(step=3, incarnation=1)
-        # the intruder's two, and the restart's first try unless it came after the first left
+        # and the restart's first try, unless it came after the first left
         assert serve.refused in (2, 3)
         await serve.send(Assigned(step=4, group=make_group(samples=1, tokens=8)))
         got = await asyncio.to_thread(second.recv, timeout_s=5, waiting_for="a group")
@@ -104,6 +107,26 @@ async def test_rogue_trainer_second_hello_is_refused_while_the_trainer_is_connec
     finally:
         for link in (trainer, rogue, refused):
             link.close()
+        serve.close()
+
+
+async def test_what_a_trainer_sent_before_it_left_is_still_read() -> None:
+    """A trainer's last messages (its final `Durable`) may be read after its disconnection is
+    seen: they still count; a send to it fails, and a new trainer may say hello."""
+    serve = ServeLink()
+    first, second = LearnLink(serve.address), LearnLink(serve.address)
+    try:
+        first.send(Hello(role="learn", incarnation=0, step=0))
+        assert isinstance(await asyncio.wait_for(serve.recv(), 5), Hello)
+        first.send(StepDone(step=0, incarnation=0))
+        first.close()
+        await asyncio.sleep(0.5)  # the disconnection is on the monitor before the message is read
+        assert await asyncio.wait_for(serve.recv(), 5) == StepDone(step=0, incarnation=0)
+        second.send(Hello(role="learn", incarnation=1, step=1))
+        hello = await asyncio.wait_for(serve.recv(), 5)
+        assert isinstance(hello, Hello) and hello.incarnation == 1
+    finally:
+        second.close()
         serve.close()
 
 
