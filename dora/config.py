@@ -131,7 +131,11 @@ class ServeConfig(_Section):
         int, M(ge=0, le=65535, description="ZMQ port for the trainer link; 0 picks a free one")
     ] = 0
     token: Annotated[
-        str, M(description="Bearer token of control endpoints and the link hello; off loopback")
+        str,
+        M(
+            description="Bearer token of engine control routes and the link hello ('': the run's "
+            "secret file in log.run_dir, made by dora run); needed off loopback"
+        ),
     ] = ""
     link_server_key: Annotated[
         str,

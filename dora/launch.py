@@ -1,8 +1,11 @@
 """`dora run`: `dora serve` and `dora learn` on one machine, started and stopped together.
 
 Both sides get the same resolved config, the same run directory and a free port for the trainer
-link, chosen here so neither has to tell the other. Serve owns the terminal (its live display is
-the run's one progress display); the trainer writes to `learn.log` in the run directory.
+link, chosen here so neither has to tell the other. Unless the config sets `serve.token`, the run
+directory gets the run's secret (`dora/secret.py`), which both sides read from there as their
+token: the trainer link and the engines' control routes are authenticated by default. Serve owns
+the terminal (its live display is the run's one progress display); the trainer writes to
+`learn.log` in the run directory.
 
 Supervision (docs/reliability.md): a side that exits with an error is restarted, at most
 `run.max_restarts` times each. A dead `dora learn` is restarted with `--resume`: it continues from
@@ -61,6 +64,7 @@ from dora.gpu_plan import GpuPlan
 from dora.net import free_port
 from dora.resume import check_fresh, check_resumable, check_resume
 from dora.rundir import RunDirOwner, own_run_dir, resolve_run_dir
+from dora.secret import create_run_secret
 
 GRACE_S = 20.0
 READY_ENV = "DORA_READY_FILE"
@@ -110,6 +114,8 @@ def _run(
     model_dir: Path,
     plan: GpuPlan,
 ) -> int:
+    if not config.serve.token:
+        create_run_secret(run_dir)  # both sides read it from there (dora/secret.py)
     port = config.serve.port or free_port(config.serve.host)
     overrides = [
         *args.overrides,

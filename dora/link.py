@@ -1,9 +1,21 @@
 """The ZeroMQ link between `dora serve` and `dora learn`.
 
 One TCP port, bound by serve: a ROUTER socket on serve's side and a DEALER on the trainer's rank 0.
-The trainer speaks first (`Hello`); serve sends only to the trainer that said hello most recently,
-so a restarted trainer (a new DEALER identity) takes over the link and the old one is forgotten.
-Frames are msgpack (dora.protocol); nothing is pickled.
+The trainer speaks first (`Hello`). Serve binds the link to one peer at a time, the one whose hello
+it admitted, and hears and sends to that peer only: a restarted trainer (a new DEALER identity)
+takes over the link once the old one is gone. Frames are msgpack (dora.protocol); nothing is
+pickled.
+
+Who holds the link. A hello binds its sender only if it carries the token (when one is set), no
+other trainer is connected, and the caller's `admit` check passes (serve's trainer link admits an
+incarnation it could have issued, `dora.serve.trainer_link`). Anything else is refused: logged
+(at most one line per `REFUSAL_LOG_S`, with a count), never answered, and the bound trainer keeps
+the link. "Connected" is read from the socket's monitor: a peer is identified by its routing id
+and the connection (file descriptor) its frames arrive on; its `DISCONNECTED` event marks it gone
+(what it sent before it left is still read, a send to it fails, and another trainer may say
+hello). A hello refused only because another trainer held the link is kept (the newest one) and
+admitted when that trainer disconnects, so a restarted trainer whose hello overtakes the news of
+its predecessor's death is not lost. Messages other than a hello count only from the bound peer.
 
 Serve's side is asyncio (`ServeLink`); the trainer's side is a plain blocking socket
 (`LearnLink`), because the trainer's step loop is synchronous torch and only its receiver touches
@@ -25,12 +37,14 @@ import hmac
 import logging
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import zmq
 import zmq.asyncio
 import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
+from zmq.utils.monitor import parse_monitor_message
 
 from dora.config import ServeConfig
 from dora.errors import ConfigError, ProtocolError, ServerTimeout, ServerUnavailable
@@ -48,6 +62,9 @@ log = logging.getLogger("dora.link")
 
 _HWM = 1000  # bounded queues: backpressure instead of unbounded memory
 DEFAULT_MAX_MESSAGE_BYTES = 4 << 30  # an inline weight chunk holds at least one whole tensor
+REFUSAL_LOG_S = 10.0
+"""At most one log line per this many seconds for refused hellos: a flood does not fill the log."""
+_MONITORED = zmq.EVENT_DISCONNECTED
 _Z85 = set("0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ.-:+=^!/*?&<>()[]{}@%$#")
 
 
@@ -100,6 +117,18 @@ def read_curve_key(value: str, *, key: str) -> tuple[bytes, bytes | None]:
             f"zmq.auth key file ({exc})"
         ) from None
     return loaded
+
+
+Admit = Callable[[Hello], str | None]
+"""Serve's check of a hello: None admits it, a string says why it is refused."""
+
+
+@dataclass(frozen=True)
+class _Peer:
+    """A peer of the ROUTER: its routing id and the connection its frames arrive on."""
+
+    routing_id: bytes
+    fd: int
 
 
 class ServeLink:
@@ -157,13 +186,27 @@ class ServeLink:
             ) from exc
         self.address = f"tcp://{shown}:{self.port}"
         self._token = token
-        self._peer: bytes | None = None
+        self._monitor = self._sock.get_monitor_socket(_MONITORED)
+        self._poller = zmq.asyncio.Poller()
+        self._poller.register(self._monitor, zmq.POLLIN)
+        self._poller.register(self._sock, zmq.POLLIN)
+        self._peer: _Peer | None = None
+        self._gone = False
+        """The bound trainer disconnected: nothing more is sent to it, another may say hello, and
+        what it sent before it left is still read (its frames outlive the connection)."""
+        self._waiting: tuple[_Peer, Hello] | None = None
+        """The newest authentic hello refused because another trainer held the link."""
         self.sent_messages = self.sent_bytes = 0
         self.received_messages = self.received_bytes = 0
         self.hello: Hello | None = None
         self.dropped = 0
         """Frames that did not decode (logged and dropped)."""
+        self.refused = 0
+        """Hellos refused: without the token, while another trainer is connected, not admitted."""
+        self._refusals_logged_at = -REFUSAL_LOG_S
+        self._refusals_unlogged = 0
         self.connected = asyncio.Event()
+        """Set once a trainer was bound (it stays set: a send to a trainer gone since fails)."""
 
     @classmethod
     def from_config(cls, serve: ServeConfig) -> ServeLink:
@@ -176,14 +219,27 @@ class ServeLink:
             max_message_bytes=serve.link_max_message_bytes,
         )
 
-    async def recv(self) -> LearnMessage:
-        """The next message from the trainer. A `Hello` (re)binds the link to its sender."""
+    async def recv(self, *, admit: Admit | None = None) -> LearnMessage:
+        """The next message from the bound trainer, or a hello that now holds the link.
+
+        A hello binds its sender when it carries the token, no other trainer is connected, and
+        `admit(hello)` returns None (otherwise it returns why the hello is refused); see the
+        module docstring. A hello held back while another trainer was connected is admitted
+        (checked again) when that trainer disconnects."""
         while True:
-            frames = await self._sock.recv_multipart()
+            ready = dict(await self._poller.poll())
+            if self._monitor in ready:
+                waiting = await self._watch()
+                if waiting is not None and self._bind(*waiting, admit):
+                    return waiting[1]
+            if self._sock not in ready:
+                continue
+            frames = await self._sock.recv_multipart(copy=False)
             if len(frames) != 2:
                 self._drop(f"{len(frames) - 1} frames in one message, expected 1")
                 continue
-            peer, frame = frames
+            peer = _Peer(frames[0].bytes, frames[1].get(zmq.SRCFD))
+            frame = frames[1].bytes
             self.received_messages += 1
             self.received_bytes += len(frame)
             try:
@@ -192,15 +248,61 @@ class ServeLink:
                 self._drop(str(exc))
                 continue
             if isinstance(message, Hello):
-                if self._token and not hmac.compare_digest(message.token, self._token):
-                    log.warning("%s: ignored a hello without the shared token", self.address)
-                    continue  # a peer without the shared token is ignored, never answered
-                self._peer, self.hello = peer, message
-                self.connected.set()
+                if self._hello(peer, message, admit):
+                    return message
+            elif peer == self._peer:
                 return message
-            if peer != self._peer:
-                continue  # an old incarnation still talking after a restart
-            return message
+            # else: not the bound trainer (an old incarnation, or a peer that never said hello)
+
+    def _hello(self, peer: _Peer, hello: Hello, admit: Admit | None) -> bool:
+        """Whether `hello` binds `peer` now (see `recv`)."""
+        if self._token and not hmac.compare_digest(hello.token.encode(), self._token.encode()):
+            self._refuse(hello, "it does not carry serve.token (the run's secret)")
+            return False
+        if self._peer is not None and not self._gone and peer != self._peer:
+            self._waiting = (peer, hello)
+            self._refuse(hello, "another trainer is connected; it is heard once that one is gone")
+            return False
+        return self._bind(peer, hello, admit)
+
+    def _bind(self, peer: _Peer, hello: Hello, admit: Admit | None) -> bool:
+        problem = admit(hello) if admit is not None else None
+        if problem is not None:
+            self._refuse(hello, problem)
+            return False
+        self._peer, self.hello, self._gone = peer, hello, False
+        self.connected.set()
+        return True
+
+    async def _watch(self) -> tuple[_Peer, Hello] | None:
+        """Read one monitor event; when the bound trainer disconnected, the hello that waited for
+        the link (if its sender is still connected)."""
+        event = parse_monitor_message(await self._monitor.recv_multipart())
+        fd = int(event["value"])
+        waiting, self._waiting = self._waiting, None
+        if waiting is not None and waiting[0].fd != fd:
+            self._waiting = waiting
+        if self._peer is None or self._gone or self._peer.fd != fd:
+            return None
+        log.info("%s: the trainer disconnected", self.address)
+        self._gone = True
+        waiting, self._waiting = self._waiting, None
+        return waiting
+
+    def _refuse(self, hello: Hello, problem: str) -> None:
+        """Count a refused hello; log it unless a line was logged within `REFUSAL_LOG_S`."""
+        self.refused += 1
+        now = time.monotonic()
+        if now - self._refusals_logged_at < REFUSAL_LOG_S:
+            self._refusals_unlogged += 1
+            return
+        more = f" ({self._refusals_unlogged} more refused since the last line)"
+        log.warning(
+            "%s: refused a hello (incarnation %d, step %d): %s%s",
+            *(self.address, hello.incarnation, hello.step, problem),
+            more if self._refusals_unlogged else "",
+        )
+        self._refusals_logged_at, self._refusals_unlogged = now, 0
 
     def _drop(self, problem: str) -> None:
         self.dropped += 1
@@ -211,9 +313,10 @@ class ServeLink:
         try:
             async with asyncio.timeout(timeout_s):
                 await self.connected.wait()
-                assert self._peer is not None
+                if self._peer is None or self._gone:
+                    raise ServerUnavailable(f"the trainer on {self.address} disconnected")
                 frame = encode(message)
-                await self._sock.send_multipart([self._peer, frame])
+                await self._sock.send_multipart([self._peer.routing_id, frame])
                 self.sent_messages += 1
                 self.sent_bytes += len(frame)
         except TimeoutError:
@@ -224,6 +327,8 @@ class ServeLink:
             raise ServerUnavailable(f"trainer on {self.address} is gone: {exc}") from exc
 
     def close(self) -> None:
+        self._sock.disable_monitor()
+        self._monitor.close(linger=0)
         self._sock.close(linger=0)
         if self._auth is not None:
             self._auth.stop()

@@ -177,6 +177,11 @@ class TransferQueue(GroupBook):
         return self._trained
 
     @property
+    def durable_step(self) -> int:
+        """The newest step the trainer made durable (-1: none); a roll-back never goes below it."""
+        return self._durable
+
+    @property
     def finished(self) -> bool:
         """Every step of the run is filled."""
         return self._horizon is not None and self._t > self._horizon

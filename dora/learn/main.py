@@ -34,6 +34,7 @@ from dora.errors import ConfigError
 from dora.heap import settle_heap
 from dora.lifetime import die_with_parent
 from dora.rundir import own_run_dir, resolve_run_dir
+from dora.secret import with_run_token
 
 ADDRESS_ENV = "DORA_SERVE_ADDRESS"
 
@@ -103,6 +104,7 @@ def main(args: argparse.Namespace) -> int:
     import torch
 
     run_dir = resolve_run_dir(config, resume=args.resume)
+    config = with_run_token(config, run_dir)  # the hello's token: serve.token or the run's secret
     check_ranks_fit(config, torch.cuda.device_count())
     owns = int(os.environ.get("RANK", "0")) == 0  # the other ranks run under rank 0's lock
     with own_run_dir(run_dir, ("learn",) if owns else (), command="dora learn") as owner:

@@ -45,6 +45,7 @@ from dora.launch import mark_ready
 from dora.records import write_summary
 from dora.resume import check_resumable
 from dora.rundir import own_run_dir, resolve_run_dir
+from dora.secret import with_run_token
 from dora.serve.instances import (
     InstanceHandle,
     InstanceSpec,
@@ -198,7 +199,14 @@ def main(args: argparse.Namespace) -> int:
 
 
 def _serve(config: DoraConfig, run_dir: Path, plan: GpuPlan) -> int:
+    config = with_run_token(config, run_dir)
     print(f"dora serve: run directory {run_dir}", flush=True)
+    if not config.serve.token:
+        log.warning(
+            "no serve.token and no run secret in %s: the trainer link and the control routes of "
+            "the engines serve starts admit any local process (dora run makes a run secret)",
+            run_dir,
+        )
 
     async def serve() -> object:
         task = asyncio.current_task()

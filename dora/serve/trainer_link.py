@@ -160,7 +160,7 @@ class TrainerLink:
 
     async def receive(self) -> None:
         while True:
-            message = await self.link.recv()
+            message = await self.link.recv(admit=self.refusal)
             match message:
                 case Hello():
                     await self._hello(message)
@@ -198,19 +198,43 @@ class TrainerLink:
                     self.trainer_stopped = True
             await asyncio.sleep(0)  # queued messages (a publication's chunks) one per loop turn
 
+    def refusal(self, hello: Hello) -> str | None:
+        """Why serve refuses `hello` (None: it admits it). A trainer's incarnation is one serve
+        could have issued: the current one only as the first hello of a fresh run (a fresh
+        trainer at step 0), otherwise the next one (a trainer restarted from its checkpoint),
+        resuming after a durable step at a step serve filled. Anything else is a stranger, or a
+        trainer that is not the run's, and must not move the run."""
+        q, inc = self._queue, hello.incarnation
+        if inc == q.incarnation:
+            if self.restored.starts and not self.lost_ready.is_set():
+                return (
+                    f"serve restarted from its journal at incarnation {inc}: a trainer that "
+                    "continues this run is restarted with `dora learn --resume`, which takes the "
+                    "next incarnation"
+                )
+            if self.lost_ready.is_set():
+                return f"incarnation {inc} already said hello; a restarted trainer takes the next"
+            if hello.step != 0:
+                return f"a new run's trainer starts at step 0, not {hello.step}"
+            return None
+        if inc != q.incarnation + 1:
+            return (
+                f"serve is at incarnation {q.incarnation}: a trainer is that one (a new run) or "
+                f"the next (a restart)"
+            )
+        durable, filled = q.durable_step, q.step
+        if not durable < hello.step <= filled:
+            return (
+                f"a restarted trainer resumes after the durable step {durable} and at most at "
+                f"step {filled} (the step being filled), not at step {hello.step}"
+            )
+        return None
+
     async def _hello(self, hello: Hello) -> None:
+        """A hello the link admitted (`refusal`): a restart rolls back, then serve answers."""
         q = self._queue
-        if hello.incarnation < q.incarnation:
-            log.warning("ignoring a hello from old trainer incarnation %d", hello.incarnation)
-            return
         if hello.incarnation > q.incarnation:
             self.rollback(hello)
-        elif self.restored.starts and not self.lost_ready.is_set():
-            raise ProtocolError(
-                f"dora serve restarted from its journal (trainer incarnation {q.incarnation}), but "
-                f"the trainer that said hello is that same incarnation: restart it with "
-                "`dora learn --resume` so it rolls back to its last checkpoint"
-            )
         self.lost_ready.set()
         log.info("trainer connected (incarnation %d, step %d)", hello.incarnation, hello.step)
         self._hello_seen.set()
@@ -228,10 +252,8 @@ class TrainerLink:
         `hello.step`) are stopped and removed, the others are offered again, instances holding
         ghosts load the real version, and filling resumes at `hello.step`."""
         q, c = self._queue, hello.step - 1
-        if c >= q.step:
-            raise ProtocolError(
-                f"the trainer resumes at step {hello.step}, but serve only filled {q.step} steps"
-            )
+        if self.refusal(hello) is not None or hello.incarnation != q.incarnation + 1:
+            raise ProtocolError(f"not a restart serve admits: {hello}")
         log.warning(
             "trainer restarted (incarnation %d) from the checkpoint of step %d; rolling back",
             hello.incarnation,
@@ -244,10 +266,9 @@ class TrainerLink:
         rolled_back: list[str] = []
         assigned: list[Assigned] = []
         tainted = self._ghost_tainted(c + 1)
-        while q.incarnation < hello.incarnation:
-            report = q.rollback(c, tainted=tainted)
-            rolled_back += report.rolled_back
-            assigned = list(report.assigned)  # a later roll-back voids earlier ones
+        report = q.rollback(c, tainted=tainted)
+        rolled_back += report.rolled_back
+        assigned = list(report.assigned)
         for gid in rolled_back:
             self.groups.pop(gid, None)
             task = self.group_tasks.pop(gid, None)

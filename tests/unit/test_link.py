@@ -9,7 +9,7 @@ import pytest
 
 from dora.bench.protocol import make_group
 from dora.config import ServeConfig
-from dora.errors import ConfigError, ServerTimeout
+from dora.errors import ConfigError, ServerTimeout, ServerUnavailable
 from dora.link import CurveKeys, LearnLink, ServeLink
 from dora.protocol import Assigned, Hello, StepClosed, StepDone, WeightChunk, encode
 
@@ -35,28 +35,98 @@ async def test_hello_then_groups_then_acks() -> None:
         serve.close()
 
 
-async def test_wrong_token_is_ignored_and_restart_takes_over() -> None:
+async def test_wrong_token_is_refused_and_a_restart_takes_over_once_the_first_is_gone() -> None:
     serve = ServeLink(token="right")
     intruder, first, second = (LearnLink(serve.address) for _ in range(3))
     try:
         intruder.send(Hello(role="learn", incarnation=9, step=0, token="wrong"))
+        intruder.send(Hello(role="learn", incarnation=9, step=0, token="\u00e9t\u00e9"))
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(serve.recv(), 2)
+        assert serve.refused == 2
         first.send(Hello(role="learn", incarnation=0, step=0, token="right"))
         hello = await asyncio.wait_for(serve.recv(), 5)
         assert isinstance(hello, Hello) and hello.incarnation == 0
+        # A restart's hello may overtake the news of its predecessor's death: it waits for the
+        # link, and gets it when the first trainer's connection closes.
         second.send(Hello(role="learn", incarnation=1, step=3, token="right"))
+        first.send(StepDone(step=2, incarnation=0))
+        assert await asyncio.wait_for(serve.recv(), 5) == StepDone(step=2, incarnation=0)
+        first.close()
         hello = await asyncio.wait_for(serve.recv(), 5)
         assert isinstance(hello, Hello) and hello.incarnation == 1
-        first.send(StepDone(step=2, incarnation=0))  # the old incarnation is no longer heard
         second.send(StepDone(step=3, incarnation=1))
         assert await asyncio.wait_for(serve.recv(), 5) == StepDone(step=3, incarnation=1)
+        # and the restart's first try, unless it came after the first left
+        assert serve.refused in (2, 3)
         await serve.send(Assigned(step=4, group=make_group(samples=1, tokens=8)))
         got = await asyncio.to_thread(second.recv, timeout_s=5, waiting_for="a group")
         assert isinstance(got, Assigned) and got.step == 4
         with pytest.raises(ServerTimeout, match="a group"):
-            first.recv(timeout_s=0.2, waiting_for="a group")
+            intruder.recv(timeout_s=0.2, waiting_for="a group")
     finally:
         for link in (intruder, first, second):
             link.close()
+        serve.close()
+
+
+async def test_rogue_trainer_second_hello_is_refused_while_the_trainer_is_connected() -> None:
+    """A peer with the token and a plausible hello does not take the link from a connected
+    trainer: it gets nothing, the trainer keeps getting everything; `admit` refusals too."""
+    serve = ServeLink(token="right")
+    trainer, rogue, refused = (LearnLink(serve.address) for _ in range(3))
+
+    def admit(hello: Hello) -> str | None:
+        return None if hello.incarnation <= 1 else "not an incarnation serve issued"
+
+    try:
+        trainer.send(Hello(role="learn", incarnation=0, step=0, token="right"))
+        assert isinstance(await asyncio.wait_for(serve.recv(admit=admit), 5), Hello)
+        for incarnation in (-1, 0, 1, 1000, 2**62):
+            rogue.send(Hello(role="learn", incarnation=incarnation, step=0, token="right"))
+        rogue.send(StepDone(step=0, incarnation=0))
+        refused.send(Hello(role="learn", incarnation=2**62, step=0, token="right"))
+        trainer.send(StepDone(step=0, incarnation=0))
+        assert await asyncio.wait_for(serve.recv(admit=admit), 5) == StepDone(step=0, incarnation=0)
+        with pytest.raises(TimeoutError):  # the rogue's StepDone is not heard either
+            await asyncio.wait_for(serve.recv(admit=admit), 1)
+        assert serve.refused == 6
+        await serve.send(Assigned(step=1, group=make_group(samples=1, tokens=8)))
+        got = await asyncio.to_thread(trainer.recv, timeout_s=5, waiting_for="a group")
+        assert isinstance(got, Assigned) and got.step == 1
+        for peer in (rogue, refused):
+            with pytest.raises(ServerTimeout):
+                peer.recv(timeout_s=0.2, waiting_for="a group")
+        # The trainer leaves: the newest held hello (2**62) is checked again, and refused.
+        trainer.close()
+        refused.send(StepDone(step=1, incarnation=0))
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(serve.recv(admit=admit), 1)
+        with pytest.raises(ServerUnavailable, match="disconnected"):
+            await serve.send(Assigned(step=1, group=make_group(samples=1, tokens=8)))
+    finally:
+        for link in (trainer, rogue, refused):
+            link.close()
+        serve.close()
+
+
+async def test_what_a_trainer_sent_before_it_left_is_still_read() -> None:
+    """A trainer's last messages (its final `Durable`) may be read after its disconnection is
+    seen: they still count; a send to it fails, and a new trainer may say hello."""
+    serve = ServeLink()
+    first, second = LearnLink(serve.address), LearnLink(serve.address)
+    try:
+        first.send(Hello(role="learn", incarnation=0, step=0))
+        assert isinstance(await asyncio.wait_for(serve.recv(), 5), Hello)
+        first.send(StepDone(step=0, incarnation=0))
+        first.close()
+        await asyncio.sleep(0.5)  # the disconnection is on the monitor before the message is read
+        assert await asyncio.wait_for(serve.recv(), 5) == StepDone(step=0, incarnation=0)
+        second.send(Hello(role="learn", incarnation=1, step=1))
+        hello = await asyncio.wait_for(serve.recv(), 5)
+        assert isinstance(hello, Hello) and hello.incarnation == 1
+    finally:
+        second.close()
         serve.close()
 
 
