@@ -16,6 +16,8 @@ from pathlib import Path
 import pytest
 from test_chaos import EXAMPLE, check_accounting
 
+ROOT = Path(__file__).resolve().parents[2]
+
 pytestmark = [pytest.mark.chaos, pytest.mark.timeout(300)]
 
 STEPS, B, G, K = 60, 2, 4, 2
@@ -49,7 +51,12 @@ def test_chaos_faulty_environment(tmp_path: Path) -> None:
             stdout=log,
             stderr=subprocess.STDOUT,
             cwd=tmp_path,
-            env={**os.environ, "DORA_CHAOS_ENV_SEED": "7"},
+            env={
+                **os.environ,
+                "DORA_CHAOS_ENV_SEED": "7",
+                # `tests.chaos.faulty_env` is imported from the checkout, not the working directory
+                "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+            },
         )
         try:
             code = run.wait(timeout=270)

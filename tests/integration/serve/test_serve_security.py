@@ -68,7 +68,7 @@ async def test_engines_bind_loopback_and_need_the_token(
             spec = InstanceSpec.from_config(config, long_tail_model)
             handles = await stack.enter_async_context(start_in_process(spec, 1))
         else:
-            instances = _instances(config, long_tail_model, run_dir=tmp_path)
+            instances = _instances(config, long_tail_model, run_dir=tmp_path, plan=None)
             handles, _ = await stack.enter_async_context(instances)
         (handle,) = handles
         assert handle.url.startswith("http://127.0.0.1:"), handle.url
