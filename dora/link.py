@@ -9,9 +9,11 @@ pickled.
 Who holds the link. A hello binds its sender only if it carries the token (when one is set), no
 other trainer is connected, and the caller's `admit` check passes (serve's trainer link admits an
 incarnation it could have issued, `dora.serve.trainer_link`). Anything else is refused: logged
-(at most one line per `REFUSAL_LOG_S`, with a count), never answered, and the bound trainer keeps
-the link. "Connected" is read from the socket's monitor: a peer is identified by its routing id
-and the connection (file descriptor) its frames arrive on; its `DISCONNECTED` event marks it gone
+(at most one line per `REFUSAL_LOG_S`, with a count), and the bound trainer keeps the link; a
+hello without the token is never answered, one with it that serve's check refuses is answered
+with the reason (`Refused`), so a trainer of this run stops with it instead of waiting.
+"Connected" is read from the socket's monitor: a peer is identified by its routing id and
+the connection (file descriptor) its frames arrive on; its `DISCONNECTED` event marks it gone
 (what it sent before it left is still read, a send to it fails, and another trainer may say
 hello). A hello refused only because another trainer held the link is kept (the newest one) and
 admitted when that trainer disconnects, so a restarted trainer whose hello overtakes the news of
@@ -33,6 +35,7 @@ that does not decode is logged and dropped: a bad peer never crashes the other s
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import logging
 import os
@@ -122,6 +125,9 @@ def read_curve_key(value: str, *, key: str) -> tuple[bytes, bytes | None]:
 Admit = Callable[[Hello], str | None]
 """Serve's check of a hello: None admits it, a string says why it is refused."""
 
+Answer = Callable[[Hello, str], ServeMessage]
+"""What serve answers a hello that carried the token but that `Admit` refused (and why)."""
+
 
 @dataclass(frozen=True)
 class _Peer:
@@ -196,6 +202,8 @@ class ServeLink:
         what it sent before it left is still read (its frames outlive the connection)."""
         self._waiting: tuple[_Peer, Hello] | None = None
         """The newest authentic hello refused because another trainer held the link."""
+        self._answers: list[tuple[_Peer, ServeMessage]] = []
+        """Answers to authentic hellos that `admit` refused, sent on the next turn of `recv`."""
         self.sent_messages = self.sent_bytes = 0
         self.received_messages = self.received_bytes = 0
         self.hello: Hello | None = None
@@ -219,18 +227,23 @@ class ServeLink:
             max_message_bytes=serve.link_max_message_bytes,
         )
 
-    async def recv(self, *, admit: Admit | None = None) -> LearnMessage:
+    async def recv(
+        self, *, admit: Admit | None = None, answer: Answer | None = None
+    ) -> LearnMessage:
         """The next message from the bound trainer, or a hello that now holds the link.
 
         A hello binds its sender when it carries the token, no other trainer is connected, and
         `admit(hello)` returns None (otherwise it returns why the hello is refused); see the
         module docstring. A hello held back while another trainer was connected is admitted
-        (checked again) when that trainer disconnects."""
+        (checked again) when that trainer disconnects. A hello with the token that `admit`
+        refuses gets `answer(hello, why)`, so a trainer of this run learns why instead of
+        waiting; one without the token is never answered."""
         while True:
+            await self._send_answers()
             ready = dict(await self._poller.poll())
             if self._monitor in ready:
                 waiting = await self._watch()
-                if waiting is not None and self._bind(*waiting, admit):
+                if waiting is not None and self._bind(*waiting, admit, answer):
                     return waiting[1]
             if self._sock not in ready:
                 continue
@@ -248,13 +261,13 @@ class ServeLink:
                 self._drop(str(exc))
                 continue
             if isinstance(message, Hello):
-                if self._hello(peer, message, admit):
+                if self._hello(peer, message, admit, answer):
                     return message
             elif peer == self._peer:
                 return message
             # else: not the bound trainer (an old incarnation, or a peer that never said hello)
 
-    def _hello(self, peer: _Peer, hello: Hello, admit: Admit | None) -> bool:
+    def _hello(self, peer: _Peer, hello: Hello, admit: Admit | None, answer: Answer | None) -> bool:
         """Whether `hello` binds `peer` now (see `recv`)."""
         if self._token and not hmac.compare_digest(hello.token.encode(), self._token.encode()):
             self._refuse(hello, "it does not carry serve.token (the run's secret)")
@@ -263,12 +276,14 @@ class ServeLink:
             self._waiting = (peer, hello)
             self._refuse(hello, "another trainer is connected; it is heard once that one is gone")
             return False
-        return self._bind(peer, hello, admit)
+        return self._bind(peer, hello, admit, answer)
 
-    def _bind(self, peer: _Peer, hello: Hello, admit: Admit | None) -> bool:
+    def _bind(self, peer: _Peer, hello: Hello, admit: Admit | None, answer: Answer | None) -> bool:
         problem = admit(hello) if admit is not None else None
         if problem is not None:
             self._refuse(hello, problem)
+            if answer is not None:
+                self._answers.append((peer, answer(hello, problem)))
             return False
         self._peer, self.hello, self._gone = peer, hello, False
         self.connected.set()
@@ -303,6 +318,13 @@ class ServeLink:
             more if self._refusals_unlogged else "",
         )
         self._refusals_logged_at, self._refusals_unlogged = now, 0
+
+    async def _send_answers(self) -> None:
+        """Send the queued answers; a peer gone since simply misses its answer."""
+        answers, self._answers = self._answers, []
+        for peer, message in answers:
+            with contextlib.suppress(zmq.ZMQError):
+                await self._sock.send_multipart([peer.routing_id, encode(message)])
 
     def _drop(self, problem: str) -> None:
         self.dropped += 1

@@ -281,6 +281,14 @@ class Hello(msgspec.Struct, tag="hello", kw_only=True):
     token: str = ""
 
 
+class Refused(msgspec.Struct, tag="refused", kw_only=True):
+    """Serve's answer to a hello that carried the run's token but that serve does not admit:
+    why, and the incarnation serve is at (a restart takes the next one)."""
+
+    reason: str
+    incarnation: int
+
+
 # --- learn -> serve -------------------------------------------------------------------------------
 
 
@@ -326,7 +334,7 @@ class Shutdown(msgspec.Struct, tag="shutdown", kw_only=True):
     reason: str = ""
 
 
-ServeMessage = Assigned | StepClosed | Hello | Shutdown
+ServeMessage = Assigned | StepClosed | Hello | Refused | Shutdown
 LearnMessage = WeightsReady | WeightChunk | StepDone | Durable | Hello | Shutdown
 
 _encoder = msgspec.msgpack.Encoder()

@@ -20,7 +20,10 @@ sent after it moved. The newest `KEEP_CHECKPOINTS` are kept.
 
 Incarnation: 0 for a fresh run; every `--resume` takes the last started incarnation + 1, even when
 the previous trainer died before its first checkpoint, so a ghost version of a lost trainer can
-never be mistaken for a real one (docs/reliability.md).
+never be mistaken for a real one (docs/reliability.md). A trainer that serve refuses is told
+serve's incarnation (`Refused`) and, if it is ahead (an earlier resume was refused, or died before
+serve heard it), rewinds the marker to it (`rewind_incarnation`): the next `--resume` is the one
+serve admits.
 
 A resume needs a trainer to have started in the run directory (`incarnation`) and, once one wrote
 a checkpoint, `latest`: without it the trainer would start again from step 0, under steps serve's
@@ -76,6 +79,19 @@ def start_incarnation(run_dir: Path, *, resume: bool) -> int:
     root.mkdir(parents=True, exist_ok=True)
     _write_atomic(marker, str(incarnation))
     return incarnation
+
+
+def rewind_incarnation(run_dir: Path, *, mine: int, serve: int) -> bool:
+    """Serve refused the trainer of incarnation `mine` and is at `serve`: record `serve` as the last
+    started one, so the next `--resume` takes `serve + 1`, the one serve admits. Only a trainer
+    ahead of serve rewinds (a refused trainer, or one that died before serve heard it, never
+    reached serve, so none of its versions can be mistaken for a real one), and only while the
+    marker is still its own. True if the marker moved."""
+    marker = checkpoints_dir(run_dir) / "incarnation"
+    if serve >= mine or not marker.exists() or int(marker.read_text()) != mine:
+        return False
+    _write_atomic(marker, str(serve))
+    return True
 
 
 def _check_resumable(run_dir: Path) -> None:

@@ -52,8 +52,10 @@ from dora.learn.batching import (
 )
 from dora.learn.checkpoint import (
     CheckpointInfo,
+    checkpoints_dir,
     commit_checkpoint,
     latest_checkpoint,
+    rewind_incarnation,
     stage_checkpoint,
     staging_dir,
     start_incarnation,
@@ -70,6 +72,7 @@ from dora.protocol import (
     Durable,
     Group,
     Hello,
+    Refused,
     Shutdown,
     StepClosed,
     StepDone,
@@ -238,6 +241,23 @@ class Trainer:
         self.accelerator.end_training()
         return 0
 
+    def _refused(self, refused: Refused) -> ProtocolError:
+        """Serve refused this trainer's hello: the error to stop with, after rewinding the run's
+        incarnation marker to serve's when this trainer is ahead of it (rank 0)."""
+        rewound = self.rank == 0 and rewind_incarnation(
+            self.run_dir, mine=self.incarnation, serve=refused.incarnation
+        )
+        then = (
+            f"{checkpoints_dir(self.run_dir) / 'incarnation'} now holds serve's incarnation "
+            f"{refused.incarnation}, so `--resume` again continues the run"
+            if rewound
+            else "check that this trainer belongs to the run serve is running"
+        )
+        return ProtocolError(
+            f"serve refused this trainer (incarnation {self.incarnation}, step "
+            f"{self.start_step}): {refused.reason}; {then}"
+        )
+
     def _train_step(self, step: int) -> dict[str, float] | None:
         self._step = step
         started = time.perf_counter()
@@ -251,6 +271,8 @@ class Trainer:
                 return None
             if isinstance(message, Hello):
                 continue
+            if isinstance(message, Refused):
+                raise self._refused(message)
             if message.step < step:
                 continue  # a late message for a step already trained (e.g. after a resume)
             if message.step > step:

@@ -39,6 +39,7 @@ from dora.protocol import (
     Durable,
     Group,
     Hello,
+    Refused,
     Shutdown,
     StepClosed,
     StepDone,
@@ -160,7 +161,7 @@ class TrainerLink:
 
     async def receive(self) -> None:
         while True:
-            message = await self.link.recv(admit=self.refusal)
+            message = await self.link.recv(admit=self.refusal, answer=self.refused)
             match message:
                 case Hello():
                     await self._hello(message)
@@ -229,6 +230,10 @@ class TrainerLink:
                 f"step {filled} (the step being filled), not at step {hello.step}"
             )
         return None
+
+    def refused(self, hello: Hello, why: str) -> Refused:
+        """The answer to a hello with the run's token that `refusal` refused."""
+        return Refused(reason=why, incarnation=self._queue.incarnation)
 
     async def _hello(self, hello: Hello) -> None:
         """A hello the link admitted (`refusal`): a restart rolls back, then serve answers."""

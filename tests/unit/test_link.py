@@ -11,7 +11,7 @@ from dora.bench.protocol import make_group
 from dora.config import ServeConfig
 from dora.errors import ConfigError, ServerTimeout, ServerUnavailable
 from dora.link import CurveKeys, LearnLink, ServeLink
-from dora.protocol import Assigned, Hello, StepClosed, StepDone, WeightChunk, encode
+from dora.protocol import Assigned, Hello, Refused, StepClosed, StepDone, WeightChunk, encode
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -318,4 +318,33 @@ async def test_a_message_over_the_size_limit_never_arrives() -> None:
         assert await asyncio.wait_for(serve.recv(), 5) == StepDone(step=0, incarnation=0)
     finally:
         learn.close()
+        serve.close()
+
+
+async def test_a_refused_hello_with_the_token_is_answered_with_the_reason() -> None:
+    """A trainer of this run that serve's check refuses learns why and serve's incarnation
+    (`Refused`) instead of waiting for groups that never come; a hello without the token is
+    still never answered."""
+    serve = ServeLink(token="right")
+    ours, stranger = LearnLink(serve.address), LearnLink(serve.address)
+
+    def admit(hello: Hello) -> str | None:
+        return None if hello.incarnation == 1 else "serve is at incarnation 0"
+
+    def answer(hello: Hello, why: str) -> Refused:
+        return Refused(reason=why, incarnation=0)
+
+    try:
+        ours.send(Hello(role="learn", incarnation=3, step=2, token="right"))
+        stranger.send(Hello(role="learn", incarnation=3, step=2, token="wrong"))
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(serve.recv(admit=admit, answer=answer), 1)
+        got = await asyncio.to_thread(ours.recv, timeout_s=5, waiting_for="serve's answer")
+        assert got == Refused(reason="serve is at incarnation 0", incarnation=0)
+        with pytest.raises(ServerTimeout):
+            stranger.recv(timeout_s=0.5, waiting_for="anything")
+        assert serve.refused == 2
+    finally:
+        for link in (ours, stranger):
+            link.close()
         serve.close()

@@ -25,13 +25,15 @@ from learn_standin import (
     sample_group,
 )
 
-from dora.errors import TrainingError
+from dora.errors import ProtocolError, TrainingError
 from dora.learn.checkpoint import latest_checkpoint
 from dora.learn.publish import state_dict_from_chunks
 from dora.models import TinyModelSpec, build_tiny_model
 from dora.protocol import (
     Durable,
     Group,
+    Hello,
+    Refused,
     Shutdown,
     StepDone,
     WeightChunk,
@@ -376,4 +378,51 @@ async def test_a_non_finite_loss_stops_the_step_without_publishing(
             serving.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await serving
+        standin.close()
+
+
+async def test_a_refused_resume_rewinds_the_incarnation_so_the_next_resume_is_admitted(
+    tmp_path: Path, tiny_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every start of `dora learn --resume` takes the last started incarnation + 1, also one that
+    serve never heard (it was down, or refused it): the marker then runs ahead of serve, whose
+    check admits only the next one. Serve answers such a hello with its own incarnation; the
+    trainer stops with the reason and rewinds the marker, so `--resume` again is admitted."""
+    standin = StandIn(tiny_dir)
+    monkeypatch.setenv("DORA_SERVE_ADDRESS", standin.link.address)
+    config = write_config(tmp_path, tiny_dir, steps=1, lr=5e-3, weight_transport="filesystem")
+    marker = tmp_path / "run" / "checkpoints" / "incarnation"
+    marker.parent.mkdir(parents=True)
+    marker.write_text("3")  # serve admitted incarnation 1; attempts 2 and 3 never reached it
+    serving = 1
+
+    def admit(hello: Hello) -> str | None:
+        if hello.incarnation == serving + 1:
+            return None
+        return f"serve is at incarnation {serving}: a restart is the next one"
+
+    def answer(hello: Hello, why: str) -> Refused:
+        return Refused(reason=why, incarnation=serving)
+
+    async def hear_hellos() -> Hello:
+        while True:
+            message = await standin.link.recv(admit=admit, answer=answer)
+            if isinstance(message, Hello):
+                return message
+
+    try:
+        hearing = asyncio.ensure_future(hear_hellos())
+        learner = await run_learn_in_thread(learn_args(config, resume=True))
+        with pytest.raises(ProtocolError, match="serve is at incarnation 1") as refused:
+            await asyncio.wait_for(learner, 60)
+        assert "now holds serve's incarnation 1" in str(refused.value)
+        assert marker.read_text().strip() == "1"
+        assert not hearing.done()
+
+        learner = await run_learn_in_thread(learn_args(config, resume=True))
+        hello = await asyncio.wait_for(hearing, 60)
+        assert (hello.incarnation, hello.step) == (2, 0)
+        await standin.link.send(Shutdown(reason="test stops serve"))
+        assert await asyncio.wait_for(learner, 60) == 0
+    finally:
         standin.close()
