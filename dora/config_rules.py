@@ -12,7 +12,7 @@ from dora.net import is_loopback
 if TYPE_CHECKING:
     from dora.config import DoraConfig
 
-__all__ = ["CROSS_FIELD_RULES", "CrossFieldRule"]
+__all__ = ["CROSS_FIELD_RULES", "SAFE_ON_RESUME", "CrossFieldRule", "safe_on_resume"]
 
 
 @dataclass(frozen=True)
@@ -81,3 +81,31 @@ CROSS_FIELD_RULES: tuple[CrossFieldRule, ...] = (
     ),
 )
 """Checked in this order at load, after the mode presets; the first broken rule is the error."""
+
+
+SAFE_ON_RESUME: tuple[str, ...] = (
+    "serve",
+    "log",
+    "run",
+    "rollout.tool_timeout_s",
+    "learn.threads",
+    "learn.recv_timeout_s",
+    "learn.checkpoint_every",
+    "learn.max_minutes",
+    "learn.micro_batch_tokens",
+    "learn.shared_prefix",
+    "learn.shared_prefix_tokens",
+    "learn.weight_transport",
+    "data.eval_source",
+    "data.eval_split",
+    "data.eval_kwargs",
+    "data.eval_size",
+    "data.eval_every",
+    "data.eval_every_s",
+    "data.eval_success_at",
+)
+"""Keys (or whole sections and tables) a resume may change; every other key defines the run."""
+
+
+def safe_on_resume(key: str) -> bool:
+    return any(key == safe or key.startswith(f"{safe}.") for safe in SAFE_ON_RESUME)

@@ -15,7 +15,7 @@ import msgspec
 
 from dora.config import DoraConfig
 from dora.config_check import struct_type
-from dora.config_rules import CROSS_FIELD_RULES
+from dora.config_rules import CROSS_FIELD_RULES, SAFE_ON_RESUME
 
 __all__ = ["config_markdown", "field_docs", "render_toml", "to_toml_dict"]
 
@@ -103,14 +103,14 @@ def _type_name(tp: object) -> str:
 
 
 def _resume_markdown() -> list[str]:
-    from dora.resume import SAFE_ON_RESUME
-
     safe = ", ".join(f"`{key}" + (".*" if "." not in key else "") + "`" for key in SAFE_ON_RESUME)
     return [
         "## What a resume may change",
         "",
-        "`dora run --resume` compares the config with the run directory's `config.toml` before it",
-        "starts anything and refuses a change to any setting that defines the run, naming each",
+        "`dora run --resume` (and `dora serve --resume` or `dora learn --resume` started on their",
+        "own) compares the config with the run directory's `config.toml` (written owner-only,",
+        "without `serve.token`, when the run starts) before it starts anything and refuses a",
+        "change to any setting that defines the run, naming each",
         "key (old -> new): the model, the rollout (`G`, `B`, `K`, mode, sampling, episode limits,",
         "error policy), the loss and optimiser, `learn.steps` (the last steps' deadlines depend on",
         "it), the environment, the training data and the emulation. These may change:",

@@ -57,12 +57,11 @@ from pathlib import Path
 from typing import Any
 
 from dora.config import DoraConfig, default_sections, load_config
-from dora.config_text import render_toml
 from dora.dryrun import planned, process_lines, thread_overrides
 from dora.errors import NotYetAvailable, RunAborted
 from dora.gpu_plan import GpuPlan
 from dora.net import free_port
-from dora.resume import check_fresh, check_resumable, check_resume
+from dora.resume import check_fresh, check_resumable, check_resume, write_run_config
 from dora.rundir import RunDirOwner, own_run_dir, resolve_run_dir
 from dora.secret import create_run_secret
 
@@ -127,7 +126,7 @@ def _run(
     resolved = load_config(args.config, overrides)
     if args.resume:
         check_resume(run_dir, resolved)
-    (run_dir / "config.toml").write_text(render_toml(resolved))
+    write_run_config(run_dir, resolved)
     print(f"dora run: run directory {run_dir}", flush=True)
     for line in process_lines(config, plan, weights=str(model_dir)):
         print(f"dora run: {line}", flush=True)

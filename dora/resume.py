@@ -18,44 +18,29 @@ lists them (generated from this tuple).
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import msgspec
 
 from dora.config import DoraConfig, load_config
+from dora.config_rules import SAFE_ON_RESUME, safe_on_resume
+from dora.config_text import render_toml
 from dora.errors import ConfigError, RunDirError
 
-__all__ = ["SAFE_ON_RESUME", "check_fresh", "check_resumable", "check_resume", "safe_on_resume"]
+__all__ = [
+    "SAFE_ON_RESUME",
+    "check_fresh",
+    "check_resumable",
+    "check_resume",
+    "keep_run_config",
+    "safe_on_resume",
+    "write_run_config",
+]
 
-SAFE_ON_RESUME: tuple[str, ...] = (
-    "serve",
-    "log",
-    "run",
-    "rollout.tool_timeout_s",
-    "learn.threads",
-    "learn.recv_timeout_s",
-    "learn.checkpoint_every",
-    "learn.max_minutes",
-    "learn.micro_batch_tokens",
-    "learn.shared_prefix",
-    "learn.shared_prefix_tokens",
-    "learn.weight_transport",
-    "data.eval_source",
-    "data.eval_split",
-    "data.eval_kwargs",
-    "data.eval_size",
-    "data.eval_every",
-    "data.eval_every_s",
-    "data.eval_success_at",
-)
-"""Keys (or whole sections and tables) a resume may change; every other key defines the run."""
 
 JOURNAL = Path("journal", "queue.msgpack")
 """Serve's journal of the transfer queue, relative to the run directory (dora/serve/journal.py)."""
-
-
-def safe_on_resume(key: str) -> bool:
-    return any(key == safe or key.startswith(f"{safe}.") for safe in SAFE_ON_RESUME)
 
 
 def check_resumable(run_dir: Path, *, config: bool = True) -> None:
@@ -106,6 +91,30 @@ def check_resume(run_dir: Path, config: DoraConfig) -> None:
             " or start a new run in another directory; what a resume may change is listed in "
             "docs/config.md"
         )
+
+
+def write_run_config(run_dir: Path, config: DoraConfig) -> None:
+    """Save the run's settings as `run_dir/config.toml`, the record a resume is compared with:
+    owner-only, and without `serve.token` (the run's secret stays in its own file)."""
+    record = msgspec.structs.replace(config, serve=msgspec.structs.replace(config.serve, token=""))
+    path = run_dir / "config.toml"
+    tmp = path.with_name(f".{path.name}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(render_toml(record))
+    os.chmod(tmp, 0o600)  # an older temporary file keeps its mode through O_CREAT
+    os.replace(tmp, path)
+
+
+def keep_run_config(run_dir: Path, config: DoraConfig, *, resume: bool) -> None:
+    """For `dora serve` and `dora learn` started on their own: a resume is compared with the
+    run's saved settings (`check_resume`) when the run directory holds them; a fresh start saves
+    them unless another side (or `dora run`) already did."""
+    if (run_dir / "config.toml").is_file():
+        if resume:
+            check_resume(run_dir, config)
+        return
+    write_run_config(run_dir, config)
 
 
 _UNSET = object()

@@ -43,7 +43,7 @@ from dora.gpu_plan import PINNED, GpuPlan, plan_gpus, visible_devices
 from dora.heap import collector_clock, settle_heap
 from dora.launch import mark_ready
 from dora.records import write_summary
-from dora.resume import check_resumable
+from dora.resume import check_resumable, keep_run_config
 from dora.rundir import own_run_dir, resolve_run_dir
 from dora.secret import with_run_token
 from dora.serve.instances import (
@@ -195,6 +195,7 @@ def main(args: argparse.Namespace) -> int:
     with own_run_dir(run_dir, ("serve",), command="dora serve"):
         if resume:
             check_resumable(run_dir, config=False)
+        keep_run_config(run_dir, config, resume=resume)
         return _serve(config, run_dir, start.plan)
 
 

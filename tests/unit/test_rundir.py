@@ -16,7 +16,7 @@ import pytest
 from dora.config import load_config
 from dora.config_text import render_toml
 from dora.errors import RunAborted
-from dora.resume import SAFE_ON_RESUME, check_resume
+from dora.resume import SAFE_ON_RESUME, check_resume, keep_run_config, write_run_config
 from dora.rundir import LOCKED_ENV, own_run_dir
 
 pytestmark = pytest.mark.timeout(60)
@@ -126,3 +126,36 @@ def test_resume_config_safe_keys_exist() -> None:
     keys = {key for key, *_ in field_docs()}
     for safe in SAFE_ON_RESUME:
         assert safe in keys or any(k.startswith(f"{safe}.") for k in keys), safe
+
+
+def test_resume_config_is_compared_by_serve_and_learn_started_on_their_own(
+    tmp_path: Path,
+) -> None:
+    """`dora serve --resume` and `dora learn --resume` by hand refuse a change to a setting that
+    defines the run, naming it, before they load anything: as `dora run --resume` does."""
+    run_dir = tmp_path / "run"
+    config = tmp_path / "config.toml"
+    config.write_text(render_toml(load_config(None, ["rollout.group_size=8"])))
+    run_dir.mkdir()
+    write_run_config(run_dir, load_config(None, ["rollout.group_size=8"]))
+    (run_dir / "journal").mkdir()
+    (run_dir / "journal" / "queue.msgpack").write_bytes(b"")
+    (run_dir / "checkpoints").mkdir()
+    (run_dir / "checkpoints" / "incarnation").write_text("0")
+    for side in ("serve", "learn"):
+        command = [sys.executable, "-m", "dora.cli", side, str(config)]
+        command += ["rollout.group_size=4", f"log.run_dir={run_dir}", "--resume"]
+        proc = subprocess.run(command, capture_output=True, text=True, timeout=60)
+        assert proc.returncode != 0, (side, proc.stdout, proc.stderr)
+        assert "rollout.group_size: 8 -> 4" in proc.stderr, (side, proc.stderr)
+
+
+def test_resume_config_record_is_owner_only_and_holds_no_token(tmp_path: Path) -> None:
+    config = load_config(None, ["serve.token=s3cret-token", "rollout.group_size=8"])
+    tmp_path.chmod(0o755)
+    write_run_config(tmp_path, config)
+    path = tmp_path / "config.toml"
+    assert path.stat().st_mode & 0o777 == 0o600
+    assert "s3cret-token" not in path.read_text()
+    assert load_config(str(path), []).rollout.group_size == 8
+    keep_run_config(tmp_path, config, resume=True)  # the token is no setting of the run
