@@ -111,3 +111,15 @@ def test_adapter_versions_and_kv_moves_stay_on_the_models_device() -> None:
         while other.has_work():
             other.step()
     assert moved.finish_reason == "length" and len(moved.token_ids) == 12
+
+
+def test_an_engine_asked_for_cuda_without_one_is_refused_naming_what_it_sees(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from dora.engine.server import load_model
+    from dora.errors import ConfigError
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    with pytest.raises(ConfigError, match="CUDA_VISIBLE_DEVICES=''"):
+        load_model("/nonexistent", "float32", "cuda")
