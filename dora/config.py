@@ -156,7 +156,11 @@ class ServeConfig(_Section):
         M(description="Extra vLLM server flags, e.g. ['--gpu-memory-utilization', '0.85']"),
     ] = msgspec.field(default_factory=list)
     vllm_devices: Annotated[
-        list[str], M(description="CUDA_VISIBLE_DEVICES of each vLLM instance, e.g. ['0,1', '2,3']")
+        list[str],
+        M(
+            description="CUDA_VISIBLE_DEVICES of each instance dora starts (vLLM or embedded), "
+            "e.g. ['0,1', '2,3']"
+        ),
     ] = msgspec.field(default_factory=list)
     vllm_tensor_parallel: Annotated[
         int, M(ge=1, description="Tensor-parallel size of each vLLM instance")

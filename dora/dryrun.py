@@ -109,6 +109,8 @@ def process_lines(config: DoraConfig, plan: GpuPlan, *, weights: str) -> list[st
             extra = f" tp={len(devices)} mem={plan.memory_fraction:g}{eager}"
         elif serve.backend == "vllm":
             extra = " --enforce-eager (CPU build)"
+        elif devices:
+            extra = " on cuda"
         else:
             extra = f" threads={serve.threads_per_instance}"
         where = serve.urls[i] if serve.urls else "http://127.0.0.1:<free port at start>"

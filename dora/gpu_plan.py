@@ -19,10 +19,11 @@ GPUs asked than visible, a device that does not exist, instances sharing a GPU, 
 instance's GPU without colocation, an entry whose size is not the tensor-parallel size) raises
 `ConfigError` naming the keys to change, before anything starts.
 
-Only vLLM instances run on GPUs: the embedded engine decodes on the CPU (its batcher, cache and
-sampler keep their tensors there), so its instances get no GPU and the trainer may take them all.
-With no GPU visible the plan is the CPU plan: every process on the CPU, as `dora.placement`
-threads it. The module is pure: the GPU count and the visible ids are arguments.
+Instances that dora starts run on GPUs, vLLM servers and embedded engines alike; an embedded
+engine spans one GPU (it has no tensor parallelism). Emulated instances and servers attached at
+`serve.urls` take none of this machine's GPUs. With no GPU visible the plan is the CPU plan:
+every process on the CPU, as `dora.placement` threads it. The module is pure: the GPU count and
+the visible ids are arguments.
 """
 
 from __future__ import annotations
@@ -137,7 +138,12 @@ def plan_gpus(config: DoraConfig, visible: Sequence[str], given: Collection[str]
             colocated=colocated,
             memory_fraction=fraction,
         )
-    on_gpus = serve.backend == "vllm" and not serve.urls
+    on_gpus = serve.backend in ("vllm", "embedded") and not serve.urls
+    if on_gpus and serve.backend == "embedded" and serve.vllm_tensor_parallel != 1:
+        raise ConfigError(
+            f"serve.vllm_tensor_parallel = {serve.vllm_tensor_parallel}, but an embedded engine "
+            "runs on one GPU: set serve.vllm_tensor_parallel = 1, or serve.backend = 'vllm'"
+        )
     instances = _instance_devices(config, visible, given) if on_gpus else _cpu_instances(config)
     trainer = _trainer_devices(config, visible, given, instances)
     return GpuPlan(
@@ -176,13 +182,19 @@ def cpu_bf16_refusal(config: DoraConfig, plan: GpuPlan, flags: frozenset[str] | 
 
 
 def _cpu_instances(config: DoraConfig) -> tuple[tuple[str, ...], ...]:
-    if config.serve.vllm_devices and config.serve.backend != "vllm":
+    if config.serve.vllm_devices:
         raise ConfigError(
-            f"serve.vllm_devices is set but serve.backend = {config.serve.backend!r}: only vLLM "
-            "instances run on GPUs (the embedded engine decodes on the CPU); leave it empty"
+            f"serve.vllm_devices is set but the instances are {_where(config)}: they take no GPU "
+            "of this machine; leave it empty"
         )
     n = len(config.serve.urls) or config.serve.instances
     return ((),) * n
+
+
+def _where(config: DoraConfig) -> str:
+    if config.serve.urls:
+        return "attached (serve.urls)"
+    return f"{config.serve.backend} (serve.backend)"
 
 
 def _instance_devices(

@@ -45,6 +45,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--dtype", choices=["float32", "bfloat16", "float16"], default="float32", help="weights"
     )
     p.add_argument(
+        "--device",
+        default="cpu",
+        help="where the model runs: cpu, or cuda (the first GPU of CUDA_VISIBLE_DEVICES)",
+    )
+    p.add_argument(
         "--control-token-env",
         default="DORA_ENGINE_TOKEN",
         help="environment variable with the bearer token for /control (unset: loopback only)",
@@ -72,6 +77,7 @@ async def serve(args: argparse.Namespace) -> None:
         version=args.version,
         threads=args.threads,
         dtype=args.dtype,
+        device=args.device,
         config=config,
         control_token=os.environ.get(args.control_token_env) or None,
         stall_s=args.stall_s,

@@ -104,12 +104,15 @@ class Batcher:
         """Dense KV tokens the running sequences may come to hold: rows x longest reservation."""
         self._longest = 0
         self.generated_tokens = 0
+        self.device = next(model.parameters()).device
+        """Where the model's weights are, and so every tensor of the batch."""
         self._base: Any = hf.base_model
         self._lm_head: Any = hf.get_output_embeddings()
         self._cache = SlotCache(
             int(hf_config.num_hidden_layers),
             max_rows=self.config.max_running,
             max_cols=self.max_model_len + 1,
+            device=self.device,
         )
         heads = int(getattr(hf_config, "num_attention_heads", 1))
         kv_heads = int(getattr(hf_config, "num_key_value_heads", None) or heads)
@@ -127,9 +130,9 @@ class Batcher:
         self._cache_kw = "cache" if "cache" in forward_params else "past_key_values"
         self._float_mask = getattr(hf_config, "_attn_implementation", "sdpa") == "eager"
         self._rng = random.Random()
-        self._ints = torch.zeros(0, _INTS, dtype=torch.int64)
-        self._floats = torch.zeros(0, 2, dtype=torch.float32)
-        self._stop_mask = torch.zeros(0, self.vocab_size, dtype=torch.bool)
+        self._ints = torch.zeros(0, _INTS, dtype=torch.int64, device=self.device)
+        self._floats = torch.zeros(0, 2, dtype=torch.float32, device=self.device)
+        self._stop_mask = torch.zeros(0, self.vocab_size, dtype=torch.bool, device=self.device)
         self._stop_rows = 0  # running sequences with stop strings
         self._min_rows = 0  # running sequences with min_tokens
         self._greedy_rows = 0  # running sequences sampled at temperature 0
@@ -193,10 +196,12 @@ class Batcher:
         return [self.abort(seq) for seq in [*reversed(self.running), *self.waiting]]
 
     def detach(self, seq: Sequence) -> torch.Tensor | None:
-        """Remove a sequence for export; return its KV `[layers, 2, heads, len, dim]` if running."""
+        """Remove a sequence for export; return its KV `[layers, 2, heads, len, dim]` if running,
+        copied to host memory (it leaves the engine)."""
         kv = None
         if seq.row >= 0:
-            kv = self._cache.export_row(seq.row, int(self._ints[seq.row, _LEN])).clone()
+            kv = self._cache.export_row(seq.row, int(self._ints[seq.row, _LEN]))
+            kv = kv.to("cpu", copy=True)
             self._remove(seq.row)
         else:
             self.waiting.remove(seq)
@@ -272,24 +277,25 @@ class Batcher:
         first: dict[tuple[int, ...], int] = {}
         source = [first.setdefault((self._slot(s), *s.prompt_ids), len(first)) for s in new]
         prompts = [new[source.index(u)].prompt_ids for u in range(len(first))]
-        slots = torch.tensor([self._slot(new[source.index(u)]) for u in range(len(first))])
+        dev = self.device
+        firsts = [new[source.index(u)] for u in range(len(first))]
+        slots = torch.tensor([self._slot(s) for s in firsts], device=dev)
         u = len(prompts)
         lengths = [len(p) for p in prompts]
         width = max(lengths)
-        ids = torch.zeros(u, width, dtype=torch.int64)
-        for j, prompt in enumerate(prompts):
-            ids[j, : lengths[j]] = torch.tensor(prompt)
-        plen = torch.tensor(lengths)
-        cols = torch.arange(width)
+        padded = [[*prompt, *[0] * (width - len(prompt))] for prompt in prompts]
+        ids = torch.tensor(padded, dtype=torch.int64, device=dev)  # one copy to the device
+        plen = torch.tensor(lengths, device=dev)
+        cols = torch.arange(width, device=dev)
         mask = (cols[None, :, None] >= cols[None, None, :]) & (
             cols[None, None, :] < plen[:, None, None]
         )
         self._cache.begin_prefill()
         with self.adapters.rows(slots):
             hidden = self._forward(ids, mask[:, None], cols.expand(u, width))
-        last = hidden[torch.arange(u), plen - 1]
+        last = hidden[torch.arange(u, device=dev), plen - 1]
         logits = self._lm_head(last)
-        rows_of = torch.tensor(source)
+        rows_of = torch.tensor(source, device=dev)
         self._cache.commit_prefill(start, [lengths[j] for j in source], sources=rows_of)
         self._grow_state(start + b)
         for j, s in enumerate(new):
@@ -322,7 +328,8 @@ class Batcher:
                 self._ints[:n, _SLOT],
             )
         else:
-            mask = (torch.arange(kv_len)[None, :] <= lens[:, None])[:, None, None, :]
+            cols = torch.arange(kv_len, device=self.device)
+            mask = (cols[None, :] <= lens[:, None])[:, None, None, :]
             self._cache.begin_decode(n, lens, kv_len)
             with self.adapters.rows(self._ints[:n, _SLOT]):
                 hidden = self._forward(self._ints[:n, _LAST, None], mask, lens[:, None])
@@ -335,7 +342,8 @@ class Batcher:
         """Hidden states through HF's modules (under the adapters of `adapters.row_slots`)."""
         attn: torch.Tensor = mask
         if self._float_mask:
-            attn = torch.zeros(mask.shape).masked_fill(~mask, torch.finfo(torch.float32).min)
+            attn = torch.zeros(mask.shape, device=self.device)
+            attn = attn.masked_fill(~mask, torch.finfo(torch.float32).min)
         kwargs = {self._cache_kw: self._cache}
         out = self._base(
             input_ids=ids, attention_mask=attn, position_ids=positions, use_cache=True, **kwargs
@@ -425,9 +433,9 @@ class Batcher:
         if rows <= self._ints.shape[0]:
             return
         cap = max(2 * self._ints.shape[0], rows, 16)
-        ints = torch.zeros(cap, _INTS, dtype=torch.int64)
-        floats = torch.zeros(cap, 2, dtype=torch.float32)
-        stop_mask = torch.zeros(cap, self.vocab_size, dtype=torch.bool)
+        ints = torch.zeros(cap, _INTS, dtype=torch.int64, device=self.device)
+        floats = torch.zeros(cap, 2, dtype=torch.float32, device=self.device)
+        stop_mask = torch.zeros(cap, self.vocab_size, dtype=torch.bool, device=self.device)
         n = self._ints.shape[0]
         ints[:n], floats[:n], stop_mask[:n] = self._ints, self._floats, self._stop_mask
         self._ints, self._floats, self._stop_mask = ints, floats, stop_mask
@@ -445,9 +453,10 @@ class Batcher:
                 seq.key,
                 self.version_of(seq),
                 self._slot(seq),
-            ]
+            ],
+            device=self.device,
         )
-        self._floats[row] = torch.tensor([p.temperature, p.top_p])
+        self._floats[row] = torch.tensor([p.temperature, p.top_p], device=self.device)
         stop_ids = [*p.stop_token_ids, *([] if p.ignore_eos else self.eos_token_ids)]
         self._stop_mask[row] = False
         self._stop_mask[row, [t for t in stop_ids if 0 <= t < self.vocab_size]] = True

@@ -83,8 +83,9 @@ class FusedDecoder:
         self._params = list(model.parameters())
         self._weights: list[tuple[Any, ...]] = []
         self._stamp: tuple[int, ...] = ()
-        self._rope = torch.zeros(0)
-        self._arange = torch.arange(max_positions)
+        self.device = next(model.parameters()).device
+        self._rope = torch.zeros(0, device=self.device)
+        self._arange = torch.arange(max_positions, device=self.device)
         self.refresh()
 
     def refresh(self) -> None:
@@ -115,7 +116,7 @@ class FusedDecoder:
                 )
             self._weights = layers
             probe = self.base.embed_tokens.weight[:1, None]
-            positions = torch.arange(self.max_positions)[None]
+            positions = torch.arange(self.max_positions, device=self.device)[None]
             cos, sin = self.base.rotary_emb(probe, positions)
             # rotate_half(x) * sin == roll(x, half) * (sin with its first half negated): one
             # roll per layer instead of two slices, a negation and a concatenation
@@ -160,7 +161,7 @@ class FusedDecoder:
 
         n = ids.shape[0]
         if n > self._arange.numel():  # more rows than positions (a short max_model_len)
-            self._arange = torch.arange(n)
+            self._arange = torch.arange(n, device=self.device)
         rows = self._arange[:n]
         mask = (self._arange[:kv_len] <= positions[:, None])[:, None, None, :]
         rope = self._rope[positions]

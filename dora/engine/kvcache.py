@@ -22,8 +22,11 @@ import torch
 class SlotCache:
     """Per-layer K/V slots; shapes are taken from the first prefill (any head count, GQA or not)."""
 
-    def __init__(self, num_layers: int, *, max_rows: int, max_cols: int) -> None:
+    def __init__(
+        self, num_layers: int, *, max_rows: int, max_cols: int, device: torch.device | None = None
+    ) -> None:
         self.num_layers = num_layers
+        self.device = torch.device("cpu") if device is None else device
         self.max_rows, self.max_cols = max_rows, max_cols
         self.k: list[torch.Tensor] = []
         self.v: list[torch.Tensor] = []
@@ -32,11 +35,12 @@ class SlotCache:
         self._prefill = True
         self._fresh_k: list[torch.Tensor] = []
         self._fresh_v: list[torch.Tensor] = []
-        self._rows = torch.zeros(0, dtype=torch.int64)
-        self._cols = torch.zeros(0, dtype=torch.int64)
+        self._rows = torch.zeros(0, dtype=torch.int64, device=self.device)
+        self._cols = torch.zeros(0, dtype=torch.int64, device=self.device)
         self._n = 0
         self._kv_len = 0
-        self._like = torch.zeros(0, 1, 0, 1)  # dtype and head shape of the buffers, once known
+        # dtype and head shape of the buffers, once known
+        self._like = torch.zeros(0, 1, 0, 1, device=self.device)
 
     # -- called by the model -----------------------------------------------------------------------
 
@@ -68,7 +72,7 @@ class SlotCache:
         self._prefill = False
         self._n = n
         if self._rows.numel() != n:
-            self._rows = torch.arange(n)
+            self._rows = torch.arange(n, device=self.device)
         self._cols = lens
         self._kv_len = kv_len
 
@@ -129,7 +133,9 @@ class SlotCache:
         )
 
     def import_row(self, row: int, kv: torch.Tensor) -> None:
-        """Write an exported `[layers, 2, kv_heads, length, head_dim]` tensor into `row`."""
+        """Write an exported `[layers, 2, kv_heads, length, head_dim]` tensor (wherever it is:
+        an import arrives in host memory) into `row`."""
+        kv = kv.to(self.device)
         length = kv.shape[3]
         self._like = kv[0, 0, :, :0][None]
         self.ensure(row + 1, length + 1)

@@ -129,8 +129,8 @@ class AdapterSet:
             return False
         pairs = self._parse(tensors)
         return sorted(pairs) == self.targets and all(
-            torch.equal(self.a[path][slot], a.to(self.a[path].dtype))
-            and torch.equal(self.b[path][slot], b.to(self.b[path].dtype))
+            torch.equal(self.a[path][slot], a.to(self.a[path].device, self.a[path].dtype))
+            and torch.equal(self.b[path][slot], b.to(self.b[path].device, self.b[path].dtype))
             for path, (a, b) in pairs.items()
         )
 
@@ -154,8 +154,9 @@ class AdapterSet:
         self.rank = int(next(iter(pairs.values()))[0].shape[0])
         for path in self.targets:
             w = self._linears[path].weight
-            self.a[path] = torch.zeros(4, self.rank, w.shape[1], dtype=w.dtype)
-            self.b[path] = torch.zeros(4, w.shape[0], self.rank, dtype=w.dtype)
+            # the adapters sit beside the weights, on their device
+            self.a[path] = w.new_zeros(4, self.rank, w.shape[1])
+            self.b[path] = w.new_zeros(4, w.shape[0], self.rank)
             self._hooks.append(self._linears[path].register_forward_hook(self._hook(path)))
 
     def _grow(self) -> None:
@@ -202,7 +203,7 @@ class AdapterSet:
         outs = [self._linears[p].out_features for p in paths]
         r = self.rank
         a = torch.cat([self.a[p] for p in targeted], dim=1)
-        b = torch.zeros(slots, sum(outs), r * len(targeted), dtype=a.dtype)
+        b = torch.zeros(slots, sum(outs), r * len(targeted), dtype=a.dtype, device=a.device)
         row, col = 0, 0
         for p, out in zip(paths, outs, strict=True):
             if p in self.b:

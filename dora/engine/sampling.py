@@ -65,32 +65,34 @@ def uniform_noise(
     `max_step`: a bound on `steps` if the caller knows one (saves looking)."""
     if max_step is None:
         max_step = int(steps.max()) if steps.numel() else 0
-    row = mix32_tensor(keys ^ _step_hash(max_step)[steps])
-    col = _column_hash(vocab_size)
+    row = mix32_tensor(keys ^ _step_hash(max_step, keys.device)[steps])
+    col = _column_hash(vocab_size, keys.device)
     bits = mix32_tensor(row[:, None] ^ col[None, :]) >> 8  # 24 bits: exact in float32
     return bits.to(torch.float32).add_(0.5).mul_(1.0 / (1 << 24))
 
 
 @functools.lru_cache(maxsize=8)
-def _column_hash(vocab_size: int) -> torch.Tensor:
-    """The per-vocabulary-entry half of the noise hash: the same at every step, so made once."""
+def _column_hash(vocab_size: int, device: torch.device) -> torch.Tensor:
+    """The per-vocabulary-entry half of the noise hash: the same at every step, so made once
+    per device."""
     with torch.inference_mode(False):
-        return mix32_tensor(torch.arange(vocab_size, dtype=torch.int64) * 0x632BE5AB + 0x85EBCA6B)
+        cols = torch.arange(vocab_size, dtype=torch.int64, device=device)
+        return mix32_tensor(cols * 0x632BE5AB + 0x85EBCA6B)
 
 
 @functools.lru_cache(maxsize=4)
-def _step_hash_table(size: int) -> torch.Tensor:
+def _step_hash_table(size: int, device: torch.device) -> torch.Tensor:
     with torch.inference_mode(False):
-        return mix32_tensor(torch.arange(size, dtype=torch.int64) + _GOLDEN)
+        return mix32_tensor(torch.arange(size, dtype=torch.int64, device=device) + _GOLDEN)
 
 
-def _step_hash(max_step: int) -> torch.Tensor:
+def _step_hash(max_step: int, device: torch.device) -> torch.Tensor:
     """The per-step half of a row's noise hash for steps `[0, max_step]`, as a table: a decode
     step looks its rows' up instead of hashing them (the table doubles as steps grow)."""
     size = 1024
     while size <= max_step:
         size *= 2
-    return _step_hash_table(size)
+    return _step_hash_table(size, device)
 
 
 @dataclass
@@ -151,7 +153,7 @@ def _truncate(scores: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) ->
     """Mask everything outside each row's top-k and top-p nucleus to -inf (the best token stays)."""
     vocab = scores.shape[-1]
     sorted_scores, order = scores.sort(dim=-1, descending=True)
-    rank = torch.arange(vocab)[None, :]
+    rank = torch.arange(vocab, device=scores.device)[None, :]
     k = torch.where(top_k > 0, top_k.clamp(max=vocab), torch.full_like(top_k, vocab))
     drop = rank >= k[:, None]
     probs = torch.softmax(sorted_scores.masked_fill(drop, float("-inf")), dim=-1)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -143,9 +144,10 @@ class EngineServer:
         body_timeout_s: float = BODY_TIMEOUT_S,
         stall_s: float = STALL_S,
         dtype: str = "float32",
+        device: str = "cpu",
     ) -> AsyncIterator[EngineServer]:
-        """Load the model in `dtype`, start the engine thread and serve; stop all of it on
-        exit."""
+        """Load the model in `dtype` on `device`, start the engine thread and serve; stop all
+        of it on exit."""
         if not is_loopback(host) and not control_token:
             raise ConfigError(
                 f"the engine would bind {host!r}, off loopback, with no control token: set "
@@ -153,7 +155,7 @@ class EngineServer:
             )
         if threads is not None:
             torch.set_num_threads(threads)
-        model, loaded = await asyncio.to_thread(load_model, model_dir, dtype)
+        model, loaded = await asyncio.to_thread(load_model, model_dir, dtype, device)
         tok: Any = loaded
         eos = [tok.eos_token_id] if tok.eos_token_id is not None else []
         batcher = Batcher(
@@ -424,10 +426,22 @@ class EngineServer:
         return web.json_response(out)
 
 
-def load_model(model_dir: str | Path, dtype: str = "float32") -> tuple[torch.nn.Module, object]:
-    """The model in `dtype` (`model.dtype`; eval mode, on the CPU) and its tokenizer."""
+def load_model(
+    model_dir: str | Path, dtype: str = "float32", device: str = "cpu"
+) -> tuple[torch.nn.Module, object]:
+    """The model in `dtype` (`model.dtype`; eval mode) on `device` ("cpu", or "cuda": the
+    first GPU this process sees) and its tokenizer. The engine computes wherever the weights are.
+    """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    where = torch.device(device)
+    if where.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(
+            f"the engine was asked to run on {device!r}, but no CUDA device is visible to it "
+            f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '(unset)')!r})"
+        )
     tok = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
-    return model, tok
+    model: torch.nn.Module = AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=getattr(torch, dtype)
+    )
+    return model.to(where).eval(), tok

@@ -324,7 +324,8 @@ def _holds_weights(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> 
     """Whether copying `tensors` into `model` (`_copy_weights`) would change nothing."""
     state = _checked_state(model, tensors)
     return all(
-        torch.equal(state[name], tensor.to(state[name].dtype)) for name, tensor in tensors.items()
+        torch.equal(state[name], tensor.to(state[name].device, state[name].dtype))
+        for name, tensor in tensors.items()
     )
 
 

@@ -7,7 +7,12 @@ them in this process (`EngineServer`) to save the seconds a process costs; both 
 that are already running (`serve.urls`).
 
 A `ProcessPool` can start more instances while it runs: `dora serve` replaces an instance that
-died (`InstanceLifecycle`); a replacement gets the next free id (`i3` after `i0`..`i2`).
+died (`InstanceLifecycle`); a replacement gets the next free id (`i3` after `i0`..`i2`) and the
+GPU of the instance it replaces.
+
+Each instance started here runs where the GPU plan (`dora.gpu_plan`) puts it: its
+`CUDA_VISIBLE_DEVICES` is the plan's entry for its slot and it computes on that GPU
+(`--device cuda`); with no GPU for it, every GPU is hidden from it and it computes on the CPU.
 
 Engines this pool starts bind 127.0.0.1 whatever `serve.host` says: they are serve's private
 children (dora serve, on this host, is their only client, as with the vLLM servers the launcher
@@ -31,7 +36,7 @@ import contextlib
 import logging
 import os
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -42,6 +47,7 @@ from dora.lifetime import PARENT_ENV
 
 if TYPE_CHECKING:
     from dora.config import DoraConfig
+    from dora.gpu_plan import GpuPlan
 
 __all__ = [
     "InstanceClient",
@@ -50,6 +56,7 @@ __all__ = [
     "ProcessPool",
     "attach",
     "engine_args",
+    "engine_env",
     "start_in_process",
     "start_processes",
 ]
@@ -79,13 +86,22 @@ class InstanceSpec:
     """How long an engine's step or command may last before its `/health` says stalled: serve's
     health deadline, but never under 10 s (a step of a loaded machine may take seconds, and a
     short deadline is meant for hung processes, not slow steps)."""
+    devices: tuple[str, ...] = ()
+    """`CUDA_VISIBLE_DEVICES` of each instance slot (the GPU plan's); () or '': the CPU."""
 
     @classmethod
-    def from_config(cls, config: DoraConfig, model_dir: str | Path) -> InstanceSpec:
+    def from_config(
+        cls, config: DoraConfig, model_dir: str | Path, *, plan: GpuPlan | None = None
+    ) -> InstanceSpec:
         """The instances `serve.*` and `model.max_model_len` describe, of the model in
-        `model_dir` (a load gets `serve.weight_load_timeout_s`, and so does a start)."""
+        `model_dir` (a load gets `serve.weight_load_timeout_s`, and so does a start), on the
+        GPUs `plan` gives them (None: the CPU)."""
         serve = config.serve
+        devices: tuple[str, ...] = ()
+        if plan is not None and any(plan.instances):
+            devices = tuple(plan.instance_env(i) for i in range(len(plan.instances)))
         return cls(
+            devices=devices,
             model_dir=str(model_dir),
             token=serve.token,
             threads=serve.threads_per_instance,
@@ -115,15 +131,22 @@ class ProcessPool:
         self.spec = spec
         self.handles: list[InstanceHandle] = []
         self._procs: dict[str, asyncio.subprocess.Process] = {}
+        self._slots: dict[str, int] = {}
+        """The slot (in `spec.devices`) of each instance started."""
         self._started = 0
 
-    async def start(self, count: int) -> list[InstanceHandle]:
-        """Start `count` more instances concurrently."""
+    async def start(self, count: int, *, slot: int | None = None) -> list[InstanceHandle]:
+        """Start `count` more instances concurrently, in the next slots (or all in `slot`)."""
         first, self._started = self._started, self._started + count
+        ids = [f"i{i}" for i in range(first, first + count)]
+        for i, instance_id in enumerate(ids, start=first):
+            self._slots[instance_id] = i if slot is None else slot
         async with asyncio.TaskGroup() as tg:
             starts = [
-                tg.create_task(_start_process(self.spec, f"i{i}", self._procs))
-                for i in range(first, first + count)
+                tg.create_task(
+                    _start_process(self.spec, instance_id, self._slots[instance_id], self._procs)
+                )
+                for instance_id in ids
             ]
         handles = [s.result() for s in starts]
         self.handles += handles
@@ -138,7 +161,7 @@ class ProcessPool:
             with contextlib.suppress(ProcessLookupError):
                 proc.kill()
             await proc.wait()
-        (handle,) = await self.start(1)
+        (handle,) = await self.start(1, slot=self._slots.get(dead))
         return handle
 
     async def close(self) -> None:
@@ -158,11 +181,18 @@ async def start_processes(spec: InstanceSpec, count: int) -> AsyncIterator[Proce
         await pool.close()
 
 
-def engine_args(spec: InstanceSpec) -> list[str]:
-    """The arguments of `python` that start one engine process of `spec`."""
+def _gpus(spec: InstanceSpec, slot: int) -> str:
+    """`CUDA_VISIBLE_DEVICES` of the instance in `slot` ('': none, the CPU)."""
+    return spec.devices[slot % len(spec.devices)] if spec.devices else ""
+
+
+def engine_args(spec: InstanceSpec, slot: int = 0) -> list[str]:
+    """The arguments of `python` that start the engine process in `slot` of `spec`."""
+    device = "cuda" if _gpus(spec, slot) else "cpu"
     args = [
         *("-m", "dora.engine", "--model", spec.model_dir, "--host", "127.0.0.1", "--port", "0"),
         *("--version", "0", "--threads", str(spec.threads), "--dtype", spec.dtype),
+        *("--device", device),
         *("--max-running", str(spec.max_running), "--stall-s", str(spec.stall_s)),
     ]
     if spec.max_model_len is not None:
@@ -170,18 +200,24 @@ def engine_args(spec: InstanceSpec) -> list[str]:
     return args
 
 
-async def _start_process(
-    spec: InstanceSpec, instance_id: str, procs: dict[str, asyncio.subprocess.Process]
-) -> InstanceHandle:
-    args = engine_args(spec)
+def engine_env(spec: InstanceSpec, slot: int, base: Mapping[str, str]) -> dict[str, str]:
+    """The environment of the engine process in `slot`, from `base` (serve's own)."""
     # Progress bars of model loading from N processes would garble the terminal.
-    env = {"HF_HUB_DISABLE_PROGRESS_BARS": "1", **os.environ}
-    # The engine decodes on the CPU (docs/gpu.md): no GPU of the plan's is taken by it.
-    env["CUDA_VISIBLE_DEVICES"] = ""
+    env = {"HF_HUB_DISABLE_PROGRESS_BARS": "1", **base}
+    # Its GPU from the plan, or none: an engine on the CPU takes no GPU of another process's.
+    env["CUDA_VISIBLE_DEVICES"] = _gpus(spec, slot)
     env.pop("DORA_ENGINE_TOKEN", None)  # only serve.token, never one inherited by accident
     if spec.token:
         env["DORA_ENGINE_TOKEN"] = spec.token
     env[PARENT_ENV] = str(os.getpid())  # it dies with this serve (dora/lifetime.py)
+    return env
+
+
+async def _start_process(
+    spec: InstanceSpec, instance_id: str, slot: int, procs: dict[str, asyncio.subprocess.Process]
+) -> InstanceHandle:
+    args = engine_args(spec, slot)
+    env = engine_env(spec, slot, os.environ)
     proc = await asyncio.create_subprocess_exec(
         sys.executable,
         *args,

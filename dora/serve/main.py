@@ -68,6 +68,9 @@ async def _instances(
 ) -> AsyncIterator[tuple[list[InstanceHandle], Replace | None]]:
     """The instances of the configured backend (started here, or attached at `serve.urls`), and
     how to replace one that died (only for engine processes that this serve started)."""
+    if plan is None and config.serve.backend != "emulated":
+        # a config object without a command line: its counts as they are
+        plan = plan_gpus(config, visible_devices(os.environ, count_gpus()), PINNED)
     if config.serve.backend == "vllm":
         try:
             from dora.vllm.launcher import vllm_instances
@@ -75,8 +78,7 @@ async def _instances(
             raise ConfigError(
                 f"serve.backend = 'vllm' is not available in dora serve yet ({exc}); use 'embedded'"
             ) from exc
-        if plan is None:  # a config object without a command line: its counts as they are
-            plan = plan_gpus(config, visible_devices(os.environ, count_gpus()), PINNED)
+        assert plan is not None
         log_dir = str(run_dir / "vllm")
         async with vllm_instances(config, str(model_dir), plan=plan, log_dir=log_dir) as vh:
             yield list(vh), None
@@ -89,7 +91,7 @@ async def _instances(
         async with emulated_instances(config, str(model_dir), count=count, stats_path=stats) as eh:
             yield eh, None  # type: ignore[misc]
         return
-    spec = InstanceSpec.from_config(config, model_dir)
+    spec = InstanceSpec.from_config(config, model_dir, plan=plan)
     if config.serve.urls:
         async with attach(spec, config.serve.urls) as handles:
             yield handles, None

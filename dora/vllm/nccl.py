@@ -2,8 +2,8 @@
 around the broadcast that trainer rank 0 makes.
 
 The servers are started with `--weight-transfer-config '{"backend": "nccl"}'`. One NCCL group
-holds trainer rank 0 (rank 0) and every worker of every instance: instance `i` with tensor
-parallelism `tp` takes ranks `1 + i * tp .. (i + 1) * tp`, and `world_size = 1 + n * tp`.
+holds trainer rank 0 (rank 0) and every worker of every instance (`dora.weight_transfer`: the
+ranks, and the order of the tensors in a broadcast, which both sides derive on their own).
 
 - `init_group`: once, every server gets `POST /init_weight_transfer_engine` while the trainer
   opens the group (`open_trainer`, its side of the same rendezvous), all at once.
@@ -11,70 +11,25 @@ parallelism `tp` takes ranks `1 + i * tp .. (i + 1) * tp`, and `world_size = 1 +
   load is (`VllmClient.load_with`, which also resets the prefix cache, labels the version and
   resumes: a request never runs on weights other than its version), then gets
   `POST /start_weight_update`; once every one of them has, each gets `POST /update_weights` (names,
-  dtypes, shapes, in the order of the broadcast) while the trainer broadcasts (`broadcast`), then
+  dtypes, shapes, in the order of the broadcast: `UpdateInfo.of` the version as the weight store
+  holds it) while the trainer broadcasts (`broadcast`, `dora.learn.nccl.broadcast_weights`), then
   `POST /finish_weight_update` with the version. An instance that loads an older version later
   does it from the weight store, as on a CPU.
 
 The trainer's side (`open_trainer`, `broadcast`) is passed in: it runs in trainer rank 0, which
-owns the tensors on its GPU. This module is tested against a recording double of the routes; it
-has not run against vLLM on GPUs.
+owns the tensors on its GPU (`dora.learn.nccl`). This module is tested against a recording double
+of the routes; it has not run against vLLM on GPUs.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
 
 from dora.vllm.client import VllmClient
+from dora.weight_transfer import TransferGroup, UpdateInfo
 
 __all__ = ["TransferGroup", "UpdateInfo", "init_group", "publish"]
-
-Json = dict[str, object]
-
-
-@dataclass(frozen=True, kw_only=True)
-class TransferGroup:
-    """The NCCL group of trainer rank 0 and `instances` servers of `tensor_parallel` workers."""
-
-    master_address: str
-    master_port: int
-    instances: int
-    tensor_parallel: int = 1
-
-    @property
-    def world_size(self) -> int:
-        return 1 + self.instances * self.tensor_parallel
-
-    def init_info(self, index: int) -> Json:
-        """The body of instance `index`'s `/init_weight_transfer_engine`."""
-        return {
-            "init_info": {
-                "master_address": self.master_address,
-                "master_port": self.master_port,
-                "rank_offset": 1 + index * self.tensor_parallel,
-                "world_size": self.world_size,
-                "packed": True,
-            }
-        }
-
-
-@dataclass(frozen=True, kw_only=True)
-class UpdateInfo:
-    """What the broadcast carries, in its order."""
-
-    names: list[str]
-    dtype_names: list[str]
-    shapes: list[list[int]]
-
-    def body(self) -> Json:
-        return {
-            "update_info": {
-                "names": self.names,
-                "dtype_names": self.dtype_names,
-                "shapes": self.shapes,
-            }
-        }
 
 
 async def init_group(

@@ -94,6 +94,44 @@ def test_vllm_on_gpus_gets_the_dtype_cuda_graphs_memory_and_its_own_devices() ->
     assert trainer_environment(plan) == {"CUDA_VISIBLE_DEVICES": "7"}
 
 
+def test_the_plans_gpus_reach_each_engines_command_line_and_environment() -> None:
+    from dora.serve.instances import InstanceSpec, engine_args, engine_env
+
+    config = load_config(None, ["serve.instances=2", "model.dtype=bfloat16"])
+    plan = plan_gpus(config, visible_devices({"CUDA_VISIBLE_DEVICES": "4,6,7"}, 3), PINNED)
+    spec = InstanceSpec.from_config(config, "/m", plan=plan)
+    for slot, gpu in enumerate(("4", "6")):
+        args = engine_args(spec, slot)
+        assert args[args.index("--device") + 1] == "cuda"
+        assert args[args.index("--dtype") + 1] == "bfloat16"
+        assert engine_env(spec, slot, {})["CUDA_VISIBLE_DEVICES"] == gpu
+    assert trainer_environment(plan) == {"CUDA_VISIBLE_DEVICES": "7"}
+    cpu = InstanceSpec.from_config(config, "/m", plan=plan_gpus(config, (), PINNED))
+    args = engine_args(cpu, 1)
+    assert args[args.index("--device") + 1] == "cpu"
+    assert engine_env(cpu, 1, {"CUDA_VISIBLE_DEVICES": "0"})["CUDA_VISIBLE_DEVICES"] == ""
+
+
+async def test_a_replaced_engine_gets_the_gpu_of_the_one_it_replaces(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from dora.serve import instances
+    from dora.serve.instances import InstanceSpec, ProcessPool
+
+    started: list[tuple[str, str]] = []
+
+    async def fake_start(spec: InstanceSpec, instance_id: str, slot: int, procs: dict) -> object:
+        started.append((instance_id, instances.engine_env(spec, slot, {})["CUDA_VISIBLE_DEVICES"]))
+        return instance_id
+
+    monkeypatch.setattr(instances, "_start_process", fake_start)
+    pool = ProcessPool(InstanceSpec(model_dir="/m", devices=("2", "5", "1")))
+    await pool.start(3)
+    await pool.replace("i1")
+    await pool.replace("i3")
+    assert started == [("i0", "2"), ("i1", "5"), ("i2", "1"), ("i3", "5"), ("i4", "5")]
+
+
 def test_enforce_eager_only_where_asked_and_on_the_cpu() -> None:
     spec, _ = _spec(["serve.enforce_eager=true"], ("0", "1", "2"))
     assert "--enforce-eager" in server_command(spec, 8000)

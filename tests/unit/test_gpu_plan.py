@@ -54,10 +54,32 @@ def test_no_gpu_is_the_cpu_plan() -> None:
     assert plan.trainer == ()
 
 
-def test_embedded_instances_stay_on_the_cpu_and_the_trainer_takes_every_gpu() -> None:
+def test_embedded_instances_get_a_gpu_each_and_the_trainer_the_rest() -> None:
     plan = _plan([], 4)
-    assert plan.instances == ((), ())
-    assert plan.trainer == ("0", "1", "2", "3")
+    assert plan.instances == (("0",), ("1",))
+    assert plan.trainer == ("2", "3")
+    pinned = _plan(["serve.vllm_devices=['3', '1']", "learn.devices='0,2'"], 4)
+    assert pinned.instances == (("3",), ("1",))
+    assert pinned.trainer == ("0", "2")
+    assert _plan(pinned.overrides(), 4) == pinned
+
+
+def test_embedded_instances_colocated_share_every_gpu_with_the_trainer() -> None:
+    plan = _plan(["serve.instances=2", "run.colocate=true"], 2)
+    assert plan.instances == (("0",), ("1",))
+    assert plan.trainer == ("0", "1")
+
+
+def test_an_embedded_engine_spans_one_gpu_only() -> None:
+    with pytest.raises(ConfigError, match=r"serve\.vllm_tensor_parallel"):
+        _plan(["serve.vllm_tensor_parallel=2"], 4)
+
+
+def test_emulated_and_attached_instances_take_no_gpu() -> None:
+    assert _plan(["serve.backend=emulated"], 4).instances == ((), ())
+    attached = _plan(["serve.urls=['http://10.0.0.1:8000']"], 4)
+    assert attached.instances == ((),)
+    assert attached.trainer == ("0", "1", "2", "3")
 
 
 def test_colocated_trainer_shares_the_instances_gpus_with_less_memory_for_vllm() -> None:

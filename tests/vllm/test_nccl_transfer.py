@@ -83,6 +83,10 @@ async def test_the_group_gives_each_worker_its_rank_and_opens_with_the_trainer()
     inits = {name: body for name, path, body in log if path == "/init_weight_transfer_engine"}
     assert [inits[f"i{i}"]["init_info"]["rank_offset"] for i in range(3)] == [1, 3, 5]  # type: ignore[index]
     assert {b["init_info"]["world_size"] for b in inits.values()} == {7}  # type: ignore[index]
+    # vLLM builds its NCCL init info from these fields and refuses any other
+    assert {tuple(sorted(b["init_info"])) for b in inits.values()} == {  # type: ignore[index]
+        ("master_address", "master_port", "rank_offset", "world_size")
+    }
     assert ("trainer", "open", None) in log
 
 
@@ -118,6 +122,7 @@ async def test_a_publish_calls_the_routes_in_order_around_one_broadcast() -> Non
             "names": ["w", "b"],
             "dtype_names": ["bfloat16", "bfloat16"],
             "shapes": [[4, 4], [4]],
+            "packed": False,
         }
     }
     assert bodies[("i1", "/finish_weight_update")] == {"weight_version": "3"}
