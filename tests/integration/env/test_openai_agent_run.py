@@ -107,5 +107,9 @@ def test_openai_agent_from_the_docs_trains_token_exact_on_one_version(tmp_path: 
             assert mask == expected
             checked += 1
             turns += len(episode)
+    print(f"{checked} samples, {turns} engine calls: token-exact, one version per episode")
     assert checked >= 8, f"only {checked} unmasked samples to check"
     assert turns > checked, "no episode took more than one call"
+    steps = [json.loads(x) for x in (run_dir / "learn-metrics.jsonl").read_text().splitlines()]
+    edits = [m["history_edits"] for m in steps if "history_edits" in m]
+    assert edits and not any(edits)  # the loop appends to its history: nothing was edited

@@ -13,6 +13,7 @@ import pytest
 from dora.endpoint import agent_env
 from dora.env import Task
 from dora.episode import EpisodeLimits, run_episode
+from dora.errors import ServerError
 from dora.protocol import SamplingParams
 from dora.render import ChatRenderer
 
@@ -227,3 +228,39 @@ async def test_openai_agent_limits_and_late_calls_are_refused(scripted, tokenize
         with pytest.raises(openai.APIStatusError) as caught:
             await late.chat.completions.create(model="policy", messages=[])
     assert caught.value.status_code == 410
+
+
+async def test_openai_agent_sync_function_runs_off_the_loop(scripted, tokenizer) -> None:
+    def sync_agent(base_url: str, model: str, task: Task, *, bonus: float) -> dict[str, float]:
+        client = openai.OpenAI(base_url=base_url, api_key="none", max_retries=0)
+        with client:
+            response = client.chat.completions.create(
+                model=model, messages=[{"role": "user", "content": "hi"}]
+            )
+        return {"said": float(response.choices[0].message.content == "ok"), "bonus": bonus}
+
+    env = agent_env(sync_agent)(bonus=0.25)
+    sampler = scripted(["ok<|im_end|>"])
+    sample = await run_episode(
+        sampler=sampler, tokenizer=tokenizer, env=env, task=Task("p"), params=PARAMS
+    )
+    assert not sample.masked and sample.reward == 1.25
+    assert sample.reward_components == {"said": 1.0, "bonus": 0.25}
+    check_exact(sample, sampler)
+
+
+async def test_openai_agent_sampler_failure_propagates_as_in_the_runner(tokenizer) -> None:
+    class Dead:
+        async def generate(self, prompt_ids: list[int], params: SamplingParams) -> object:
+            raise ServerError("the instance is gone")
+
+    async def agent(base_url: str, model: str, task: Task) -> float:
+        client = openai.AsyncOpenAI(base_url=base_url, api_key="none", max_retries=0)
+        async with client:
+            await client.chat.completions.create(
+                model=model, messages=[{"role": "user", "content": "hi"}]
+            )
+        return 1.0
+
+    with pytest.raises(ServerError, match="the instance is gone"):
+        await run(Dead(), agent, tokenizer)
