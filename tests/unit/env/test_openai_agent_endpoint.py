@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import math
 
-import numpy as np
 import pytest
 
 from dora.endpoint import agent_env
@@ -16,6 +15,7 @@ from dora.episode import EpisodeLimits, run_episode
 from dora.errors import ServerError
 from dora.protocol import SamplingParams
 from dora.render import ChatRenderer
+from tests.unit.env.exact import check_exact
 
 openai = pytest.importorskip("openai")
 
@@ -70,25 +70,6 @@ async def run(sampler: object, fn: object, tokenizer: object, **limits: object) 
         params=PARAMS,
         limits=EpisodeLimits(**limits),  # type: ignore[arg-type]
     )
-
-
-def check_exact(sample: object, sampler: object) -> None:
-    """The sample is the last call's prompt and sampled ids; every call's prompt and sampled ids
-    lie in it where they were, the sampled ones (only) with mask 1, their log-probs, version 7."""
-    tokens = sample.tokens().tolist()  # type: ignore[attr-defined]
-    mask = sample.mask()  # type: ignore[attr-defined]
-    assert tokens == sampler.prompts[-1] + sampler.sampled[-1]  # type: ignore[attr-defined]
-    expected_mask = np.zeros(len(tokens), dtype=np.uint8)
-    for prompt, sampled in zip(sampler.prompts, sampler.sampled, strict=True):  # type: ignore[attr-defined]
-        assert tokens[: len(prompt)] == prompt
-        assert tokens[len(prompt) : len(prompt) + len(sampled)] == sampled
-        expected_mask[len(prompt) : len(prompt) + len(sampled)] = 1
-    assert mask.tolist() == expected_mask.tolist()
-    logprobs = sample.behaviour_logprobs()  # type: ignore[attr-defined]
-    expected = [sampler.logprob(i) for i in range(int(mask.sum()))]  # type: ignore[attr-defined]
-    assert np.allclose(logprobs[mask == 1], expected) and not logprobs[mask == 0].any()
-    versions = sample.token_versions()  # type: ignore[attr-defined]
-    assert set(versions[mask == 1].tolist()) == {7} and set(versions[mask == 0].tolist()) == {-1}
 
 
 async def test_openai_agent_tool_loop_trains_on_exactly_what_was_sampled(
