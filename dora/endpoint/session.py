@@ -154,7 +154,8 @@ class Session:
             )
         token_budget = limits.max_total_tokens - record.sampled
         context_budget = limits.context_limit - len(prompt)
-        budget = min(cap or self.params.max_tokens, self.params.max_tokens, token_budget)
+        asked = min(cap or self.params.max_tokens, self.params.max_tokens)
+        budget = min(asked, token_budget, context_budget)
         if context_budget <= 0 or token_budget <= 0:
             self.finish = "context" if context_budget <= 0 else "length"
             what = f"{len(prompt)} prompt tokens fill" if context_budget <= 0 else "tokens spent"
@@ -164,7 +165,7 @@ class Session:
                 self.finish,
             )
         params = msgspec.structs.replace(
-            self.params, max_tokens=min(budget, context_budget), stop=[*self.params.stop, *stops]
+            self.params, max_tokens=budget, stop=[*self.params.stop, *stops]
         )
         try:
             completion = await self.sampler.generate(prompt, params)
@@ -177,8 +178,8 @@ class Session:
             self.failure = f"{SAMPLER_ENDED} with {completion.finish_reason!r}"
             raise BadRequest(self.failure, "sampler", 503)
         record.add(prompt, completion)
-        if completion.finish_reason == "length" and budget < (cap or self.params.max_tokens):
-            self.finish = "context" if context_budget < token_budget else "length"
+        if completion.finish_reason == "length" and budget < asked:  # cut by the episode's limit
+            self.finish = "context" if context_budget <= token_budget else "length"
         return completion
 
 

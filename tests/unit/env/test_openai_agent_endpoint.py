@@ -245,3 +245,27 @@ async def test_openai_agent_sampler_failure_propagates_as_in_the_runner(tokenize
 
     with pytest.raises(ServerError, match="the instance is gone"):
         await run(Dead(), agent, tokenizer)
+
+
+async def test_openai_agent_token_budget_cuts_a_call_then_refuses(scripted, tokenizer) -> None:
+    finishes: list[str] = []
+    statuses: list[int] = []
+
+    async def talker(base_url: str, model: str, task: Task) -> float:
+        client = openai.AsyncOpenAI(base_url=base_url, api_key="none", max_retries=0)
+        async with client:
+            for _ in range(2):
+                try:
+                    response = await client.chat.completions.create(
+                        model=model, messages=[{"role": "user", "content": "talk"}]
+                    )
+                    finishes.append(response.choices[0].finish_reason)
+                except openai.APIStatusError as exc:
+                    statuses.append(exc.status_code)
+        return 0.0
+
+    sampler = scripted(["a long answer that goes on<|im_end|>"])
+    sample = await run(sampler, talker, tokenizer, max_total_tokens=10)
+    assert sampler.params[0].max_tokens == 10 and finishes == ["length"] and statuses == [400]
+    assert sample.finish_reason == "length" and sample.metadata["refused: length"] == "1"
+    assert int(sample.mask().sum()) == 10
