@@ -15,6 +15,7 @@ if TYPE_CHECKING:  # what a type checker sees: the real classes, not `__getattr_
     from dora.config import DoraConfig, load_config
     from dora.core import Orchestrator, TransferQueue
     from dora.env import (
+        AgentEnv,
         Env,
         Episode,
         Message,
@@ -24,6 +25,7 @@ if TYPE_CHECKING:  # what a type checker sees: the real classes, not `__getattr_
         ScorerPool,
         SingleTurnEnv,
         Task,
+        agent_env,
         load_env,
         load_object,
     )
@@ -90,12 +92,16 @@ _EXPORTS: dict[str, str] = {
     "run_group": "dora.episode",
     "masked_sample": "dora.episode",
     "ChatRenderer": "dora.render",
+    # an agent's own loop against an OpenAI-compatible endpoint (docs/environments.md)
+    "AgentEnv": "dora.env",
+    "agent_env": "dora.env",
     # the scheduling core (docs/scheduling.md)
     "TransferQueue": "dora.core",
     "Orchestrator": "dora.core",
 }
 
 __all__ = [
+    "AgentEnv",
     "CallId",
     "ChatRenderer",
     "Completion",
@@ -130,6 +136,7 @@ __all__ = [
     "ToolCall",
     "ToolResult",
     "TransferQueue",
+    "agent_env",
     "build_tiny_model",
     "load_config",
     "load_env",

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol, cast
 
-from dora.env import Env, Message, Prompt, Task, load_object
+from dora.env import AgentEnv, Env, Message, Prompt, Task, load_object
 from dora.errors import ChatTemplateMissing, ConfigError, DataError
 from dora.hooks import HookTimeout, OffLoop, call_hook
 from dora.tools import JSON, tool_schema
@@ -215,10 +215,14 @@ async def fit_context(
     that raises or takes longer than `timeout_s` is not judged here: the task is kept, and the
     episode's error policy handles it when it runs; but a source none of whose tasks gives a
     prompt (every `reset` failing, or text the tokenizer refuses in every row) is a `DataError`
-    naming the source, at start. A prompt the model cannot render at all (chat
+    naming the source, at start. An agent's tasks (`dora.endpoint.AgentEnv`) are all kept: its
+    prompts are made by its own loop. A prompt the model cannot render at all (chat
     messages for a tokenizer without a chat template) is a `ChatTemplateMissing` (a `ConfigError`),
     raised here, at start.
     """
+    made = getattr(env_factory, "func", env_factory)
+    if isinstance(made, type) and issubclass(made, AgentEnv):
+        return Fitted(list(tasks), [])  # an agent's prompts are its own, made as it runs
     kept: list[Task] = []
     skipped: list[tuple[str, int]] = []
     failed: list[tuple[str, str]] = []

@@ -39,6 +39,10 @@ The life of an episode (the runner is `dora.episode.run_episode`):
    by an error (one in `reset` too), or cancelled (then it still runs, bounded by a deadline, and
    the cancellation propagates after it).
 
+An agent that runs its own loop against an OpenAI-compatible endpoint is an `AgentEnv` (or a plain
+function, made one by `agent_env`): its episodes call `agent(base_url, model, task)`, which returns
+the reward, instead of the steps above (`dora.endpoint` serves and records its calls).
+
 `demonstration(task)` is used only by the supervised warm-up (`dora.models.warmup`): the reference
 continuation of `reset(task)`'s conversation (assistant turns with their tool calls, tool results,
 replies), which teaches a model from scratch the format before RL.
@@ -71,6 +75,7 @@ from dora.protocol import FinishReason
 from dora.tools import EndEpisode, ToolCall, ToolFunction
 
 __all__ = [
+    "AgentEnv",
     "EndEpisode",
     "Env",
     "Episode",
@@ -82,6 +87,7 @@ __all__ = [
     "ScorerPool",
     "SingleTurnEnv",
     "Task",
+    "agent_env",
     "load_env",
     "load_object",
 ]
@@ -247,6 +253,59 @@ class SingleTurnEnv(Env):
         return self.score(episode.completion, episode.task)
 
 
+class AgentEnv(Env):
+    """An environment whose episodes are an agent function's own loop (`dora.endpoint`).
+
+    Subclasses write `agent`; `tasks` as on `Env`. `reset`, `step` and `reward` are not used.
+    """
+
+    async def agent(self, base_url: str, model: str, task: Task) -> Reward:
+        """Run one episode against `base_url` asking for `model`; return its reward."""
+        raise NotImplementedError(f"{type(self).__name__} must implement agent(...)")
+
+    def reset(self, task: Task) -> Prompt:
+        raise TypeError(f"{type(self).__name__} is an agent: its episodes run agent(...)")
+
+    def reward(self, episode: Episode) -> Reward:
+        raise TypeError(f"{type(self).__name__} is an agent: agent(...) returns the reward")
+
+
+AgentFn = Callable[..., Reward | Awaitable[Reward]]
+
+
+def agent_env(
+    fn: AgentFn, *, tasks: Callable[..., Sequence[Task] | None] | None = None
+) -> type[AgentEnv]:
+    """An `AgentEnv` class running `fn(base_url, model, task, **kwargs)` (the config's
+    `env.kwargs`), awaited on the loop if it is `async`, else in the episode's thread;
+    `tasks(split, **kwargs)`, when given, lists its tasks (`data.source = "env"`)."""
+    if not callable(fn):
+        raise TypeError(f"agent_env needs a function, not {fn!r}")
+    sync = not inspect.iscoroutinefunction(fn)
+
+    class Wrapped(AgentEnv):
+        def __init__(self, **kwargs: object) -> None:
+            inspect.signature(fn).bind("url", "model", Task("check"), **kwargs)
+            self.kwargs = kwargs
+
+        def agent(self, base_url: str, model: str, task: Task) -> Reward:  # type: ignore[override]
+            return cast(Reward, fn(base_url, model, task, **self.kwargs))
+
+        def tasks(self, split: str, **kwargs: object) -> Sequence[Task] | None:
+            return None if tasks is None else tasks(split, **kwargs)
+
+    if not sync:  # awaited on the loop, not in a thread
+
+        async def run(self: Wrapped, base_url: str, model: str, task: Task) -> Reward:
+            return await cast("Awaitable[Reward]", fn(base_url, model, task, **self.kwargs))
+
+        Wrapped.agent = run  # type: ignore[assignment, method-assign]
+    Wrapped.__name__ = Wrapped.__qualname__ = getattr(fn, "__name__", "agent")
+    Wrapped.__module__ = getattr(fn, "__module__", __name__)
+    Wrapped.__doc__ = fn.__doc__
+    return Wrapped
+
+
 async def call_maybe_async(
     fn: Callable[P, T | Awaitable[T]], *args: P.args, **kwargs: P.kwargs
 ) -> T:
@@ -291,12 +350,22 @@ def load_object(spec: str) -> object:
 
 def load_env(spec: str, **kwargs: object) -> Callable[[], Env]:
     """The env factory named by `"module:Class"`, bound to `kwargs` and to what the class's
-    `setup(**kwargs)` shares: call it once per episode.
+    `setup(**kwargs)` shares: call it once per episode. A function (`"module:solve"`) is an
+    agent's own loop, made an environment by `dora.endpoint.agent_env`.
 
     The class is instantiated once here to check the kwargs, so a bad config fails at load time with
     a ConfigError, not in the middle of a run.
     """
     cls = load_object(spec)
+    if inspect.isfunction(cls):  # an agent's own loop (dora.endpoint)
+        try:
+            inspect.signature(cls).bind("base_url", "model", Task("check"), **kwargs)
+        except TypeError as exc:
+            raise ConfigError(
+                f"{spec!r} is a function, not a subclass of dora.Env; a function is taken as an "
+                f"agent's own loop, fn(base_url, model, task, **env.kwargs), but: {exc}"
+            ) from exc
+        cls = agent_env(cls)
     if not (isinstance(cls, type) and issubclass(cls, Env)):
         raise ConfigError(f"{spec!r} is {cls!r}, not a subclass of dora.Env")
     try:

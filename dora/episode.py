@@ -53,8 +53,16 @@ from typing import TYPE_CHECKING, Literal, Protocol, cast
 
 import msgspec
 
+from dora.endpoint.agent import AgentEnv, run_agent_episode
 from dora.env import Env, Episode, Message, Task
-from dora.episode_guard import EnvFailure, Hooks, check_reply, guarded, reward_total
+from dora.episode_guard import (
+    SAMPLER_ENDED,
+    EnvFailure,
+    Hooks,
+    check_reply,
+    guarded,
+    reward_total,
+)
 from dora.errors import EnvError
 from dora.instance.interface import InstanceClient
 from dora.protocol import Completion, FinishReason, Sample, SamplingParams, extend_array
@@ -76,9 +84,6 @@ __all__ = [
     "run_fresh_episode",
     "run_group",
 ]
-
-SAMPLER_ENDED = "the sampler ended the request"
-"""The head of the error of an episode whose LLM call the instance refused or abandoned."""
 
 log = logging.getLogger("dora.env")
 
@@ -286,6 +291,16 @@ async def _run_episode(
     limits: EpisodeLimits,
 ) -> Sample:
     renderer = tokenizer if isinstance(tokenizer, ChatRenderer) else ChatRenderer(tokenizer)
+    if isinstance(env, AgentEnv):  # the agent's own loop, against the episode's endpoint
+        return await run_agent_episode(
+            sampler=sampler,
+            renderer=renderer,
+            env=env,
+            hooks=hooks,
+            task=task,
+            params=params,
+            limits=limits,
+        )
     traj = _Trajectory()
     prompt_len = 0
     counts = _Counts()

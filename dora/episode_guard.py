@@ -22,7 +22,10 @@ from dora.errors import ChatTemplateMissing
 from dora.hooks import HookTimeout, OffLoop, call_hook
 from dora.protocol import FinishReason
 
-__all__ = ["EnvFailure", "Hooks", "check_reply", "guarded", "reward_total"]
+__all__ = ["SAMPLER_ENDED", "EnvFailure", "Hooks", "check_reply", "guarded", "reward_total"]
+
+SAMPLER_ENDED = "the sampler ended the request"
+"""The head of the error of an episode whose LLM call the instance refused or abandoned."""
 
 log = logging.getLogger("dora.env")
 

@@ -2,4 +2,6 @@
 
 - `envs.math`: chain arithmetic (generated, long-tailed solution lengths, exact reward) and
   GSM8K-format datasets (`####` / `\\boxed{}` answers, optional math-verify scoring).
+- `envs.verifiers`: verifiers (0.4) tasksets, rolled out by dora's chat loop on the episode's
+  endpoint, scored by their own reward functions.
 """

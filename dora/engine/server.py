@@ -44,6 +44,10 @@ from dora.instance.client import SERVER_KEEPALIVE_S
 from dora.net import is_loopback
 from dora.protocol import SamplingParams
 
+REQUEST_LOG_ENV = "DORA_ENGINE_REQUEST_LOG"
+"""Names a file each engine appends its finished requests to (request id, prompt ids, sampled
+ids, versions): an audit of what it was prompted with and sampled, for checks of token-exactness."""
+
 MAX_REQUEST_BYTES = 16 << 20
 MAX_CONTROL_BYTES = 4 << 30  # weights travel through /control/load_weights
 BODY_TIMEOUT_S = 30.0
@@ -111,6 +115,9 @@ class EngineServer:
         self._renderer = render.Renderer(tokenizer, worker.batcher.eos_token_ids)
         self.inflight: dict[str, list[Sequence]] = {}
         self.recent = wire.RecentCompletions(4096)
+        self.request_log = os.environ.get(REQUEST_LOG_ENV) or None
+        """A file that every finished request is appended to, as a JSON line (an audit of what
+        the engine was prompted with and sampled; off unless the variable is set)."""
         # read_body enforces each route's limit while the body streams in; this is the backstop
         self.app = web.Application(
             client_max_size=max(max_request_bytes, max_control_bytes),
@@ -282,6 +289,17 @@ class EngineServer:
         if any(not w.done for w in watches):
             self.worker.call(lambda b: [b.abort(s) for s in seqs if s.finish_reason is None])
         self.recent.add(request_id, [s.completion() for s in seqs])
+        if self.request_log is not None:
+            with open(self.request_log, "ab") as f:
+                for s in seqs:
+                    line = {
+                        "request_id": s.id,
+                        "prompt_ids": list(s.prompt_ids),
+                        "token_ids": list(s.token_ids),
+                        "versions": list(s.versions),
+                        "finish_reason": s.finish_reason,
+                    }
+                    f.write(msgspec.json.encode(line) + b"\n")
 
     def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):

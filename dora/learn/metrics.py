@@ -53,6 +53,8 @@ def step_metrics(
         **{f"reward/{name}": sum(v) / len(v) for name, v in sorted(components.items())},
         "turns_mean": sum(s.num_turns for s in kept) / episodes,
         "tool_calls_mean": sum(s.num_tool_calls for s in kept) / episodes,
+        # agents' own loops (dora.endpoint): calls whose prompt did not extend the sequence so far
+        "history_edits": float(sum(int(s.metadata.get("history_edits", "0")) for s in kept)),
         "loss": sum(losses) / len(losses) if losses else 0.0,
         "reward_mean": sum(rewards) / len(rewards) if rewards else 0.0,
         "entropy": total["entropy_sum"] / tokens,

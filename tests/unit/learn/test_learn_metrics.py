@@ -22,6 +22,7 @@ def _group(gid: str, version: int, rewards: list[float], masked: int = -1, turns
             reward_components={"task": r, "format": 0.5},
             num_turns=turns + i,
             num_tool_calls=i,
+            metadata={"history_edits": str(i)},
         )
         for i, r in enumerate(rewards)
     ]
@@ -56,6 +57,7 @@ def test_step_metrics() -> None:
     assert m["reward/task"] == pytest.approx(0.75) and m["reward/format"] == pytest.approx(0.5)
     assert m["turns_mean"] == pytest.approx((1 + 2 + 3 + 4) / 4)  # per unmasked episode
     assert m["tool_calls_mean"] == pytest.approx((0 + 1 + 0 + 1) / 4)
+    assert m["history_edits"] == 2.0  # 0 + 1 + 0 + 1: the masked sample's 2 is left out
     assert (m["staleness_mean"], m["staleness_max"]) == (2.0, 3.0)  # 6 - 5 and 6 - 3
     assert (m["filtered_groups"], m["masked_samples"], m["duplicate_groups"]) == (1, 1, 2)
     assert (m["grad_norm"], m["version"], m["ranks"], m["tokens"]) == (2.0, 7.0, 2.0, 10.0)

@@ -1,0 +1,41 @@
+"""A verifiers multi-turn tool taskset, written as a verifiers user writes one
+(tests/unit/env/verifiers_calc.py, saved next to the config as an installed taskset would be
+importable), trained a few steps by `dora run` through envs.verifiers. Checked against the
+engine's own record of every request: the ids trained on are, call for call, what the engine was
+prompted with and sampled, each call of an episode on its group's one version."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.integration.env.exact import TINY_RUN, check_token_exact, run_logged, step_metrics
+
+pytest.importorskip("verifiers.v1")
+pytest.importorskip("openai")
+
+ROOT = Path(__file__).resolve().parents[3]
+TASKSET = ROOT / "tests" / "unit" / "env" / "verifiers_calc.py"
+
+pytestmark = pytest.mark.timeout(300)
+
+CONFIG = (
+    TINY_RUN
+    + """
+[env]
+cls = "envs.verifiers:VerifiersEnv"
+kwargs = { taskset = "verifiers_calc", max_turns = 3 }
+"""
+)
+
+
+def test_verifiers_tool_taskset_trains_token_exact_on_one_version(tmp_path: Path) -> None:
+    (tmp_path / "verifiers_calc.py").write_text(TASKSET.read_text())
+    (tmp_path / "config.toml").write_text(CONFIG)
+    run_dir, log = run_logged(tmp_path, "rollout.max_tokens_per_turn=24", steps=3)
+    checked, calls = check_token_exact(run_dir, log)
+    print(f"{checked} samples, {calls} engine calls: token-exact, one version per episode")
+    assert checked >= 8, f"only {checked} unmasked samples to check"
+    steps = step_metrics(run_dir)
+    assert all("reward/correct" in m and "reward/used_tool" in m for m in steps if "loss" in m)
