@@ -2,4 +2,6 @@
 
 - `envs.math`: chain arithmetic (generated, long-tailed solution lengths, exact reward) and
   GSM8K-format datasets (`####` / `\\boxed{}` answers, optional math-verify scoring).
+- `envs.reasoning_gym`: any reasoning-gym dataset by name and config, scored by its own checker
+  (extra `reasoning-gym`).
 """
