@@ -205,3 +205,29 @@ def test_the_shared_dataset_is_built_once_per_factory() -> None:
     assert direct.generator.config.max_terms == 6  # the dataset's defaults
     task = Task("t", {"entry": {"answer": "3"}})
     assert asyncio.run(asyncio.to_thread(direct.score, "<answer>3</answer>", task)) == 1.0
+
+
+@pytest.mark.parametrize("name", ["config.toml", "smollm2.toml"])
+def test_the_example_configs_load_and_make_their_tasks(name: str) -> None:
+    from pathlib import Path
+
+    from dora.config import load_config
+    from dora.data import config_tasks
+
+    root = Path(__file__).resolve().parents[3]
+    config = load_config(root / "examples/reasoning_gym" / name)
+    factory = load_env(config.env.cls, **config.env.kwargs)
+    train = config_tasks(config.data, factory)
+    held = config_tasks(config.data, factory, held_out=True)
+    assert len(held) == config.data.eval_size
+    assert {t["question"] for t in train}.isdisjoint({t["question"] for t in held})
+    env = factory()
+    assert isinstance(env.reset(train[0]), list) == (name == "smollm2.toml")  # chat or plain text
+
+
+def test_without_the_package_loading_says_which_extra_to_install(monkeypatch) -> None:
+    import sys
+
+    monkeypatch.setitem(sys.modules, "reasoning_gym.factory", None)  # import raises ImportError
+    with pytest.raises(ConfigError, match=r"pip install -e '\.\[reasoning-gym\]'"):
+        load_env(SPEC, dataset="chain_sum")
