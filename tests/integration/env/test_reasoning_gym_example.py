@@ -1,9 +1,11 @@
 """The reasoning-gym example, shrunk, end to end through `dora run`: RL must raise the reward that
 reasoning-gym's own checker gives.
 
-Shrunk from examples/reasoning_gym/config.toml: a shorter warm-up on the example's training
+Shrunk from examples/reasoning_gym/config.toml: the example's warm-up on its training
 problems, then RL at temperature 1 on 4 of its training prompts (every step, 16 samples each), so
-the policy gradient has to raise the sampled accuracy of those prompts within 48 steps. Asserted:
+the policy gradient has to raise the sampled accuracy of those prompts within 48 steps (measured
+on a quiet machine: 0.387 -> 0.711 from the first to the last third, about 70 s a run; with a
+200-step warm-up the rise was only 0.097, too close to the margin). Asserted:
 the trainer's mean reward over the last third of the steps is above the first third's by a clear
 margin, every sample was scored (none masked: the checker ran on every episode), and held-out
 evaluations ran on the initial and the final version. A checker that is not reached, an answer
@@ -36,7 +38,7 @@ def test_reasoning_gym_example_reward_rises(tmp_path: Path) -> None:
     from dora.config import load_config
     from dora.models.prepare import prepare_model
 
-    model_dir = prepare_model(load_config(CONFIG, ["model.warmup_steps=200"]))
+    model_dir = prepare_model(load_config(CONFIG))  # the example's warm-up
     run_dir = tmp_path / "run"
     over = [
         f"model.path={json.dumps(str(model_dir))}",
