@@ -2,8 +2,10 @@
 
 What a user would otherwise pick on one machine: TRL's `GRPOTrainer` (the optional extra `pip
 install torch==2.13.0 -e '.[trl]'` in dora's checkout), on the same initial model (the config's,
-built and warmed up once by `prepare_model`), the same tasks and prompts (the environment's `reset`,
-rendered by the model's chat template), prompts per step (`rollout.batch_size`), group size, max
+built and warmed up once by `prepare_model`), the same tasks and prompts (the environment's `reset`:
+messages rendered by the model's chat template, or plain text as `tokenizer(prompt)`, which TRL and
+dora both tokenize with the special tokens), the same environment factory for the rewards (its
+shared resources made once), prompts per step (`rollout.batch_size`), group size, max
 tokens, temperature, top-p, learning rate, weight decay, gradient clip, updates per step, and loss
 settings: GRPO advantages scaled by the group's std, token-level aggregation over the step (TRL's
 `dapo` loss), the clip range `[1 - learn.clip_low, 1 + learn.clip_high]`, `kl_coef` as TRL's `beta`.
@@ -29,8 +31,9 @@ import json
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dora.bench import summary
 from dora.config import DoraConfig, load_config
@@ -38,7 +41,10 @@ from dora.errors import ConfigError
 from dora.records import Eval, Trained, read_records
 from dora.report import plot_accuracy_vs_time
 
-__all__ = ["dora_curve", "grpo_args", "main", "summary_lines"]
+if TYPE_CHECKING:
+    from dora.env import Env
+
+__all__ = ["dora_curve", "grpo_args", "main", "summary_lines", "trl_prompt_ids"]
 
 
 def grpo_args(config: DoraConfig, out_dir: Path) -> dict[str, object]:
@@ -79,28 +85,39 @@ def grpo_args(config: DoraConfig, out_dir: Path) -> dict[str, object]:
     )
 
 
-def _rows(config: DoraConfig, *, held_out: bool) -> tuple[list[dict[str, Any]], list[Any]]:
-    """The tasks as TRL rows: the environment's prompt messages, and the task for the reward."""
+def _rows(
+    config: DoraConfig, env_factory: Callable[[], Env], *, held_out: bool
+) -> tuple[list[dict[str, Any]], list[Any]]:
+    """The tasks as TRL rows: the environment's prompt (messages or text), and the task for the
+    reward."""
     from dora.data import config_tasks
-    from dora.env import load_env
 
-    env_factory = load_env(config.env.cls, **config.env.kwargs)
     tasks = config_tasks(config.data, env_factory, held_out=held_out)
     env = env_factory()
     return [{"prompt": env.reset(t), "task_index": i} for i, t in enumerate(tasks)], tasks
 
 
-def _score(config: DoraConfig, tasks: list[Any], index: int, text: str) -> float:
-    from dora.env import call_maybe_async, load_env
+def _score(env_factory: Callable[[], Env], tasks: list[Any], index: int, text: str) -> float:
+    """The environment's score of `text` for task `index`, on a fresh episode object from the
+    run's one factory: what the environment shares between episodes (`Env.setup`: a dataset, a
+    scorer pool) is made once, as in dora's serve."""
+    from dora.env import call_maybe_async
 
-    env: Any = load_env(config.env.cls, **config.env.kwargs)()  # a SingleTurnEnv: score(text)
+    env: Any = env_factory()  # a SingleTurnEnv: score(text)
     reward = call_maybe_async(env.score, text, tasks[index])
     if asyncio.iscoroutine(reward):
         reward = asyncio.run(reward)
     return float(reward)  # type: ignore[arg-type]
 
 
-def _greedy_accuracy(model: Any, tok: Any, config: DoraConfig, rows: list, tasks: list) -> float:
+def _greedy_accuracy(
+    model: Any,
+    tok: Any,
+    config: DoraConfig,
+    env_factory: Callable[[], Env],
+    rows: list,
+    tasks: list,
+) -> float:
     """Held-out accuracy of `model` as it is now, decoded greedily by dora's engine."""
     import torch
 
@@ -118,9 +135,8 @@ def _greedy_accuracy(model: Any, tok: Any, config: DoraConfig, rows: list, tasks
     params = SamplingParams(max_tokens=config.rollout.max_tokens, temperature=0.0)
     seqs = []
     for row in rows:
-        text = tok.apply_chat_template(row["prompt"], add_generation_prompt=True, tokenize=False)
-        ids = tok(text, add_special_tokens=False)["input_ids"]  # as TRL tokenizes its prompts
-        seq = batcher.new_sequence(f"e{row['task_index']}", list(ids), params)
+        ids = trl_prompt_ids(tok, row["prompt"])
+        seq = batcher.new_sequence(f"e{row['task_index']}", ids, params)
         batcher.add(seq)
         seqs.append((row["task_index"], seq))
     with torch.inference_mode():
@@ -131,8 +147,18 @@ def _greedy_accuracy(model: Any, tok: Any, config: DoraConfig, rows: list, tasks
     correct = 0
     for index, seq in seqs:
         text = tok.decode([t for t in seq.token_ids if t not in eos])
-        correct += _score(config, tasks, index, text) >= config.data.eval_success_at
+        correct += _score(env_factory, tasks, index, text) >= config.data.eval_success_at
     return correct / len(seqs)
+
+
+def trl_prompt_ids(tok: Any, prompt: list[dict[str, Any]] | str) -> list[int]:
+    """The ids TRL's GRPOTrainer makes of a prompt: chat messages rendered by the chat template
+    (whose text carries its own special tokens), plain text as `tok(prompt)`, special tokens
+    included, which is how dora tokenizes a plain-text prompt by default."""
+    if isinstance(prompt, str):
+        return list(tok(prompt)["input_ids"])
+    text = tok.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
+    return list(tok(text, add_special_tokens=False)["input_ids"])
 
 
 def run_trl(config: DoraConfig, out: Path) -> dict[str, object]:
@@ -148,18 +174,27 @@ def run_trl(config: DoraConfig, out: Path) -> dict[str, object]:
             "(or pip install 'trl>=1.16')"
         ) from None
 
+    from dora.env import load_env
     from dora.models.prepare import prepare_model
+
+    if not config.env.prompt_special_tokens:
+        raise ConfigError(
+            "dora bench trl: env.prompt_special_tokens = false, but TRL tokenizes plain-text "
+            "prompts with the tokenizer's special tokens; the two runs would see different prompts"
+        )
 
     model_dir = prepare_model(config)
     tok = AutoTokenizer.from_pretrained(str(model_dir))
     model = AutoModelForCausalLM.from_pretrained(str(model_dir))
-    train_rows, train_tasks = _rows(config, held_out=False)
-    eval_rows, eval_tasks = _rows(config, held_out=True)
+    env_factory = load_env(config.env.cls, **config.env.kwargs)
+    train_rows, train_tasks = _rows(config, env_factory, held_out=False)
+    eval_rows, eval_tasks = _rows(config, env_factory, held_out=True)
 
     def reward(completions: list[Any], task_index: list[int], **_: object) -> list[float | None]:
         texts = [c[0]["content"] if isinstance(c, list) else str(c) for c in completions]
         return [
-            _score(config, train_tasks, i, text) for i, text in zip(task_index, texts, strict=True)
+            _score(env_factory, train_tasks, i, text)
+            for i, text in zip(task_index, texts, strict=True)
         ]
 
     curve: list[dict[str, float]] = []
@@ -169,7 +204,7 @@ def run_trl(config: DoraConfig, out: Path) -> dict[str, object]:
     def evaluate(step: int) -> None:
         started = time.monotonic()
         seconds = started - clock["start"] - clock["excluded"]
-        acc = _greedy_accuracy(model, tok, config, eval_rows, eval_tasks)
+        acc = _greedy_accuracy(model, tok, config, env_factory, eval_rows, eval_tasks)
         clock["excluded"] += time.monotonic() - started
         curve.append({"version": step, "seconds": round(seconds, 2), "accuracy": acc})
         print(f"trl: v{step} accuracy {acc:.3f} at {seconds:.0f} s", flush=True)

@@ -74,3 +74,16 @@ def test_summary_prints_each_curve_and_the_steps_per_second_ratio(tmp_path: Path
         title="t",
     )
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_trl_prompt_ids_are_the_prompt_dora_samples_from() -> None:
+    from dora.bench.trl import trl_prompt_ids
+    from dora.models.tiny import char_tokenizer
+    from dora.render import ChatRenderer
+
+    tok = char_tokenizer()
+    base = char_tokenizer(base=True)
+    messages = [{"role": "user", "content": "2+2="}]
+    for t in (tok, base):  # plain text: tokenizer(prompt), the base model's <s> included
+        assert trl_prompt_ids(t, "2+2=") == ChatRenderer(t).prompt_ids("2+2=", [])
+    assert trl_prompt_ids(tok, messages) == ChatRenderer(tok).prompt_ids(messages, [])
