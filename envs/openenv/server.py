@@ -54,7 +54,9 @@ class LocalApp:
         self._socket.bind(("127.0.0.1", 0))
         self._socket.listen(128)
         self.url = f"http://127.0.0.1:{self._socket.getsockname()[1]}"
-        config = uvicorn.Config(app, log_level="warning")  # type: ignore[arg-type]
+        # log_config=None: the server's records go through this process's logging (dora's), not
+        # through handlers of uvicorn's own.
+        config = uvicorn.Config(app, log_config=None, log_level="warning")  # type: ignore[arg-type]
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(
             target=self._server.run, kwargs={"sockets": [self._socket]}, name=name, daemon=True
