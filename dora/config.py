@@ -15,14 +15,14 @@ The resolved config (what `dora config show` prints) is what runs.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Annotated, Literal
 
 import msgspec
 
 from dora.config_check import check_finite, check_keys, explain
-from dora.config_file import raw_config, read_config_file
+from dora.config_file import raw_config
 from dora.config_rules import CROSS_FIELD_RULES
 from dora.errors import ConfigError
 from dora.protocol import MIN_TEMPERATURE
@@ -536,7 +536,11 @@ MODE_STALENESS: dict[str, int] = {"sync": 0, "one_step_off": 1}
 
 def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> DoraConfig:
     """Load a TOML or YAML file, apply `key=value` overrides, validate, resolve mode presets."""
-    raw = raw_config(path, overrides)
+    return config_from_raw(raw_config(path, overrides))
+
+
+def config_from_raw(raw: Mapping[str, object]) -> DoraConfig:
+    """The resolved config of a config as written (`dora.config_file.raw_config`)."""
     check_keys(raw, DoraConfig, prefix="")
     try:
         config = msgspec.convert(raw, DoraConfig, strict=False)
@@ -545,19 +549,18 @@ def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> DoraC
     return _resolve(config)
 
 
-def default_sections(path: str | Path | None, overrides: Sequence[str]) -> list[str]:
-    """Sentences naming what a run trains when its config leaves out `[model]` or `[env]`:
-    dora's own tiny model and chain arithmetic, which a user who forgot a section should hear
-    about at start rather than discover in the results."""
-    written = set(read_config_file(Path(path))) if path else set()
-    written |= {item.partition("=")[0].strip().split(".")[0] for item in overrides}
+def default_sections(raw: Mapping[str, object]) -> list[str]:
+    """Sentences naming what a run trains when its config as written (`raw_config`: the file's
+    sections with the command's overrides) leaves out `[model]` or `[env]`: dora's own tiny model
+    and chain arithmetic, which a user who forgot a section should hear about at start rather
+    than discover in the results."""
     notes = []
-    if "model" not in written:
+    if "model" not in raw:
         notes.append(
             "no [model] section: training dora's tiny character model, built from scratch "
             "(model.path = 'tiny')"
         )
-    if "env" not in written:
+    if "env" not in raw:
         notes.append(
             "no [env] section: the environment is chain arithmetic "
             f"(env.cls = {EnvConfig().cls!r}; set it to 'module:Class' of yours)"
