@@ -28,6 +28,8 @@ from dora.errors import ConfigError
 from dora.protocol import MIN_TEMPERATURE
 
 Mode = Literal["sync", "one_step_off", "partial", "dora"]
+LORA_LR = 1e-5
+"""`learn.lr` of a LoRA run that gives none: adapters learn at about ten times the full rate."""
 M = msgspec.Meta
 
 
@@ -246,9 +248,9 @@ class LearnConfig(_Section):
         M(
             gt=0,
             description="Learning rate of AdamW (betas 0.9 and 0.999, eps 1e-8), constant: no "
-            "schedule, no warm-up",
+            f"schedule, no warm-up; unset with model.lora.rank > 0: {LORA_LR:g}",
         ),
-    ] = 1e-4
+    ] = 1e-6
     weight_decay: Annotated[float, M(ge=0, description="AdamW weight decay")] = 0.0
     grad_clip: Annotated[float, M(gt=0, description="Max gradient norm")] = 1.0
     updates_per_step: Annotated[
@@ -546,6 +548,11 @@ def config_from_raw(raw: Mapping[str, object]) -> DoraConfig:
         config = msgspec.convert(raw, DoraConfig, strict=False)
     except msgspec.ValidationError as exc:
         raise ConfigError(explain(exc, raw, DoraConfig)) from None
+    learn = raw.get("learn")
+    if config.model.lora.rank and not (isinstance(learn, dict) and "lr" in learn):
+        config = msgspec.structs.replace(
+            config, learn=msgspec.structs.replace(config.learn, lr=LORA_LR)
+        )
     return _resolve(config)
 
 
