@@ -75,6 +75,7 @@ def _trained(run_dir: Path) -> int:
     return len(path.read_text().splitlines()) if path.exists() else 0
 
 
+@pytest.mark.slow
 def test_dora_run_secret_control_auth_and_rogue_trainer(tmp_path: Path, owned: Owned) -> None:
     run_dir = tmp_path / "run"
     overrides = [

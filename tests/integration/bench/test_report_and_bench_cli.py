@@ -45,6 +45,7 @@ progress = false
 """
 
 
+@pytest.mark.slow
 def test_dora_report_on_a_real_run(tmp_path: Path) -> None:
     config = tmp_path / "tiny.toml"
     config.write_text(TINY)

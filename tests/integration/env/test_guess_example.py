@@ -32,6 +32,7 @@ def run(args: list[str], **kwargs: object) -> subprocess.CompletedProcess[str]:
     )
 
 
+@pytest.mark.slow
 def test_guess_example_runs_to_the_end_with_held_out_evaluations(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     proc = run([sys.executable, "-m", "dora.cli", "run", "config.toml", f"log.run_dir={run_dir}"])
