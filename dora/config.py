@@ -15,19 +15,21 @@ The resolved config (what `dora config show` prints) is what runs.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Annotated, Literal
 
 import msgspec
 
 from dora.config_check import check_finite, check_keys, explain
-from dora.config_file import raw_config, read_config_file
+from dora.config_file import raw_config
 from dora.config_rules import CROSS_FIELD_RULES
 from dora.errors import ConfigError
 from dora.protocol import MIN_TEMPERATURE
 
 Mode = Literal["sync", "one_step_off", "partial", "dora"]
+LORA_LR = 1e-5
+"""`learn.lr` of a LoRA run that gives none: adapters learn at about ten times the full rate."""
 M = msgspec.Meta
 
 
@@ -250,9 +252,9 @@ class LearnConfig(_Section):
         M(
             gt=0,
             description="Learning rate of AdamW (betas 0.9 and 0.999, eps 1e-8), constant: no "
-            "schedule, no warm-up",
+            f"schedule, no warm-up; unset with model.lora.rank > 0: {LORA_LR:g}",
         ),
-    ] = 1e-4
+    ] = 1e-6
     weight_decay: Annotated[float, M(ge=0, description="AdamW weight decay")] = 0.0
     grad_clip: Annotated[float, M(gt=0, description="Max gradient norm")] = 1.0
     updates_per_step: Annotated[
@@ -540,28 +542,36 @@ MODE_STALENESS: dict[str, int] = {"sync": 0, "one_step_off": 1}
 
 def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> DoraConfig:
     """Load a TOML or YAML file, apply `key=value` overrides, validate, resolve mode presets."""
-    raw = raw_config(path, overrides)
+    return config_from_raw(raw_config(path, overrides))
+
+
+def config_from_raw(raw: Mapping[str, object]) -> DoraConfig:
+    """The resolved config of a config as written (`dora.config_file.raw_config`)."""
     check_keys(raw, DoraConfig, prefix="")
     try:
         config = msgspec.convert(raw, DoraConfig, strict=False)
     except msgspec.ValidationError as exc:
         raise ConfigError(explain(exc, raw, DoraConfig)) from None
+    learn = raw.get("learn")
+    if config.model.lora.rank and not (isinstance(learn, dict) and "lr" in learn):
+        config = msgspec.structs.replace(
+            config, learn=msgspec.structs.replace(config.learn, lr=LORA_LR)
+        )
     return _resolve(config)
 
 
-def default_sections(path: str | Path | None, overrides: Sequence[str]) -> list[str]:
-    """Sentences naming what a run trains when its config leaves out `[model]` or `[env]`:
-    dora's own tiny model and chain arithmetic, which a user who forgot a section should hear
-    about at start rather than discover in the results."""
-    written = set(read_config_file(Path(path))) if path else set()
-    written |= {item.partition("=")[0].strip().split(".")[0] for item in overrides}
+def default_sections(raw: Mapping[str, object]) -> list[str]:
+    """Sentences naming what a run trains when its config as written (`raw_config`: the file's
+    sections with the command's overrides) leaves out `[model]` or `[env]`: dora's own tiny model
+    and chain arithmetic, which a user who forgot a section should hear about at start rather
+    than discover in the results."""
     notes = []
-    if "model" not in written:
+    if "model" not in raw:
         notes.append(
             "no [model] section: training dora's tiny character model, built from scratch "
             "(model.path = 'tiny')"
         )
-    if "env" not in written:
+    if "env" not in raw:
         notes.append(
             "no [env] section: the environment is chain arithmetic "
             f"(env.cls = {EnvConfig().cls!r}; set it to 'module:Class' of yours)"

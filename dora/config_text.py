@@ -141,6 +141,8 @@ def config_markdown() -> str:
         "",
         "The optimiser is AdamW (`learn.lr`, `learn.weight_decay`, torch's betas 0.9 and 0.999",
         "and eps 1e-8) at a constant learning rate, gradients clipped to `learn.grad_clip`.",
+        "`learn.lr` defaults to 1e-6 when every weight trains and 1e-5 with LoRA, as peers",
+        "do for GRPO (why: [trainer.md](trainer.md#learning-rate-learnlr)).",
         "`learn.max_minutes` ends the run at the first step boundary after the budget, on the",
         "clock of `rollout.jsonl`'s `time_s` (seconds since `dora serve` started its rollout).",
         "",

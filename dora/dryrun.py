@@ -17,8 +17,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from dora.config import DoraConfig, load_config
-from dora.config_file import read_config_file
+from dora.config import DoraConfig, config_from_raw, load_config
+from dora.config_file import raw_config
 from dora.config_text import render_toml
 from dora.errors import ConfigError
 from dora.gpu_plan import GpuPlan, cpu_bf16_refusal, plan_gpus, visible_devices
@@ -41,6 +41,8 @@ class Planned:
     plan: GpuPlan
     overrides: list[str]
     """The command's overrides followed by the plan's pinned settings."""
+    raw: dict[str, object]
+    """The config as written: the file's sections with the command's overrides (not the plan's)."""
 
 
 def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> frozenset[str] | None:
@@ -77,8 +79,8 @@ def trainer_environment(plan: GpuPlan) -> dict[str, str]:
 
 def planned(path: str | None, overrides: list[str], gpus: int | None = None) -> Planned:
     """The config of `path` with `overrides`, planned on `gpus` GPUs (None: those visible)."""
-    config = load_config(path, overrides)
-    raw = read_config_file(Path(path)) if path else {}
+    raw = raw_config(path, overrides)
+    config = config_from_raw(raw)
     count = count_gpus() if gpus is None else gpus
     env = os.environ if gpus is None else {}
     plan = plan_gpus(config, visible_devices(env, count), given_keys(raw, overrides))
@@ -86,7 +88,7 @@ def planned(path: str | None, overrides: list[str], gpus: int | None = None) -> 
     if refusal:
         raise ConfigError(refusal)
     pinned = [*overrides, *plan.overrides()]
-    return Planned(config=load_config(path, pinned), plan=plan, overrides=pinned)
+    return Planned(config=load_config(path, pinned), plan=plan, overrides=pinned, raw=raw)
 
 
 def process_lines(config: DoraConfig, plan: GpuPlan, *, weights: str) -> list[str]:
@@ -154,7 +156,8 @@ def _weights(config: DoraConfig) -> str:
 def dry_run(command: str, path: str, overrides: list[str], gpus: int | None) -> int:
     """Print what `dora COMMAND` would start; start nothing, write nothing."""
     if command == "run":
-        overrides = [*overrides, *thread_overrides(path, overrides, load_config(path, overrides))]
+        raw = raw_config(path, overrides)
+        overrides = [*overrides, *thread_overrides(raw, overrides, config_from_raw(raw))]
     plan = planned(path, overrides, gpus)
     print(f"# dora {command} --dry-run: the resolved config", flush=True)
     print(render_toml(plan.config), end="")
@@ -165,11 +168,11 @@ def dry_run(command: str, path: str, overrides: list[str], gpus: int | None) -> 
     return 0
 
 
-def thread_overrides(path: str | None, overrides: list[str], config: DoraConfig) -> list[str]:
-    """Threads per instance and trainer threads for this mode on this machine, where unset."""
+def thread_overrides(raw: dict[str, object], overrides: list[str], config: DoraConfig) -> list[str]:
+    """Threads per instance and trainer threads for this mode on this machine, where the config
+    as written (`raw_config`) and its overrides leave them unset."""
     from dora.placement import run_threads
 
-    raw = read_config_file(Path(path)) if path else {}
     return run_threads(
         config.rollout.mode,
         len(os.sched_getaffinity(0)),

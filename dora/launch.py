@@ -56,7 +56,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from dora.config import DoraConfig, default_sections, load_config
+from dora.config import DoraConfig, config_from_raw, default_sections, load_config
+from dora.config_file import raw_config
 from dora.dryrun import planned, process_lines, thread_overrides
 from dora.errors import NotYetAvailable, RunAborted
 from dora.gpu_plan import GpuPlan
@@ -86,10 +87,11 @@ def main(args: argparse.Namespace) -> int:
             found = False
         if not found:
             raise NotYetAvailable(f"{side} is not in this version yet")
-    config = load_config(args.config, args.overrides)
-    for note in default_sections(args.config, args.overrides):
+    raw = raw_config(args.config, args.overrides)
+    config = config_from_raw(raw)
+    for note in default_sections(raw):
         print(f"dora run: {note}", flush=True)
-    args.overrides = [*args.overrides, *thread_overrides(args.config, args.overrides, config)]
+    args.overrides = [*args.overrides, *thread_overrides(raw, args.overrides, config)]
     start = planned(args.config, args.overrides)  # refused here, before anything is written
     config, plan, args.overrides = start.config, start.plan, start.overrides
     from dora.models.prepare import prepare_model

@@ -189,7 +189,7 @@ def main(args: argparse.Namespace) -> int:
 
     start = planned(args.config, args.overrides)
     config = start.config
-    for note in default_sections(args.config, args.overrides):
+    for note in default_sections(start.raw):
         print(f"dora serve: {note}", flush=True)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     resume = getattr(args, "resume", False)

@@ -50,3 +50,16 @@ class GuessEnv(Env):
         # A won game scores 1 plus 0.02 per guess left over, a lost one 0: reward >= 1 is a win.
         spared = self.max_guesses - len(self.guesses) if self.solved else 0
         return {"solved": float(self.solved), "spared": 0.02 * spared}
+
+    def demonstration(self, task: Task) -> list[Message]:
+        # Binary search played on this game, for the warm-up (it trains on the assistant turns).
+        low, high, turns = 1, self.high, []
+        while True:
+            n = (low + high) // 2
+            call = {"id": f"call{n}", "function": {"name": "guess", "arguments": {"number": n}}}
+            turns.append({"role": "assistant", "content": "", "tool_calls": [call]})
+            answer = self.guess(n)
+            if isinstance(answer, EndEpisode):  # the game is over: nothing left to learn
+                return turns
+            turns.append({"role": "tool", "content": answer, "tool_call_id": call["id"]})
+            low, high = (n + 1, high) if answer == "higher" else (low, n - 1)

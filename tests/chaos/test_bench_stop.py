@@ -65,6 +65,7 @@ def _alive(pid: int) -> bool:
     return stat.rpartition(")")[2].split()[0] != "Z"
 
 
+@pytest.mark.slow
 def test_sigterm_stops_a_benchmark_run_and_everything_it_started(
     tmp_path: Path, owned: Owned
 ) -> None:

@@ -19,7 +19,6 @@ import os
 import random
 import signal
 import subprocess
-import sys
 import time
 import urllib.request
 from pathlib import Path
@@ -29,6 +28,7 @@ import pytest
 
 from dora.emulated.checks import check_accounting as read_accounting
 from tests.chaos.processes import children as _children
+from tests.commands import start_dora_run
 
 pytestmark = [pytest.mark.chaos, pytest.mark.timeout(240)]
 
@@ -185,14 +185,7 @@ def test_chaos(tmp_path: Path, seed: int, faults: tuple[str, ...]) -> None:
         "log.metrics_every_s=0.5",
         f"log.run_dir={run_dir}",
     ]
-    out = (tmp_path / "dora-run.log").open("wb")
-    run = subprocess.Popen(
-        [sys.executable, "-m", "dora.cli", "run", str(EXAMPLE), *overrides],
-        stdout=out,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-        cwd=tmp_path,
-    )
+    run = start_dora_run(EXAMPLE, overrides, log=tmp_path / "dora-run.log", cwd=tmp_path)
     seen: set[int] = {run.pid}
     killed: list[tuple[str, int]] = []
     try:
@@ -236,7 +229,6 @@ def test_chaos(tmp_path: Path, seed: int, faults: tuple[str, ...]) -> None:
             if fault == "stall":
                 _resume(victim)
         _stop(run)
-        out.close()
     log = (tmp_path / "dora-run.log").read_text(errors="replace")
     assert code == 0, log[-4000:]
     assert [f for f, _ in killed] == list(order), f"every fault was injected: {killed}"

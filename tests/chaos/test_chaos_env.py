@@ -8,15 +8,12 @@ in summary.json."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from test_chaos import EXAMPLE, check_accounting
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.commands import start_dora_run
 
 pytestmark = [pytest.mark.chaos, pytest.mark.timeout(300)]
 
@@ -45,25 +42,13 @@ def test_chaos_faulty_environment(tmp_path: Path) -> None:
         f"log.run_dir={run_dir}",
     ]
     out = tmp_path / "dora-run.log"
-    with out.open("wb") as log:
-        run = subprocess.Popen(
-            [sys.executable, "-m", "dora.cli", "run", str(EXAMPLE), *overrides],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            cwd=tmp_path,
-            env={
-                **os.environ,
-                "DORA_CHAOS_ENV_SEED": "7",
-                # `tests.chaos.faulty_env` is imported from the checkout, not the working directory
-                "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-            },
-        )
-        try:
-            code = run.wait(timeout=270)
-        finally:
-            if run.poll() is None:
-                run.kill()
-                run.wait()
+    run = start_dora_run(EXAMPLE, overrides, log=out, cwd=tmp_path, DORA_CHAOS_ENV_SEED="7")
+    try:
+        code = run.wait(timeout=270)
+    finally:
+        if run.poll() is None:
+            run.kill()
+            run.wait()
     assert code == 0, out.read_text(errors="replace")[-4000:]
 
     extra = check_accounting(run_dir, steps=STEPS, batch_size=B, staleness=K)

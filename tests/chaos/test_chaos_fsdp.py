@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import json
 import random
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -35,6 +33,7 @@ from test_chaos import (
 )
 
 from dora.config import load_config
+from tests.commands import start_dora_run
 
 pytestmark = [pytest.mark.chaos, pytest.mark.timeout(300)]
 
@@ -67,14 +66,7 @@ def test_chaos_with_the_fsdp_trainer(tmp_path: Path) -> None:
         f"log.run_dir={run_dir}",
     ]
     load_config(EXAMPLE, overrides)  # a bad override fails here, not as a hung run
-    out = (tmp_path / "dora-run.log").open("wb")
-    run = subprocess.Popen(
-        [sys.executable, "-m", "dora.cli", "run", str(EXAMPLE), *overrides],
-        stdout=out,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-        cwd=tmp_path,
-    )
+    run = start_dora_run(EXAMPLE, overrides, log=tmp_path / "dora-run.log", cwd=tmp_path)
     seen: set[int] = {run.pid}
     killed = None
     try:
@@ -96,7 +88,6 @@ def test_chaos_with_the_fsdp_trainer(tmp_path: Path) -> None:
         code = run.wait(timeout=max(1.0, deadline - time.monotonic()))
     finally:
         _stop(run)
-        out.close()
     log = (tmp_path / "dora-run.log").read_text(errors="replace")
     assert code == 0, log[-4000:]
     learn_log = (run_dir / "learn.log").read_text(errors="replace")

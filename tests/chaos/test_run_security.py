@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import json
 import stat
-import subprocess
-import sys
 import time
 import tomllib
 import urllib.error
@@ -30,6 +28,7 @@ from dora.link import LearnLink
 from dora.protocol import Hello, Refused
 from tests.chaos.processes import Owned
 from tests.chaos.test_chaos import EXAMPLE, _instances, _side
+from tests.commands import start_dora_run
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -76,6 +75,7 @@ def _trained(run_dir: Path) -> int:
     return len(path.read_text().splitlines()) if path.exists() else 0
 
 
+@pytest.mark.slow
 def test_dora_run_secret_control_auth_and_rogue_trainer(tmp_path: Path, owned: Owned) -> None:
     run_dir = tmp_path / "run"
     overrides = [
@@ -92,13 +92,7 @@ def test_dora_run_secret_control_auth_and_rogue_trainer(tmp_path: Path, owned: O
         f"log.run_dir={run_dir}",
     ]
     log = tmp_path / "dora-run.log"
-    with log.open("wb") as out:
-        run = subprocess.Popen(
-            [sys.executable, "-m", "dora.cli", "run", str(EXAMPLE), *overrides],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
+    run = start_dora_run(EXAMPLE, overrides, log=log, cwd=tmp_path)
     owned.procs.append(run)  # type: ignore[arg-type]
     owned.groups.append(run.pid)
     deadline = time.monotonic() + 200

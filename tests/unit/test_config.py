@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from dora.config import DoraConfig, default_sections, load_config
+from dora.config_file import raw_config
 from dora.config_text import config_markdown, render_toml
 from dora.errors import ConfigError
 
@@ -116,11 +117,21 @@ def test_every_field_is_documented_and_docs_are_current() -> None:
 
 
 def test_a_config_without_model_or_env_says_what_it_trains_on(tmp_path: Path) -> None:
-    assert default_sections(EXAMPLE, []) == []
+    assert default_sections(raw_config(EXAMPLE)) == []
     bare = tmp_path / "bare.toml"
     bare.write_text("[learn]\nsteps = 3\n")
-    notes = default_sections(bare, [])
+    raw = raw_config(bare)
+    bare.unlink()  # the notes come from the config already read, not from the file again
+    notes = default_sections(raw)
     assert len(notes) == 2
     assert "no [model] section" in notes[0] and "'tiny'" in notes[0]
     assert "no [env] section" in notes[1] and "envs.math:ChainArithmeticEnv" in notes[1]
-    assert default_sections(bare, ["model.path=/m", "env.cls=my:Env"]) == []
+    assert default_sections({**raw, **raw_config(None, ["model.path=/m", "env.cls=my:Env"])}) == []
+
+
+def test_the_default_learning_rate_is_the_peers_one_and_ten_times_it_for_lora() -> None:
+    assert load_config(None).learn.lr == 1e-6  # TRL's GRPOConfig, verl, prime-rl: full weights
+    assert load_config(None, ["model.lora.rank=8"]).learn.lr == 1e-5
+    given = load_config(None, ["model.lora.rank=8", "learn.lr=3e-5"])
+    assert given.learn.lr == 3e-5  # a rate the config gives is kept, LoRA or not
+    assert load_config(None, ["learn.lr=2e-6"]).learn.lr == 2e-6

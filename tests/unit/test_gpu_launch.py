@@ -4,9 +4,6 @@ engines' CUDA_VISIBLE_DEVICES."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -15,29 +12,18 @@ from dora.config import load_config
 from dora.dryrun import trainer_environment
 from dora.gpu_plan import PINNED, plan_gpus, visible_devices
 from dora.vllm.launcher import server_command, server_env, spec_from_config
+from tests.commands import run_dora
 
 pytestmark = pytest.mark.timeout(180)
 
 REPO = Path(__file__).resolve().parents[2]
 
 
-def _dora(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "PYTHONPATH": str(REPO), "DORA_CACHE": str(cwd / "cache")}
-    return subprocess.run(
-        [sys.executable, "-m", "dora.cli", *args],
-        cwd=cwd,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-
-
 def test_dry_run_of_airline_on_8_gpus_plans_4_disjoint_vllm_and_the_trainer_apart(
     tmp_path: Path,
 ) -> None:
     config = str(REPO / "examples/tau2/airline.toml")
-    done = _dora("run", config, "--dry-run", "--gpus", "8", cwd=tmp_path)
+    done = run_dora("run", config, "--dry-run", "--gpus", "8", cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
     vllm = [line for line in lines if line.strip().startswith("vllm i")]
@@ -51,7 +37,7 @@ def test_dry_run_of_airline_on_8_gpus_plans_4_disjoint_vllm_and_the_trainer_apar
 
 def test_dry_run_refuses_a_plan_that_cannot_fit_naming_the_keys(tmp_path: Path) -> None:
     config = str(REPO / "examples/tau2/airline.toml")
-    done = _dora(
+    done = run_dora(
         "run", config, "serve.vllm_tensor_parallel=4", "--dry-run", "--gpus", "2", cwd=tmp_path
     )
     assert done.returncode == 1
@@ -60,14 +46,14 @@ def test_dry_run_refuses_a_plan_that_cannot_fit_naming_the_keys(tmp_path: Path) 
 
 
 def test_dry_run_on_this_cpu_machine_prints_the_cpu_plan(tmp_path: Path) -> None:
-    done = _dora("run", str(REPO / "examples/math/config.toml"), "--dry-run", cwd=tmp_path)
+    done = run_dora("run", str(REPO / "examples/math/config.toml"), "--dry-run", cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     assert "every process on the CPU" in done.stdout
     assert done.stdout.count("engine i") == 2 and "ranks=1 on cpu" in done.stdout
 
 
 def test_gpus_without_dry_run_is_refused(tmp_path: Path) -> None:
-    done = _dora("run", str(REPO / "examples/math/config.toml"), "--gpus", "8", cwd=tmp_path)
+    done = run_dora("run", str(REPO / "examples/math/config.toml"), "--gpus", "8", cwd=tmp_path)
     assert done.returncode == 2 and "--dry-run" in done.stderr
 
 
@@ -197,6 +183,6 @@ def test_a_run_refused_at_start_writes_nothing_but_its_error(
     tmp_path: Path, setting: str, key: str
 ) -> None:
     config = str(REPO / "examples/math/config.toml")
-    done = _dora("run", config, setting, "model.warmup_steps=0", cwd=tmp_path)
+    done = run_dora("run", config, setting, "model.warmup_steps=0", cwd=tmp_path)
     assert done.returncode == 1 and key in done.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == []  # no runs/, no cache

@@ -6,6 +6,7 @@ import os
 from pathlib import Path
 
 from dora.config import load_config
+from dora.config_file import raw_config
 from dora.placement import given_keys, run_threads
 
 
@@ -48,7 +49,8 @@ def test_dora_run_reads_what_the_config_file_and_the_command_line_set(tmp_path: 
     path.write_text('[rollout]\nmode = "sync"\n[learn]\nthreads = 3\n')
     config = load_config(path, [])
     cores = len(os.sched_getaffinity(0))
-    assert thread_overrides(str(path), [], config) == [
+    assert thread_overrides(raw_config(path), [], config) == [
         f"serve.threads_per_instance={max(1, cores // config.serve.instances)}"
     ]
-    assert thread_overrides(str(path), ["serve.threads_per_instance=2"], config) == []
+    given = ["serve.threads_per_instance=2"]
+    assert thread_overrides(raw_config(path, given), given, config) == []

@@ -106,7 +106,7 @@ def _saved(tmp_path: Path, *overrides: str) -> Path:
 def test_resume_config_names_every_defining_change_and_lets_safe_ones_through(
     tmp_path: Path,
 ) -> None:
-    run_dir = _saved(tmp_path, "rollout.group_size=8", "learn.lr=1e-4")
+    run_dir = _saved(tmp_path, "rollout.group_size=8", "learn.lr=1e-6")
     check_resume(run_dir, load_config(None, ["rollout.group_size=8"]))
     safe = ["serve.request_timeout_s=5", "log.metrics_every_s=9", "data.eval_every=3"]
     check_resume(run_dir, load_config(None, ["rollout.group_size=8", *safe]))
@@ -115,7 +115,7 @@ def test_resume_config_names_every_defining_change_and_lets_safe_ones_through(
         check_resume(run_dir, changed)
     message = str(refused.value)
     assert "rollout.group_size: 8 -> 4" in message, message
-    assert "learn.lr: 0.0001 -> 1e-05" in message, message
+    assert "learn.lr: 1e-06 -> 1e-05" in message, message
     assert "env.kwargs" in message and "serve.request_timeout_s" not in message, message
     assert "docs/config.md" in message, message
 

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import json
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from tests.commands import run_dora
 
 TINY = """
 [model]
@@ -46,26 +45,12 @@ progress = false
 """
 
 
-def _dora(*args: str, cwd: Path, timeout_s: float) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "DORA_CACHE": str(cwd / "cache")}
-    repo = Path(__file__).resolve().parents[3]
-    env["PYTHONPATH"] = os.pathsep.join([str(repo), env.get("PYTHONPATH", "")])
-    return subprocess.run(
-        [sys.executable, "-m", "dora.cli", *args],
-        cwd=cwd,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout_s,
-        check=False,
-    )
-
-
+@pytest.mark.slow
 def test_dora_report_on_a_real_run(tmp_path: Path) -> None:
     config = tmp_path / "tiny.toml"
     config.write_text(TINY)
     run_dir = tmp_path / "run"
-    done = _dora(
+    done = run_dora(
         "run",
         str(config),
         f"log.run_dir={run_dir}",
@@ -82,7 +67,7 @@ def test_dora_report_on_a_real_run(tmp_path: Path) -> None:
     assert [e.step for e in events.Scalars("learn/loss")] == [0, 1, 2]
     assert events.Scalars("serve/instances/i0/util")
     out = tmp_path / "report"
-    rep = _dora("report", str(run_dir), "--out", str(out), cwd=tmp_path, timeout_s=120)
+    rep = run_dora("report", str(run_dir), "--out", str(out), cwd=tmp_path, timeout_s=120)
     assert rep.returncode == 0, rep.stdout + rep.stderr
     assert "report.html" in rep.stdout
     page = (out / "report.html").read_text()
@@ -97,7 +82,7 @@ def test_dora_bench_modes_end_to_end(tmp_path: Path) -> None:
     config = tmp_path / "tiny.toml"
     config.write_text(TINY)
     out = tmp_path / "bench"
-    done = _dora(
+    done = run_dora(
         "bench",
         "modes",
         str(config),
@@ -130,7 +115,7 @@ def test_dora_bench_modes_end_to_end(tmp_path: Path) -> None:
 def test_dora_bench_trainer_runs_fewer_tokens_packed(tmp_path: Path) -> None:
     config = tmp_path / "tiny.toml"
     config.write_text(TINY)
-    done = _dora(
+    done = run_dora(
         "bench",
         "trainer",
         str(config),

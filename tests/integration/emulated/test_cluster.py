@@ -50,6 +50,7 @@ def _run(name: str, out: Path) -> tuple[str, int]:
     return name, run_mode(str(CONFIG), settings, out / name, placement, steps=STEPS)
 
 
+@pytest.mark.slow
 def test_four_modes_on_16_emulated_instances_keep_c1_c3(tmp_path: Path) -> None:
     with ThreadPoolExecutor(len(MODES)) as pool:
         codes = dict(pool.map(lambda m: _run(m, tmp_path), MODES))

@@ -97,6 +97,7 @@ def _records(path: Path) -> list[dict[str, Any]]:
     return [json.loads(x) for x in path.read_text().splitlines()]
 
 
+@pytest.mark.slow
 def test_a_base_model_with_plain_text_prompts_trains_evaluates_and_ends(tmp_path: Path) -> None:
     from transformers import AutoTokenizer
 
@@ -141,6 +142,7 @@ def test_a_base_model_with_plain_text_prompts_trains_evaluates_and_ends(tmp_path
     assert ended - last_step < 30, ended - last_step
 
 
+@pytest.mark.slow
 def test_a_time_budget_ends_the_run_at_a_step_checkpointed_and_evaluated(tmp_path: Path) -> None:
     from dora.learn.checkpoint import latest_checkpoint
 

@@ -73,6 +73,7 @@ def copy_of(finished: Path, tmp_path: Path) -> Iterator[Path]:
     yield run_dir
 
 
+@pytest.mark.slow
 def test_run_dir_lock_a_second_run_is_refused_naming_the_pid_and_the_first_finishes_intact(
     tmp_path: Path,
 ) -> None:

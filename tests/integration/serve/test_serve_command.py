@@ -142,6 +142,7 @@ def _run_with_a_faulty_instance(
     return stderr, victims
 
 
+@pytest.mark.slow
 def test_dora_serve_command_survives_a_dead_instance(tmp_path: Path, long_tail_model: Path) -> None:
     run_dir = tmp_path / "run"
     stderr, killed = _run_with_a_faulty_instance(tmp_path, long_tail_model, signal.SIGKILL)
@@ -163,6 +164,7 @@ def test_dora_serve_command_survives_a_dead_instance(tmp_path: Path, long_tail_m
             os.kill(pid, 0)
 
 
+@pytest.mark.slow
 def test_a_hung_instance_is_declared_dead_at_its_health_deadline_and_replaced(
     tmp_path: Path, long_tail_model: Path
 ) -> None:

@@ -63,6 +63,7 @@ async def _run(
     return [json.loads(x) for x in (tmp_path / "rollout.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.slow
 async def test_every_due_evaluation_runs_on_busy_instances(
     tmp_path: Path, long_tail_model: Path
 ) -> None:

@@ -42,6 +42,7 @@ def _alive(pid: int) -> bool:
     return "\nState:\tZ" not in status
 
 
+@pytest.mark.slow
 def test_engines_die_with_a_killed_serve(tmp_path: Path) -> None:
     log = (tmp_path / "serve.log").open("wb")
     serve = subprocess.Popen(

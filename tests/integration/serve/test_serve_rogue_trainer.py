@@ -140,6 +140,7 @@ async def test_rogue_trainer_while_the_trainer_is_connected(
     assert report.steps == STEPS  # type: ignore[attr-defined]
 
 
+@pytest.mark.slow
 async def test_rogue_trainer_while_the_trainer_is_gone(
     tmp_path: Path, long_tail_model: Path
 ) -> None:

@@ -68,6 +68,7 @@ async def stalling_proxy(upstream: str, stall_s: float) -> AsyncIterator[tuple[s
         await session.close()
 
 
+@pytest.mark.slow
 async def test_a_stalled_weight_load_times_out_and_is_retried(
     tmp_path: Path, long_tail_model: Path
 ) -> None:

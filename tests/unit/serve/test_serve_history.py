@@ -5,7 +5,6 @@ from __future__ import annotations
 from pathlib import Path
 
 from dora.records import (
-    Eval,
     InstanceFailed,
     InstanceRestarted,
     Masked,
@@ -15,35 +14,19 @@ from dora.records import (
 )
 from dora.serve.history import masked_by_source, masked_reason, read_history
 from dora.serve.metrics import MetricsLog
-
-
-def _eval(version: int, accuracy: float) -> Eval:
-    return Eval(
-        step=version,
-        version=version,
-        due=version,
-        due_s=None,
-        accuracy=accuracy,
-        reward_mean=accuracy,
-        n=8,
-        masked=0,
-        concurrency=2,
-        version_time_s=None,
-        started_s=1.0,
-        seconds=0.5,
-    )
+from tests.unit.bench.fixtures import eval_record
 
 
 def test_history_sums_the_earlier_serves_and_skips_a_torn_line(tmp_path: Path) -> None:
     records: list[Record] = [
         ServeStart(serve_start=1, unix_time=1000.0),
-        _eval(0, 0.25),
+        eval_record(1.5, step=0, accuracy=0.25),
         InstanceFailed(instance="i1"),
         WeightLoad(instance="i2", version=1, seconds=0.1),
         InstanceRestarted(instance="i2", replaces="i1"),
         Masked(group="g1", samples=2, reasons={"reward": 2}),
         ServeStart(serve_start=2, unix_time=1050.0),
-        _eval(4, 0.5),
+        eval_record(60.0, step=4, accuracy=0.5),
         InstanceFailed(instance="i1"),
         Masked(group="g9", samples=1, reasons={"reset raised KeyError": 1}),
     ]

@@ -1,0 +1,51 @@
+"""`dora` commands as tests start them: `python -m dora.cli` of the checkout under test, with the
+checkout first on `PYTHONPATH`, so that the command and the modules it imports by name (`envs.*`,
+`tests.chaos.faulty_env`) come from this tree whatever the working directory, as they do in CI
+from a plain checkout."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+DORA = [sys.executable, "-m", "dora.cli"]
+
+
+def checkout_env(**extra: str) -> dict[str, str]:
+    """This process's environment with the checkout first on `PYTHONPATH`, plus `extra`."""
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    return {**os.environ, "PYTHONPATH": path, **extra}
+
+
+def run_dora(*args: str, cwd: Path, timeout_s: float = 120) -> subprocess.CompletedProcess[str]:
+    """`dora ARGS` to the end in `cwd`, its output captured; prepared models are cached in
+    `cwd/cache`, so that nothing lands outside the test's folder."""
+    return subprocess.run(
+        [*DORA, *args],
+        cwd=cwd,
+        env=checkout_env(DORA_CACHE=str(cwd / "cache")),
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+        check=False,
+    )
+
+
+def start_dora_run(
+    config: Path, overrides: list[str], *, log: Path, cwd: Path, **env: str
+) -> subprocess.Popen[bytes]:
+    """`dora run CONFIG OVERRIDES` started in `cwd`, in a session of its own (a test can stop it
+    and everything it started as a group), its output and errors written to `log`; `env` is
+    added to the environment. The caller stops it by its handle."""
+    with log.open("wb") as out:  # the child keeps its own copy of the file
+        return subprocess.Popen(
+            [*DORA, "run", str(config), *overrides],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            cwd=cwd,
+            env=checkout_env(**env),
+        )
