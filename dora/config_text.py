@@ -107,8 +107,8 @@ def _resume_markdown() -> list[str]:
     return [
         "## What a resume may change",
         "",
-        "`dora run --resume` (and `dora serve --resume` or `dora learn --resume` started on their",
-        "own) compares the config with the run directory's `config.toml` (written owner-only,",
+        "`dora run --resume` (and `dora serve --resume` started on its own) compares the config",
+        "with the run directory's `config.toml` (written owner-only,",
         "without `serve.token`, when the run starts) before it starts anything and refuses a",
         "change to any setting that defines the run, naming each",
         "key (old -> new): the model, the rollout (`G`, `B`, `K`, mode, sampling, episode limits,",

@@ -33,7 +33,6 @@ from dora.config import DoraConfig, load_config
 from dora.errors import ConfigError
 from dora.heap import settle_heap
 from dora.lifetime import die_with_parent
-from dora.resume import keep_run_config
 from dora.rundir import own_run_dir, resolve_run_dir
 from dora.secret import with_run_token
 
@@ -109,8 +108,6 @@ def main(args: argparse.Namespace) -> int:
     check_ranks_fit(config, torch.cuda.device_count())
     owns = int(os.environ.get("RANK", "0")) == 0  # the other ranks run under rank 0's lock
     with own_run_dir(run_dir, ("learn",) if owns else (), command="dora learn") as owner:
-        if owns:
-            keep_run_config(run_dir, config, resume=args.resume)
         if config.learn.processes > 1 and not _in_distributed_env():
             return _launch(config, args, run_dir, owner.env)
         return _train(config, args, run_dir)

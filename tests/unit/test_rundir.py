@@ -47,7 +47,7 @@ def _try_lock(run_dir: Path, *sides: str, env: dict[str, str] | None = None) -> 
 def test_run_dir_lock_refuses_a_second_owner_naming_the_first(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     with own_run_dir(run_dir, ("serve", "learn"), command="dora run"):
-        for side in ("serve", "learn"):
+        for side in ("serve",):
             refused = _try_lock(run_dir, side)
             assert f"pid {os.getpid()} (dora run" in refused, refused
             assert str(run_dir) in refused and "log.run_dir" in refused, refused
@@ -128,11 +128,11 @@ def test_resume_config_safe_keys_exist() -> None:
         assert safe in keys or any(k.startswith(f"{safe}.") for k in keys), safe
 
 
-def test_resume_config_is_compared_by_serve_and_learn_started_on_their_own(
+def test_resume_config_is_compared_by_serve_started_on_its_own(
     tmp_path: Path,
 ) -> None:
-    """`dora serve --resume` and `dora learn --resume` by hand refuse a change to a setting that
-    defines the run, naming it, before they load anything: as `dora run --resume` does."""
+    """`dora serve --resume` by hand refuses a change to a setting that defines the run, naming
+    it, before it loads anything: as `dora run --resume` does."""
     run_dir = tmp_path / "run"
     config = tmp_path / "config.toml"
     config.write_text(render_toml(load_config(None, ["rollout.group_size=8"])))
@@ -142,7 +142,7 @@ def test_resume_config_is_compared_by_serve_and_learn_started_on_their_own(
     (run_dir / "journal" / "queue.msgpack").write_bytes(b"")
     (run_dir / "checkpoints").mkdir()
     (run_dir / "checkpoints" / "incarnation").write_text("0")
-    for side in ("serve", "learn"):
+    for side in ("serve",):
         command = [sys.executable, "-m", "dora.cli", side, str(config)]
         command += ["rollout.group_size=4", f"log.run_dir={run_dir}", "--resume"]
         proc = subprocess.run(command, capture_output=True, text=True, timeout=60)
