@@ -2,7 +2,7 @@
 
 Each mode is a real `dora serve` + `dora learn` run (launched as `dora bench modes` launches one,
 `dora.bench.modes.run_mode`) on `serve.backend = "emulated"` and `emulate.trainer`: the instances
-and the trainer spend the simulator's modelled time (`dora.sim.costs`, the preset named) instead
+and the trainer spend the simulator's modelled time (`dora.costs`, the preset named) instead
 of compute, on a clock `--time-scale` times real time; everything else is the real code. The
 mode's shape is the simulator's (`dora.sim.modes.plan`): instances (colocated modes get the whole
 pool, the disaggregated ones the rollout pool), the trainer's GPUs, K, and whether the trainer
@@ -45,11 +45,11 @@ from pathlib import Path
 
 from dora.bench import summary
 from dora.bench.modes import ModeResult, Placement, ratio_lines, run_mode, summarise, table
+from dora.costs import Setup, apply_overrides, preset
 from dora.emulated.checks import check_run
 from dora.looplag import p99
 from dora.records import Tick
 from dora.report import load_run
-from dora.sim.costs import Setup, apply_overrides, preset
 from dora.sim.engine import Run, simulate
 from dora.sim.modes import MODES, ModePlan
 from dora.sim.modes import plan as mode_plan

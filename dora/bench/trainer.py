@@ -5,7 +5,7 @@ its dense mask.
 
 The model is the config's (prepared as `dora learn` prepares it); each group is one of the
 config's task prompts, as serve renders them, with `G` answers whose lengths are those of groups
-sampled on this workload (the stored lengths of `python -m dora.sim.cpu`, or `--lengths`) and
+sampled on this workload (the stored lengths of `python -m dora.bench.cpu`, or `--lengths`) and
 whose tokens are random (the compute does not depend on them). Each round runs `--steps` trainer
 steps of `B` groups padded, packed under the mask and packed by segments (the order reverses
 between rounds), on the same groups, in one process with the same torch thread count, and prints
@@ -33,18 +33,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from dora.bench.cpu_measure import task_prompts
+    from dora.bench.training import synthetic_group, train_step
     from dora.config import load_config
+    from dora.costs.presets import CPU_BENCH_LENGTHS
     from dora.learn.segment_attention import NAME as SEGMENT_ATTENTION
     from dora.learn.segment_attention import use_segment_attention
     from dora.models.prepare import prepare_model
-    from dora.sim.cpu import BENCH_LENGTHS, task_prompts
-    from dora.sim.training import synthetic_group, train_step
     from dora.sim.workload import read_lengths
 
     p = argparse.ArgumentParser(prog="dora bench trainer", description=summary(__doc__))
     p.add_argument("config", nargs="?", default="examples/math/bench.toml")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="dotted config overrides")
-    p.add_argument("--lengths", type=Path, default=BENCH_LENGTHS, help="groups' answer lengths")
+    p.add_argument("--lengths", type=Path, default=CPU_BENCH_LENGTHS, help="groups' answer lengths")
     p.add_argument("--steps", type=int, default=6, help="trainer steps per mode and round")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--threads", type=int, default=1, help="torch threads (the trainer's)")

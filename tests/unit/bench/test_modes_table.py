@@ -23,7 +23,7 @@ from dora.bench.modes import (
     summarise,
     table,
 )
-from dora.sim.costs import preset
+from dora.costs import preset
 from dora.sim.modes import MODES
 from dora.sim.modes import plan as mode_plan
 from tests.unit.bench.fixtures import write_run
