@@ -11,12 +11,12 @@ from pathlib import Path
 import pytest
 
 from dora.bench.cluster import predicted, warmup_steps
-from dora.bench.modes import (
+from dora.bench.modes import plan
+from dora.bench.modes_report import (
     ModeResult,
     bound_lines,
     machine_bound,
     median_run,
-    plan,
     plot_modes,
     profile_table,
     ratio_lines,
