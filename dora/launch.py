@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import importlib.util
 import json
 import os
 import signal
@@ -59,7 +58,7 @@ from typing import Any
 from dora.config import DoraConfig, default_sections, load_config
 from dora.config_text import render_toml
 from dora.dryrun import planned, process_lines, thread_overrides
-from dora.errors import NotYetAvailable, RunAborted
+from dora.errors import RunAborted
 from dora.gpu_plan import GpuPlan
 from dora.lifetime import READY_ENV
 from dora.net import free_port
@@ -72,13 +71,6 @@ LOG_TAIL_LINES = 30
 
 
 def main(args: argparse.Namespace) -> int:
-    for side in ("dora.serve.main", "dora.learn.main"):
-        try:
-            found = importlib.util.find_spec(side) is not None
-        except ModuleNotFoundError:
-            found = False
-        if not found:
-            raise NotYetAvailable(f"{side} is not in this version yet")
     config = load_config(args.config, args.overrides)
     for note in default_sections(args.config, args.overrides):
         print(f"dora run: {note}", flush=True)
