@@ -1,15 +1,13 @@
 """The `dora` command.
 
 Arguments are parsed before anything heavy is imported, so `dora --help` answers at once; each
-subcommand imports its implementation only when it runs. A subcommand whose implementation is not
-installed says so plainly and exits 2.
+subcommand imports its implementation only when it runs.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
-import importlib.util
 import os
 import sys
 from collections.abc import Callable, Sequence
@@ -130,12 +128,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _load(module: str, function: str) -> Callable[..., int] | None:
-    try:
-        if importlib.util.find_spec(module) is None:
-            return None
-    except ModuleNotFoundError:  # its parent package does not exist either
-        return None
+def _load(module: str, function: str) -> Callable[..., int]:
     fn: Callable[..., int] = getattr(importlib.import_module(module), function)
     return fn
 
@@ -178,24 +171,17 @@ def main(argv: Sequence[str] | None = None) -> int:
             args,
         )
     module, function, _ = COMMANDS[args.command]
-    fn = _load(module, function)
-    if fn is None:
-        print(f"dora {args.command}: not available in this version yet.", file=sys.stderr)
-        return 2
-    return run_command(args.command, fn, args)
+    return run_command(args.command, _load(module, function), args)
 
 
 def run_command(name: str, fn: Callable[[Any], int], args: object) -> int:
     """Run `dora NAME`: our errors are reported as their messages, with their exit status (1;
     `RunAborted.exit_code` when a restart would meet the same cause, which `dora run` reads), also
     when a task group gathered them; anything else keeps its traceback."""
-    from dora.errors import DoraError, NotYetAvailable, RunAborted
+    from dora.errors import DoraError, RunAborted
 
     try:
         return fn(args)
-    except NotYetAvailable as exc:
-        print(f"dora {name}: not available in this version yet: {exc}", file=sys.stderr)
-        return 2
     except DoraError as exc:
         print(f"dora {name}: {exc}", file=sys.stderr)
         return RunAborted.exit_code if isinstance(exc, RunAborted) else 1
@@ -248,11 +234,7 @@ def init_model_main(args: argparse.Namespace) -> int:
 
 def bench_main(args: argparse.Namespace) -> int:
     module, _ = BENCHES[args.which]
-    fn = _load(module, "main")
-    if fn is None:
-        print(f"dora bench {args.which}: not available in this version yet.", file=sys.stderr)
-        return 2
-    return fn(args.args)
+    return _load(module, "main")(args.args)
 
 
 if __name__ == "__main__":

@@ -422,26 +422,16 @@ async def _loop(
         if completion.finish_reason == "length":
             completion_text = renderer.split_turn_end(text)[0] if chat else text
             _record_turn(messages, _parse(completion_text, toolbox) if chat else None)
-            finish = (
-                "context" if context_budget < min(params.max_tokens, token_budget) else "length"
-            )
+            cut_by_context = context_budget < min(params.max_tokens, token_budget)
+            finish = "context" if cut_by_context else "length"
             break
-        new_ids: list[int] = []
         if chat:
             assert isinstance(messages, list)
             completion_text, turn_end = renderer.split_turn_end(text)
-            parsed = _parse(completion_text, toolbox)
-            _record_turn(messages, parsed)
-            if parsed.calls or parsed.errors:
-                replies, done = await _run_tools(toolbox, parsed, limits, counts)
-                messages.extend(replies)
-            else:
-                raw = await hooks.call(
-                    "step", env.step, messages[since:], timeout_s=limits.step_timeout_s
-                )
-                replies, done = check_reply(raw, list)
-                messages.extend(replies)
-                since = len(messages)
+            replies, done, since = await _chat_reply(
+                env, hooks, limits, toolbox, counts, messages, since, completion_text
+            )
+            new_ids: list[int] = []
             if not done and counts.turns < limits.max_turns:
                 rendered = guarded("rendering", renderer.new_message_ids, replies)
                 new_ids = renderer.encode(turn_end) + rendered
@@ -470,6 +460,31 @@ async def _loop(
         num_tool_calls=counts.tool_calls,
         num_tool_errors=counts.tool_errors,
     )
+
+
+async def _chat_reply(
+    env: Env,
+    hooks: Hooks,
+    limits: EpisodeLimits,
+    toolbox: ToolBox,
+    counts: _Counts,
+    messages: list[Message],
+    since: int,
+    completion_text: str,
+) -> tuple[list[Message], bool, int]:
+    """Record the model's turn in `messages` and answer it: its tool calls run, or, when it called
+    none, the environment's `step` gets the messages new since it last spoke. Returns the replies,
+    whether the episode is done, and the new `since`."""
+    parsed = _parse(completion_text, toolbox)
+    _record_turn(messages, parsed)
+    if parsed.calls or parsed.errors:
+        replies, done = await _run_tools(toolbox, parsed, limits, counts)
+        messages.extend(replies)
+        return replies, done, since
+    raw = await hooks.call("step", env.step, messages[since:], timeout_s=limits.step_timeout_s)
+    replies, done = check_reply(raw, list)
+    messages.extend(replies)
+    return replies, done, len(messages)
 
 
 def _parse(text: str, toolbox: ToolBox) -> ParsedTurn:

@@ -78,7 +78,3 @@ class TrainingError(RunAborted):
 
 class SchedulingError(DoraError):
     """The scheduling core was asked for something its invariants forbid."""
-
-
-class NotYetAvailable(DoraError):
-    """A command whose implementation has not landed yet."""

@@ -31,7 +31,7 @@ side's error (serve's is on the terminal already; learn's last lines are printed
 `learn.log`). Likewise a side that exits with `RunAborted.exit_code` (every sample of a step
 masked, a non-finite loss: a restart would meet the same data and weights; a run directory that
 cannot continue, `RunDirError`: a cut journal, a missing checkpoint) stops the run at once.
-A side is ready when it calls `mark_ready()`, which creates the file `dora run`
+A side is ready when it calls `dora.lifetime.mark_ready()`, which creates the file `dora run`
 names in `DORA_READY_FILE`: serve once its instances are up and every prompt was measured, learn
 once its model and optimizer are loaded.
 
@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import importlib.util
 import json
 import os
 import signal
@@ -59,34 +58,19 @@ from typing import Any
 from dora.config import DoraConfig, config_from_raw, default_sections, load_config
 from dora.config_file import raw_config
 from dora.dryrun import planned, process_lines, thread_overrides
-from dora.errors import NotYetAvailable, RunAborted
+from dora.errors import RunAborted
 from dora.gpu_plan import GpuPlan
+from dora.lifetime import READY_ENV
 from dora.net import free_port
 from dora.resume import check_fresh, check_resumable, check_resume, write_run_config
 from dora.rundir import RunDirOwner, own_run_dir, resolve_run_dir
 from dora.secret import create_run_secret
 
 GRACE_S = 20.0
-READY_ENV = "DORA_READY_FILE"
 LOG_TAIL_LINES = 30
 
 
-def mark_ready() -> None:
-    """Tell `dora run` that this side started: it restarts it from now on if it fails. Nothing when
-    the side runs alone."""
-    path = os.environ.get(READY_ENV)
-    if path:
-        Path(path).touch()
-
-
 def main(args: argparse.Namespace) -> int:
-    for side in ("dora.serve.main", "dora.learn.main"):
-        try:
-            found = importlib.util.find_spec(side) is not None
-        except ModuleNotFoundError:
-            found = False
-        if not found:
-            raise NotYetAvailable(f"{side} is not in this version yet")
     raw = raw_config(args.config, args.overrides)
     config = config_from_raw(raw)
     for note in default_sections(raw):

@@ -13,6 +13,9 @@ short-lived worker thread would see them die with that thread.
 A child that asks only after its parent died (the window between fork and the request) would
 never get the signal, so the parent passes its pid (`PARENT_ENV`) and the child checks it once the
 request is made.
+
+A child that `dora run` supervises also tells it when it started (`mark_ready`): failures from then
+on are faults worth a restart, failures before it are not (dora/launch.py).
 """
 
 from __future__ import annotations
@@ -21,11 +24,15 @@ import ctypes
 import os
 import signal
 import sys
+from pathlib import Path
 
-__all__ = ["PARENT_ENV", "die_with_parent", "die_with_parent_from_env"]
+__all__ = ["PARENT_ENV", "READY_ENV", "die_with_parent", "die_with_parent_from_env", "mark_ready"]
 
 PARENT_ENV = "DORA_PARENT_PID"
 """The pid of the process a child must die with, set by the parent in the child's environment."""
+
+READY_ENV = "DORA_READY_FILE"
+"""The file a supervised child creates once it started, named by `dora run` in its environment."""
 
 _PR_SET_PDEATHSIG = 1
 
@@ -45,3 +52,11 @@ def die_with_parent_from_env(sig: int = signal.SIGKILL) -> None:
     parent = os.environ.pop(PARENT_ENV, "")
     if parent.isdigit():
         die_with_parent(sig, parent_pid=int(parent))
+
+
+def mark_ready() -> None:
+    """Tell `dora run` that this side started: it restarts it from now on if it fails. Nothing when
+    the side runs alone."""
+    path = os.environ.get(READY_ENV)
+    if path:
+        Path(path).touch()

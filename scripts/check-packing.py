@@ -23,6 +23,7 @@ import numpy as np
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
+from dora.bench.training import micro_batch_backward, synthetic_group
 from dora.config import LearnConfig
 from dora.learn.batching import (
     packs,
@@ -31,7 +32,6 @@ from dora.learn.batching import (
 )
 from dora.learn.loss import LossSettings
 from dora.models.tiny import TinyModelSpec
-from dora.sim.training import micro_batch_backward, synthetic_group
 
 SMOLLM2_135M = dict(
     hidden_size=576,

@@ -120,8 +120,8 @@ def trainer_part(device: str, model_dir: Path) -> bool:
     import torch
     from transformers import AutoModelForCausalLM
 
+    from dora.bench.training import synthetic_group, train_step
     from dora.config import load_config
-    from dora.sim.training import synthetic_group, train_step
 
     config = load_config(None, ["rollout.group_size=8", "learn.lr=1e-4"])
     rng = np.random.default_rng(0)

@@ -2,7 +2,7 @@
 
 Each mode is a real `dora serve` + `dora learn` run (launched as `dora bench modes` launches one,
 `dora.bench.modes.run_mode`) on `serve.backend = "emulated"` and `emulate.trainer`: the instances
-and the trainer spend the simulator's modelled time (`dora.sim.costs`, the preset named) instead
+and the trainer spend the simulator's modelled time (`dora.costs`, the preset named) instead
 of compute, on a clock `--time-scale` times real time; everything else is the real code. The
 mode's shape is the simulator's (`dora.sim.modes.plan`): instances (colocated modes get the whole
 pool, the disaggregated ones the rollout pool), the trainer's GPUs, K, and whether the trainer
@@ -44,12 +44,13 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from dora.bench import summary
-from dora.bench.modes import ModeResult, Placement, ratio_lines, run_mode, summarise, table
+from dora.bench.modes import Placement, run_mode
+from dora.bench.modes_report import ModeResult, ratio_lines, render, summarise, table
+from dora.costs import Setup, apply_overrides, preset
 from dora.emulated.checks import check_run
 from dora.looplag import p99
 from dora.records import Tick
 from dora.report import load_run
-from dora.sim.costs import Setup, apply_overrides, preset
 from dora.sim.engine import Run, simulate
 from dora.sim.modes import MODES, ModePlan
 from dora.sim.modes import plan as mode_plan
@@ -233,8 +234,6 @@ def overheads(
 def comparison_table(
     names: list[str], over: dict[str, Overheads], sims: dict[str, tuple[float, float]]
 ) -> str:
-    from dora.bench.modes import _render
-
     head = (
         "mode",
         "tok/s emulated",
@@ -277,7 +276,7 @@ def comparison_table(
                 f"{1000 * o.core_s_per_step:.0f} ms ({100 * o.core_share:.2f}%)",
             )
         )
-    return _render(rows)
+    return render(rows)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -323,15 +322,50 @@ def main(argv: list[str] | None = None) -> int:
         f"(1 modelled s = {1000 * scale:.1f} real ms); {len(cores)} cores",
         flush=True,
     )
+    measured = _run_modes(args, setup, modes, out=out, scale=scale, cores=cores)
+    if measured is None:
+        return 1
+    results, over, sims = measured
+    failed = _print_report(modes, results, over, sims)
+    ratios = ratio_lines(results)
+    record = {
+        "command": " ".join(["dora bench cluster", *(argv or sys.argv[1:])]),
+        "date": started,
+        "preset": args.preset,
+        "time_scale": scale,
+        "steps": steps,
+        "warmup_steps": {m: warmup_steps(mode_plan(m, setup)) for m in modes},
+        "results": [dataclasses.asdict(r) for r in results],
+        "overheads": {k: dataclasses.asdict(v) for k, v in over.items()},
+        "simulator": {k: {"tokens_per_s": v[0], "step_s": v[1]} for k, v in sims.items()},
+        "ratios": ratios,
+    }
+    (out / "bench-cluster.json").write_text(json.dumps(record, indent=2))
+    print()
+    for line in ratios:
+        print(line)
+    return 1 if failed else 0
+
+
+def _run_modes(
+    args: argparse.Namespace,
+    setup: Setup,
+    modes: list[str],
+    *,
+    out: Path,
+    scale: float,
+    cores: list[int],
+) -> tuple[list[ModeResult], dict[str, Overheads], dict[str, tuple[float, float]]] | None:
+    """Run each mode, check it and measure it; with the simulator's prediction of each (tokens
+    per modelled second, modelled seconds per step). None once a run fails."""
     results: list[ModeResult] = []
     over: dict[str, Overheads] = {}
     sims: dict[str, tuple[float, float]] = {}
-    loads = []
     for name in modes:
         plan = mode_plan(name, setup)
         warmup = warmup_steps(plan)
-        total = warmup + steps
-        sims[name] = _window(predicted(setup, plan, steps=steps), warmup)
+        total = warmup + args.steps
+        sims[name] = _window(predicted(setup, plan, steps=args.steps), warmup)
         run_dir = out / name
         settings = [
             *mode_overrides(
@@ -345,7 +379,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name}: exit {code} in {time.monotonic() - t0:.0f} s ({run_dir})", flush=True)
         if code:
             print(f"dora bench cluster: {name} failed; see {run_dir}", file=sys.stderr)
-            return 1
+            return None
         where = f"{plan.instances} inst" + (" colocated" if plan.colocated else "")
         result = summarise(run_dir, name=name, placement=where, warmup=warmup)
         check = check_run(
@@ -359,8 +393,17 @@ def main(argv: list[str] | None = None) -> int:
         over[name] = overheads(
             result, scale=scale, warmup=warmup, checked=(check.groups_checked, check.problems)
         )
-        if result.load_avg is not None:
-            loads.append(result.load_avg)
+    return results, over, sims
+
+
+def _print_report(
+    modes: list[str],
+    results: list[ModeResult],
+    over: dict[str, Overheads],
+    sims: dict[str, tuple[float, float]],
+) -> bool:
+    """The tables, each run's checks and the simulator's ratios; True when a check failed."""
+    loads = [r.load_avg for r in results if r.load_avg is not None]
     print()
     print(
         "load average during the runs "
@@ -385,7 +428,6 @@ def main(argv: list[str] | None = None) -> int:
             top = sorted(o.core_by_call.items(), key=lambda kv: -kv[1])[:4]
             parts = ", ".join(f"{k} {v:.2f} s" for k, v in top)
             print(f"orchestration {name}, whole run, largest: {parts}")
-    by = {r.name: r for r in results}
     if "dora" in sims:
         sim_lines = [
             f"simulator dora/{m}: {sims['dora'][0] / sims[m][0]:.2f}"
@@ -393,28 +435,7 @@ def main(argv: list[str] | None = None) -> int:
             if m in sims and sims[m][0] > 0
         ]
         print("\n" + ", ".join(sim_lines))
-    ratios = ratio_lines(results)
-    (out / "bench-cluster.json").write_text(
-        json.dumps(
-            {
-                "command": " ".join(["dora bench cluster", *(argv or sys.argv[1:])]),
-                "date": started,
-                "preset": args.preset,
-                "time_scale": scale,
-                "steps": steps,
-                "warmup_steps": {m: warmup_steps(mode_plan(m, setup)) for m in modes},
-                "results": [dataclasses.asdict(r) for r in by.values()],
-                "overheads": {k: dataclasses.asdict(v) for k, v in over.items()},
-                "simulator": {k: {"tokens_per_s": v[0], "step_s": v[1]} for k, v in sims.items()},
-                "ratios": ratios,
-            },
-            indent=2,
-        )
-    )
-    print()
-    for line in ratios:
-        print(line)
-    return 1 if failed else 0
+    return failed
 
 
 if __name__ == "__main__":

@@ -14,9 +14,11 @@ from pathlib import Path
 
 from dora.records import Trained, decode_record
 
-__all__ = ["TICKS_PER_S", "TrainedCounter", "cpu_model", "own_cpu_s", "tree_cpu_s"]
+__all__ = ["POLL_S", "TICKS_PER_S", "TrainedCounter", "cpu_model", "own_cpu_s", "tree_cpu_s"]
 
 TICKS_PER_S = os.sysconf("SC_CLK_TCK")
+POLL_S = 0.2
+"""Seconds between two samples of a running benchmark's CPU and trained steps."""
 
 
 def tree_cpu_s(roots: list[int]) -> float:

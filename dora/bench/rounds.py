@@ -8,9 +8,9 @@ of a ratio is the modes and how much the host.
 
 The machine's bound is read the same way: each round's bound is the cores over the cheapest CPU
 cost per trained token of that round's runs, so dora's share of it compares runs made at the same
-host speed. The bound over every run (dora.bench.modes.machine_bound) takes the cheapest of all
-the rounds; it rises with the number of runs, since a minimum over more noisy samples is lower,
-and it sets a median run against the fastest moment of the benchmark.
+host speed. The bound over every run (`dora.bench.modes_report.machine_bound`) takes the cheapest
+of all the rounds; it rises with the number of runs, since a minimum over more noisy samples is
+lower, and it sets a median run against the fastest moment of the benchmark.
 """
 
 from __future__ import annotations

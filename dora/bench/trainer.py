@@ -5,7 +5,7 @@ its dense mask.
 
 The model is the config's (prepared as `dora learn` prepares it); each group is one of the
 config's task prompts, as serve renders them, with `G` answers whose lengths are those of groups
-sampled on this workload (the stored lengths of `python -m dora.sim.cpu`, or `--lengths`) and
+sampled on this workload (the stored lengths of `python -m dora.bench.cpu`, or `--lengths`) and
 whose tokens are random (the compute does not depend on them). Each round runs `--steps` trainer
 steps of `B` groups padded, packed under the mask and packed by segments (the order reverses
 between rounds), on the same groups, in one process with the same torch thread count, and prints
@@ -23,28 +23,34 @@ import statistics
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from dora.bench import summary
+
+if TYPE_CHECKING:
+    from dora.config import DoraConfig
+    from dora.learn.batching import SequenceItem
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from dora.bench.cpu_measure import task_prompts
+    from dora.bench.training import train_step
     from dora.config import load_config
+    from dora.costs.presets import CPU_BENCH_LENGTHS
     from dora.learn.segment_attention import NAME as SEGMENT_ATTENTION
     from dora.learn.segment_attention import use_segment_attention
     from dora.models.prepare import prepare_model
-    from dora.sim.cpu import BENCH_LENGTHS, task_prompts
-    from dora.sim.training import synthetic_group, train_step
     from dora.sim.workload import read_lengths
 
     p = argparse.ArgumentParser(prog="dora bench trainer", description=summary(__doc__))
     p.add_argument("config", nargs="?", default="examples/math/bench.toml")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="dotted config overrides")
-    p.add_argument("--lengths", type=Path, default=BENCH_LENGTHS, help="groups' answer lengths")
+    p.add_argument("--lengths", type=Path, default=CPU_BENCH_LENGTHS, help="groups' answer lengths")
     p.add_argument("--steps", type=int, default=6, help="trainer steps per mode and round")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--threads", type=int, default=1, help="torch threads (the trainer's)")
@@ -60,23 +66,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     cap, g = config.rollout.max_tokens, config.rollout.group_size
     lines = read_lengths(str(args.lengths))
     answers = [[min(int(line[i % len(line)]), cap) for i in range(g)] for line in lines]
-    vocab = int(model.get_output_embeddings().weight.shape[0])
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.learn.lr)
-    rng = np.random.default_rng(0)
+    steps = _batches(model, config, prompts, answers, steps=args.steps)
     b = config.rollout.batch_size
-    steps = [
-        [
-            synthetic_group(
-                rng,
-                vocab=vocab,
-                prompt=len(prompts[(s * b + i) % len(prompts)]),
-                answers=answers[(s * b + i) % len(answers)],
-                gid=f"g{s * b + i}",
-            )
-            for i in range(b)
-        ]
-        for s in range(args.steps)
-    ]
     train_step(model, optimizer, steps[0], config=config, packed=True)  # warm up
     print(
         f"{config.model.path}: {args.steps} steps of {b} groups x {config.rollout.group_size}, "
@@ -88,22 +80,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         variants.insert(1, ("packed under mask", True, "sdpa"))
     ratios: dict[str, list[float]] = {"padded/packed": [], "mask/segments": []}
     for r in range(args.rounds):
-        cost: dict[str, float] = {}
-        for name, packed, attention in variants if r % 2 == 0 else variants[::-1]:
-            if attention is not None:
-                model.set_attn_implementation(attention)
-            cpu, wall = time.process_time(), time.perf_counter()
-            trained = run = 0
-            for groups in steps:
-                done = train_step(model, optimizer, groups, config=config, packed=packed)
-                trained += done.trained
-                run += done.run
-            cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
-            cost[name] = 1e3 * cpu / trained
-            print(
-                f"{r:>5} {name:>17} {cost[name]:>15.3f} {run / trained:>12.2f} "
-                f"{wall / len(steps):>7.3f}"
-            )
+        order = variants if r % 2 == 0 else variants[::-1]
+        cost = _round(r, order, model, optimizer, steps, config=config)
         ratios["padded/packed"].append(cost["padded"] / cost["packed"])
         line = f"round {r}: padded/packed {ratios['padded/packed'][-1]:.2f}"
         if segments:
@@ -115,6 +93,67 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"mask/segments CPU per trained token: {median:.2f}")
     print(f"padded/packed CPU per trained token: {statistics.median(ratios['padded/packed']):.2f}")
     return 0
+
+
+def _batches(
+    model: Any,
+    config: DoraConfig,
+    prompts: list[list[int]],
+    answers: list[list[int]],
+    *,
+    steps: int,
+) -> list[list[list[SequenceItem]]]:
+    """`steps` steps of `B` groups: the task prompts' lengths and the answers' lengths in turn,
+    random tokens."""
+    from dora.bench.training import synthetic_group
+
+    vocab = int(model.get_output_embeddings().weight.shape[0])
+    rng = np.random.default_rng(0)
+    b = config.rollout.batch_size
+    return [
+        [
+            synthetic_group(
+                rng,
+                vocab=vocab,
+                prompt=len(prompts[(s * b + i) % len(prompts)]),
+                answers=answers[(s * b + i) % len(answers)],
+                gid=f"g{s * b + i}",
+            )
+            for i in range(b)
+        ]
+        for s in range(steps)
+    ]
+
+
+def _round(
+    r: int,
+    variants: list[tuple[str, bool, str | None]],
+    model: Any,
+    optimizer: Any,
+    steps: list[list[list[SequenceItem]]],
+    *,
+    config: DoraConfig,
+) -> dict[str, float]:
+    """One round: every variant over the same steps; CPU-milliseconds per trained token of each."""
+    from dora.bench.training import train_step
+
+    cost: dict[str, float] = {}
+    for name, packed, attention in variants:
+        if attention is not None:
+            model.set_attn_implementation(attention)
+        cpu, wall = time.process_time(), time.perf_counter()
+        trained = run = 0
+        for groups in steps:
+            done = train_step(model, optimizer, groups, config=config, packed=packed)
+            trained += done.trained
+            run += done.run
+        cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
+        cost[name] = 1e3 * cpu / trained
+        print(
+            f"{r:>5} {name:>17} {cost[name]:>15.3f} {run / trained:>12.2f} "
+            f"{wall / len(steps):>7.3f}"
+        )
+    return cost
 
 
 if __name__ == "__main__":

@@ -22,10 +22,10 @@ import sys
 import time
 from pathlib import Path
 
+from dora.costs import apply_overrides, preset
 from dora.heap import collector_clock, peak_rss_mb, settle_heap
 from dora.instance.client import SERVER_KEEPALIVE_S
 from dora.looplag import LoopProbe, p99
-from dora.sim.costs import apply_overrides, preset
 
 __all__ = ["main"]
 

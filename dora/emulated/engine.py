@@ -1,6 +1,6 @@
 """One emulated instance: vLLM-like continuous batching on a scaled clock, with no model.
 
-Time is the simulator's cost model (`dora.sim.costs.Setup`), the one source of truth for both:
+Time is the cost model (`dora.costs.Setup`) that the simulator spends too, one source of truth:
 a decode step of `b` running sequences holding `S` context tokens takes `t0 + c * b + k * S`
 modelled seconds; a prefill of `n` tokens after `m` cached ones takes `Setup.prefill_s(m, n)` and
 pauses decoding (as in the simulator); a weight load takes `weight_sync_s`; an imported request's
@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import asyncio
 import heapq
-import math
 import time
 import zlib
 from array import array
@@ -33,9 +32,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from dora.costs import Setup, decode_seconds, decode_steps
 from dora.emulated.model import EmulatedModel, Plan
 from dora.protocol import Completion, FinishReason, as_array
-from dora.sim.costs import Setup
 
 __all__ = ["EmulatedInstance", "ScaledClock", "Sequence"]
 
@@ -205,10 +204,7 @@ class EmulatedInstance:
         b = len(self.running)
         if b == 0 or dt <= 0:
             return
-        t0, c, k = self.co
-        a = t0 + c * b + k * self.kv
-        q = 0.5 * k * b
-        dp = 2.0 * dt / (a + math.sqrt(a * a + 4.0 * q * dt))
+        dp = decode_steps(self.co, b, self.kv, dt)
         self.prog += dp
         self.kv += b * dp
 
@@ -282,8 +278,7 @@ class EmulatedInstance:
                 heapq.heappop(heap)
             dp = max(0.0, heap[0][0] - self.prog) if heap else 0.0
             dp = min(dp, max(0.0, (self.kv_capacity - self.kv) / b))
-            t0, c, k = self.co
-            dt += (t0 + c * b + k * self.kv) * dp + 0.5 * k * b * dp * dp
+            dt += decode_seconds(self.co, b, self.kv, dp)
         when = self.clock.real_at(self.t + dt)
         self._handle = self.clock.loop.call_at(when, self._on_timer)
 

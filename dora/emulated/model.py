@@ -2,7 +2,7 @@
 
 There are no weights. A response's length and its tokens are a deterministic function of (the
 episode's prompt, its sample index, the turn, the seed), drawn from the simulator's workload
-(`dora.sim.costs.Setup`: log-normal lengths truncated at `response_max`, with `group_share` of the
+(`dora.costs.Setup`: log-normal lengths truncated at `response_max`, with `group_share` of the
 log-variance common to a prompt's samples), so every mode generates exactly the same work and the
 same token ids, whatever the order, the instance or the interruptions. Token ids are drawn from
 the vocabulary (above the special tokens), behaviour logprobs from an exponential distribution:
@@ -29,8 +29,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from dora.costs import Setup
 from dora.errors import ConfigError
-from dora.sim.costs import Setup
 
 __all__ = ["EmulatedModel", "Plan"]
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from dora.config import DoraConfig
-from dora.sim.costs import Setup, apply_overrides, preset
+from dora.costs import Setup, apply_overrides, preset
 
 __all__ = ["emulated_setup", "urls_path"]
 

@@ -67,7 +67,8 @@ def _launch(
         "--nproc_per_node",
         str(config.learn.processes),
         "-m",
-        "dora.learn.main",
+        "dora.cli",
+        "learn",
         str(args.config),
         *args.overrides,
         f"log.run_dir={run_dir}",
@@ -123,7 +124,7 @@ def _train(config: DoraConfig, args: argparse.Namespace, run_dir: Path) -> int:
 
     hf_logging.disable_progress_bar()  # one bar per save/load would drown the run's own output
 
-    from dora.launch import mark_ready
+    from dora.lifetime import mark_ready
 
     trainer_cls = Trainer
     if config.emulate.trainer:  # modelled compute instead of the model's (dora/emulated)
@@ -134,9 +135,3 @@ def _train(config: DoraConfig, args: argparse.Namespace, run_dir: Path) -> int:
     mark_ready()  # its model and optimizer are loaded: a failure from now on is worth a restart
     settle_heap()
     return trainer.run()
-
-
-if __name__ == "__main__":
-    from dora.cli import main as cli_main
-
-    sys.exit(cli_main(["learn", *sys.argv[1:]]))

@@ -41,7 +41,7 @@ from dora.dryrun import count_gpus
 from dora.errors import ConfigError
 from dora.gpu_plan import PINNED, GpuPlan, plan_gpus, visible_devices
 from dora.heap import collector_clock, settle_heap
-from dora.launch import mark_ready
+from dora.lifetime import mark_ready
 from dora.records import write_summary
 from dora.resume import check_resumable, keep_run_config
 from dora.rundir import own_run_dir, resolve_run_dir

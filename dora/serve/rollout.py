@@ -108,51 +108,18 @@ class Rollout:
         )
         # the orchestration overhead: time spent inside the queue and the orchestrator
         self.core = CoreClock()
-        self.queue = self.core.wrap(
-            JournaledQueue(
-                run_dir,
-                groups_per_step=r.batch_size,
-                max_staleness=r.staleness,
-                num_steps=config.learn.steps,
-                max_retries=r.max_retries if r.on_env_error == "retry" else 0,
-                legacy_filling=r.legacy_filling,
-            )
-        )
-        self.metrics = MetricsLog(
-            run_dir,
-            tracking=open_tracking(config, run_dir),
-            console=StepLines(every=config.log.console_every, total_steps=config.learn.steps)
-            if config.log.console_every
-            else None,
-        )
+        self.queue = self.core.wrap(_journaled_queue(config, run_dir))
+        self.metrics = _metrics_log(config, run_dir)
         self.spawn = Spawner()
-        router = Router(
-            # vLLM cannot move a request with its KV cache; the embedded and emulated engines can.
-            kv_migration=config.serve.kv_migration and config.serve.backend != "vllm",
-            control_timeout_s=config.serve.weight_load_timeout_s,
-            stats=self.stats,
-        )
         self.placement = Placement(
             self.core.wrap(Orchestrator(mode=Mode(r.mode))),
-            router,
+            _router(config.serve, self.stats),
             metrics=self.metrics,
             spawn=self.spawn,
         )
         self.store = WeightStore()
         self.store.add_path(0, model_dir)
-        self.lifecycle = InstanceLifecycle(
-            config.serve,
-            placement=self.placement,
-            queue=self.queue,
-            store=self.store,
-            metrics=self.metrics,
-            stats=self.stats,
-            spawn=self.spawn,
-            replace=replace_instance,
-            # The embedded engine holds LoRA versions as adapters over one base model.
-            multi_version=config.serve.backend in ("embedded", "vllm")
-            and config.model.lora.rank > 0,
-        )
+        self.lifecycle = self._instance_lifecycle(config, replace_instance)
         restored = self.queue.restore()  # before the dispatcher, which continues the prompt stream
         self.stats.completed = len(restored.groups)
         self.history = read_history(self.metrics.path) if restored.starts else History()
@@ -180,24 +147,37 @@ class Rollout:
             env_factory=env_factory,
             renderer=renderer,
         )
-        self.evaluator: Evaluator | None = None
-        if eval_tasks:
-            self.evaluator = Evaluator(
-                config,
-                placement=self.placement,
-                newest_loaded=lambda: self.queue.newest_version,
-                trained_at=self.trainer.version_trained_at,
-                metrics=self.metrics,
-                spawn=self.spawn,
-                tasks=eval_tasks,
-                env_factory=env_factory,
-                renderer=renderer,
-            )
-            self.placement.listeners.append(self.evaluator.wake)
-            self.lifecycle.on_newest_loaded = self._evaluate_loaded
+        self.evaluator = (
+            self._evaluate_while_training(config, eval_tasks, env_factory, renderer)
+            if eval_tasks
+            else None
+        )
         self._progress = Progress(total_steps=config.learn.steps) if progress else None
-        self._snapshots = Snapshots(
-            mode=r.mode,
+        self._snapshots, self.ticker = self._metrics_ticker(config, link)
+        if restored.starts:
+            self._log_restore()
+        self._cpu_priority = _cpu_priority(config.serve, self._instances)
+
+    def _instance_lifecycle(self, config: DoraConfig, replace: Replace | None) -> InstanceLifecycle:
+        return InstanceLifecycle(
+            config.serve,
+            placement=self.placement,
+            queue=self.queue,
+            store=self.store,
+            metrics=self.metrics,
+            stats=self.stats,
+            spawn=self.spawn,
+            replace=replace,
+            # The embedded engine holds LoRA versions as adapters over one base model.
+            multi_version=config.serve.backend in ("embedded", "vllm")
+            and config.model.lora.rank > 0,
+        )
+
+    def _metrics_ticker(self, config: DoraConfig, link: ServeLink) -> tuple[Snapshots, Ticker]:
+        """What a metrics line reads (`Snapshots`) and the loop that writes one every
+        `log.metrics_every_s`."""
+        snapshots = Snapshots(
+            mode=config.rollout.mode,
             queue=self.queue,
             placement=self.placement,
             trainer=self.trainer,
@@ -208,15 +188,36 @@ class Rollout:
             evals=lambda: self.evaluator.history if self.evaluator is not None else [],
             history=self.history,
         )
-        self.ticker = Ticker(
+        ticker = Ticker(
             self.metrics,
-            self._snapshots.take,
+            snapshots.take,
             every_s=config.log.metrics_every_s,
             progress=self._progress,
         )
-        if restored.starts:
-            self._log_restore()
-        self._cpu_priority = _cpu_priority(config.serve, self._instances)
+        return snapshots, ticker
+
+    def _evaluate_while_training(
+        self,
+        config: DoraConfig,
+        tasks: list[Task],
+        env_factory: Callable[[], Env],
+        renderer: ChatRenderer,
+    ) -> Evaluator:
+        """The evaluator, woken by placement changes and by each newest version that loads."""
+        evaluator = Evaluator(
+            config,
+            placement=self.placement,
+            newest_loaded=lambda: self.queue.newest_version,
+            trained_at=self.trainer.version_trained_at,
+            metrics=self.metrics,
+            spawn=self.spawn,
+            tasks=tasks,
+            env_factory=env_factory,
+            renderer=renderer,
+        )
+        self.placement.listeners.append(evaluator.wake)
+        self.lifecycle.on_newest_loaded = self._evaluate_loaded
+        return evaluator
 
     async def run(self) -> RolloutReport:
         starts = self.trainer.restored.starts
@@ -308,6 +309,36 @@ class Rollout:
         await self.trainer.shutdown()
         self.ticker.emit(0.0)
         raise _RunComplete
+
+
+def _journaled_queue(config: DoraConfig, run_dir: Path) -> JournaledQueue:
+    """The transfer queue of `rollout`'s settings, journaled in the run directory."""
+    r = config.rollout
+    return JournaledQueue(
+        run_dir,
+        groups_per_step=r.batch_size,
+        max_staleness=r.staleness,
+        num_steps=config.learn.steps,
+        max_retries=r.max_retries if r.on_env_error == "retry" else 0,
+        legacy_filling=r.legacy_filling,
+    )
+
+
+def _metrics_log(config: DoraConfig, run_dir: Path) -> MetricsLog:
+    """metrics.jsonl, the tracker `log.tracker` names and the console's step lines."""
+    console = None
+    if config.log.console_every:
+        console = StepLines(every=config.log.console_every, total_steps=config.learn.steps)
+    return MetricsLog(run_dir, tracking=open_tracking(config, run_dir), console=console)
+
+
+def _router(serve: ServeConfig, stats: ServeStats) -> Router:
+    return Router(
+        # vLLM cannot move a request with its KV cache; the embedded and emulated engines can.
+        kv_migration=serve.kv_migration and serve.backend != "vllm",
+        control_timeout_s=serve.weight_load_timeout_s,
+        stats=stats,
+    )
 
 
 def _cpu_priority(config: ServeConfig, instances: list[InstanceHandle]) -> CpuPriority | None:

@@ -17,17 +17,20 @@ Invariants:
   is the model folder on disk, so keeping it costs no memory.
 
 The store is plain code (no I/O besides reading a folder path lazily, no asyncio): the rollout
-loop calls it from its message handler.
+loop calls it from its message handler. Nothing here imports torch: a folder is read as raw bytes.
 """
 
 from __future__ import annotations
 
+import json
+import struct
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from dora.errors import ProtocolError
 from dora.protocol import WeightChunk, WeightsReady
 
-__all__ = ["VersionWeights", "WeightStore", "read_folder"]
+__all__ = ["VersionWeights", "WeightStore", "read_folder", "read_safetensors_raw"]
 
 
 @dataclass(slots=True)
@@ -170,17 +173,59 @@ class WeightStore:
 def read_folder(path: str, version: int) -> WeightChunk:
     """Every tensor of a safetensors folder as one chunk (the filesystem transport: the trainer
     prunes old folders, so the store keeps the bytes, not the path). Blocking: run it in a thread.
+
+    The files are read as raw bytes (`read_safetensors_raw`): serve never loads torch, whichever
+    transport the trainer uses.
     """
-    import torch
-
-    from dora.engine.worker import read_safetensors
-
-    tensors = read_safetensors(path)
     chunk = WeightChunk(version=version, index=0, names=[], dtypes=[], shapes=[], data=[])
-    for name, tensor in tensors.items():
-        flat = tensor.detach().contiguous().reshape(-1)
+    for name, (dtype, shape, data) in read_safetensors_raw(Path(path)).items():
         chunk.names.append(name)
-        chunk.dtypes.append(str(tensor.dtype).removeprefix("torch."))
-        chunk.shapes.append(list(tensor.shape))
-        chunk.data.append(flat.view(torch.uint8).numpy().tobytes())
+        chunk.dtypes.append(dtype)
+        chunk.shapes.append(shape)
+        chunk.data.append(data)
     return chunk
+
+
+_DTYPES = {
+    "BOOL": "bool",
+    "U8": "uint8",
+    "I8": "int8",
+    "I16": "int16",
+    "U16": "uint16",
+    "I32": "int32",
+    "U32": "uint32",
+    "I64": "int64",
+    "U64": "uint64",
+    "F16": "float16",
+    "BF16": "bfloat16",
+    "F32": "float32",
+    "F64": "float64",
+    "F8_E4M3": "float8_e4m3fn",
+    "F8_E5M2": "float8_e5m2",
+}
+"""safetensors' dtype names -> torch's (the names `WeightChunk.dtypes` carries)."""
+
+
+def read_safetensors_raw(folder: Path) -> dict[str, tuple[str, list[int], bytes]]:
+    """`name -> (dtype, shape, bytes)` of every tensor of every `*.safetensors` file in `folder`,
+    files in name order and each file's tensors in the order of their bytes (as
+    `safetensors.torch.load_file` gives them). The format: an 8-byte little-endian header
+    length, a JSON header of each tensor's dtype, shape and byte range, then the tensors' bytes,
+    little-endian and C-contiguous, which is what an instance loads."""
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors in {folder}")
+    out: dict[str, tuple[str, list[int], bytes]] = {}
+    for file in files:
+        with open(file, "rb") as f:
+            (size,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(size))
+            header.pop("__metadata__", None)
+            for name in sorted(header, key=lambda n: header[n]["data_offsets"][0]):
+                info = header[name]
+                if info["dtype"] not in _DTYPES:
+                    raise ProtocolError(f"{file}: tensor {name} has unknown dtype {info['dtype']}")
+                start, end = info["data_offsets"]
+                f.seek(8 + size + start)
+                out[name] = (_DTYPES[info["dtype"]], list(info["shape"]), f.read(end - start))
+    return out

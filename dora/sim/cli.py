@@ -15,8 +15,8 @@ import os
 import time
 from concurrent.futures import ProcessPoolExecutor
 
+from dora.costs import Setup, apply_overrides, preset, validate
 from dora.errors import ConfigError
-from dora.sim.costs import Setup, apply_overrides, preset, validate
 from dora.sim.engine import Run, simulate
 from dora.sim.modes import MODES, plan
 from dora.sim.report import render, setup_dict, summarize, write_plot

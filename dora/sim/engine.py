@@ -3,7 +3,7 @@
 
 Instances (continuous batching, as vLLM does it). Each instance runs at most `max_seqs`
 sequences; every running sequence decodes one token per engine step, and a step takes
-`t0 + c * b + k * S` seconds (`b` running sequences, `S` context tokens in all, costs.py). Between
+`t0 + c * b + k * S` seconds (`b` running sequences, `S` context tokens in all, dora.costs). Between
 two events `b` is constant and `S` grows by `b` per step, so the tokens decoded in `dt` seconds
 solve a quadratic: time advances from one completion (or KV-cache exhaustion) to the next, never
 token by token. Each instance keeps a heap of the progress marks at which its sequences finish.
@@ -32,7 +32,6 @@ The driver follows the sans-IO contract (docs/scheduling.md):
 from __future__ import annotations
 
 import heapq
-import math
 from collections import Counter
 
 from dora.core import Admitted, Assigned, RefusalReason, TransferQueue
@@ -46,8 +45,8 @@ from dora.core.orchestrator import (
     Resume,
     Undrain,
 )
+from dora.costs import Setup, decode_seconds, decode_steps
 from dora.errors import SchedulingError
-from dora.sim.costs import Setup
 from dora.sim.modes import ModePlan
 from dora.sim.state import Group, Inst, Req, Run
 from dora.sim.workload import Workload
@@ -171,10 +170,7 @@ class _Sim:
         b = len(inst.running)
         if b == 0 or dt <= 0:
             return
-        t0, c, k = self.co
-        a = t0 + c * b + k * inst.kv
-        q = 0.5 * k * b
-        dp = 2.0 * dt / (a + math.sqrt(a * a + 4.0 * q * dt))
+        dp = decode_steps(self.co, b, inst.kv, dt)
         inst.prog += dp
         inst.kv += b * dp
 
@@ -217,8 +213,7 @@ class _Sim:
         b = len(inst.running)
         dp = heap[0][0] - inst.prog
         dp = max(0.0, min(dp, (self.kvcap - inst.kv) / b))
-        t0, c, k = self.co
-        dt = inst.stall + (t0 + c * b + k * inst.kv) * dp + 0.5 * k * b * dp * dp
+        dt = inst.stall + decode_seconds(self.co, b, inst.kv, dp)
         dt *= self.slowdown()
         inst.target = inst.prog + dp
         self.at(self.now + dt, _INST, inst, inst.token)

@@ -15,8 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from dora.core.orchestrator import Mode
+from dora.costs import Setup
 from dora.errors import ConfigError
-from dora.sim.costs import Setup
 
 __all__ = ["MODES", "ModePlan", "plan"]
 

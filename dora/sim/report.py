@@ -22,7 +22,7 @@ import sys
 from collections import Counter
 from typing import Any
 
-from dora.sim.costs import Setup
+from dora.costs import Setup
 from dora.sim.engine import Run
 from dora.sim.workload import mean_stats
 

@@ -9,7 +9,7 @@ from collections import Counter, deque
 from dataclasses import dataclass, field
 
 from dora.core.orchestrator import Load
-from dora.sim.costs import Setup
+from dora.costs import Setup
 from dora.sim.modes import ModePlan
 from dora.sim.workload import Episode
 

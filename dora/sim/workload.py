@@ -26,8 +26,8 @@ from pathlib import Path
 
 import numpy as np
 
+from dora.costs import Setup
 from dora.errors import ConfigError
-from dora.sim.costs import Setup
 
 __all__ = ["Episode", "Workload", "read_lengths"]
 

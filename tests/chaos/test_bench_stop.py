@@ -31,7 +31,7 @@ import os, sys
 from pathlib import Path
 from dora.bench.cluster import CONFIG, emulated_placement, mode_overrides
 from dora.bench.modes import run_mode
-from dora.sim.costs import apply_overrides, preset
+from dora.costs import apply_overrides, preset
 from dora.sim.modes import plan
 cost = {cost!r}
 setup = apply_overrides(preset("paper-64"), cost)

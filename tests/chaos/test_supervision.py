@@ -22,7 +22,7 @@ from tests.chaos.processes import Owned
 pytestmark = pytest.mark.timeout(60)
 
 READY = "import os, pathlib; pathlib.Path(os.environ['DORA_READY_FILE']).touch()\n"
-"""What a side runs once it started (`dora.launch.mark_ready`): failures after it are restarted."""
+"""What a side runs once it started (`dora.lifetime.mark_ready`): later failures are restarted."""
 SLEEP = READY + "import time; time.sleep(60)"
 
 

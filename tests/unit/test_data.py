@@ -154,7 +154,7 @@ class _LongEnv(SingleTurnEnv):
 @pytest.fixture(scope="module")
 def renderer() -> object:
     from dora.models.tiny import char_tokenizer
-    from dora.serve.episode import ChatRenderer
+    from dora.episode import ChatRenderer
 
     return ChatRenderer(char_tokenizer())  # type: ignore[arg-type]
 

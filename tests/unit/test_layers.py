@@ -1,5 +1,6 @@
 """Layers: the instance interface and the backends' clients load without torch or the engine, and
-the import-linter contracts in pyproject.toml name every module they must.
+the import-linter contracts in pyproject.toml (the `layers` contract among them) name every module
+they must.
 
 Serve drives the vLLM backend through `dora.instance`; if that pulled in `dora.engine.server`
 (torch, transformers), every `dora serve` with vLLM would pay for a model stack it never uses.
@@ -62,6 +63,18 @@ def test_the_envs_contract_forbids_every_module_of_dora() -> None:
     """envs import `dora` itself (the names of `dora.__all__`), never one of its modules."""
     (envs,) = [c for c in _contracts().values() if c.get("source_modules") == ["envs"]]
     assert set(envs["forbidden_modules"]) == _top_level()  # type: ignore[call-overload]
+
+
+def test_the_levels_name_every_top_level_module_once() -> None:
+    """The `layers` contract states where every module of dora sits; one it does not name could
+    import anything."""
+    (layers,) = [c for c in _contracts().values() if c["type"] == "layers"]
+    named = [
+        name.strip()
+        for layer in layers["layers"]  # type: ignore[attr-defined]
+        for name in layer.replace(":", "|").split("|")
+    ]
+    assert sorted(named) == sorted(_top_level())
 
 
 MAX_MODULE_LINES = 600

@@ -15,9 +15,10 @@ from pathlib import Path
 import pytest
 
 from dora.bench.cluster import CONFIG, emulated_placement, mode_overrides, overheads
-from dora.bench.modes import run_mode, summarise
+from dora.bench.modes import run_mode
+from dora.bench.modes_report import summarise
+from dora.costs import apply_overrides, preset
 from dora.emulated.checks import check_run
-from dora.sim.costs import apply_overrides, preset
 from dora.sim.modes import MODES
 from dora.sim.modes import plan as mode_plan
 

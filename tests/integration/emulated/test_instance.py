@@ -10,13 +10,13 @@ from collections.abc import AsyncIterator
 import pytest
 from aiohttp import web
 
+from dora.costs import apply_overrides, preset
 from dora.emulated.engine import EmulatedInstance, ScaledClock
 from dora.emulated.model import EmulatedModel
 from dora.emulated.server import EmulatedServer
 from dora.errors import RequestError, VersionMismatch
 from dora.instance import EngineClient
 from dora.protocol import SamplingParams
-from dora.sim.costs import apply_overrides, preset
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -21,7 +21,7 @@ import pytest
 
 from dora.env import Env, Task
 from dora.protocol import Completion, SamplingParams
-from dora.serve.episode import EpisodeLimits, PinnedSampler, run_group
+from dora.episode import EpisodeLimits, PinnedSampler, run_group
 
 engine = pytest.importorskip("dora.engine")
 

@@ -20,7 +20,7 @@ from dora.engine import EngineClient, EngineServer
 from dora.models import TinyModelSpec, build_tiny_model
 from dora.models.warmup import WarmupSettings, warmup
 from dora.protocol import SamplingParams
-from dora.serve.episode import EpisodeLimits, PinnedSampler, run_group
+from dora.episode import EpisodeLimits, PinnedSampler, run_group
 from envs.tau2 import Tau2Env, tau2_tasks
 
 pytestmark = pytest.mark.timeout(300)

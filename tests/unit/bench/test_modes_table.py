@@ -11,19 +11,19 @@ from pathlib import Path
 import pytest
 
 from dora.bench.cluster import predicted, warmup_steps
-from dora.bench.modes import (
+from dora.bench.modes import plan
+from dora.bench.modes_report import (
     ModeResult,
     bound_lines,
     machine_bound,
     median_run,
-    plan,
     plot_modes,
     profile_table,
     ratio_lines,
     summarise,
     table,
 )
-from dora.sim.costs import preset
+from dora.costs import preset
 from dora.sim.modes import MODES
 from dora.sim.modes import plan as mode_plan
 from tests.unit.bench.fixtures import write_run

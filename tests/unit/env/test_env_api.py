@@ -20,7 +20,7 @@ from dora.env import (
 )
 from dora.errors import ConfigError
 from dora.protocol import SamplingParams
-from dora.serve.episode import run_episode
+from dora.episode import run_episode
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -10,7 +10,7 @@ from dora.env import Env, Episode, Message, Task
 from dora.errors import ServerUnavailable
 from dora.models.tiny import char_tokenizer
 from dora.protocol import Completion, SamplingParams
-from dora.serve.episode import EpisodeLimits, run_episode, run_group
+from dora.episode import EpisodeLimits, run_episode, run_group
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -16,7 +16,7 @@ from dora.errors import EnvError
 from dora.models import TinyModelSpec, build_tiny_model
 from dora.models.warmup import _shared_prefix, batch_loss, render_examples
 from dora.protocol import SamplingParams
-from dora.serve.episode import run_episode
+from dora.episode import run_episode
 from dora.tools import ToolCall
 
 pytestmark = pytest.mark.timeout(60)

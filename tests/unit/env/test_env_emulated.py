@@ -11,7 +11,7 @@ import pytest
 
 from dora.env import Task
 from dora.protocol import SamplingParams
-from dora.serve.episode import EpisodeLimits, run_episode
+from dora.episode import EpisodeLimits, run_episode
 from envs.emulated import AgenticWorkloadEnv
 
 pytestmark = pytest.mark.timeout(30)

@@ -13,7 +13,7 @@ import pytest
 from dora.env import Env, Episode, Message, Task
 from dora.errors import ServerUnavailable
 from dora.protocol import Completion, Sample, SamplingParams
-from dora.serve.episode import (
+from dora.episode import (
     ChatRenderer,
     EpisodeLimits,
     GroupFailed,

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from dora.env import Env, Episode, Message, Task
 from dora.models.tiny import char_tokenizer
 from dora.protocol import Completion, SamplingParams
-from dora.serve.episode import ChatRenderer, EpisodeLimits, run_episode
+from dora.episode import ChatRenderer, EpisodeLimits, run_episode
 from dora.tools import tool_schema
 
 pytestmark = pytest.mark.timeout(60)

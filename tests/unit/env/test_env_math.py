@@ -11,7 +11,7 @@ import pytest
 from dora.env import load_env
 from dora.errors import ConfigError, DataError
 from dora.protocol import SamplingParams
-from dora.serve.episode import run_episode
+from dora.episode import run_episode
 from envs.math import (
     ChainArithmeticEnv,
     GSM8KEnv,

@@ -15,7 +15,7 @@ from dora.env import Env, Episode, Message, Task
 from dora.errors import ConfigError
 from dora.models.tiny import BOS, char_tokenizer
 from dora.protocol import SamplingParams
-from dora.serve.episode import ChatRenderer, run_episode
+from dora.episode import ChatRenderer, run_episode
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -14,7 +14,7 @@ from dora.env import Task, load_env
 from dora.errors import ConfigError
 from dora.models.warmup import render_examples
 from dora.protocol import SamplingParams
-from dora.serve.episode import run_episode
+from dora.episode import run_episode
 
 pytest.importorskip("reasoning_gym")  # the `reasoning-gym` extra; CI installs it
 

@@ -12,7 +12,7 @@ import pytest
 
 from dora.env import Env, Episode, Task
 from dora.protocol import Completion, SamplingParams
-from dora.serve.episode import PinnedSampler, run_episode
+from dora.episode import PinnedSampler, run_episode
 from dora.tools import tool_schema
 
 pytestmark = pytest.mark.timeout(30)

@@ -20,7 +20,7 @@ from dora.env import Env, Episode, Message, Task
 from dora.models.tiny import char_tokenizer
 from dora.protocol import Completion, SamplingParams
 from dora.records import Record
-from dora.serve.episode import ChatRenderer
+from dora.episode import ChatRenderer
 from dora.serve.evaluate import Evaluator
 from dora.serve.placement import Placement
 

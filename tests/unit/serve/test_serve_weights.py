@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from dora.errors import ProtocolError
 from dora.protocol import WeightChunk, WeightsReady
@@ -88,3 +90,57 @@ def test_read_folder_round_trip(tmp_path: Path) -> None:
     assert chunk.shapes[i] == [2, 3] and chunk.dtypes[i] == "float32"
     back = torch.frombuffer(bytearray(chunk.data[i]), dtype=torch.float32).reshape(2, 3)
     assert torch.equal(back, tensors["w"])
+
+
+def test_read_folder_gives_the_bytes_torch_would(tmp_path: Path) -> None:
+    """Every dtype a model ships in, over two files, as raw bytes equal to torch's own; a
+    bfloat16 tensor has no numpy dtype, so only its bytes can carry it."""
+    first = {
+        "z.bf16": torch.randn(3, 5).to(torch.bfloat16),
+        "a.half": torch.randn(4).to(torch.float16),
+        "ids": torch.arange(7, dtype=torch.int64),
+    }
+    second = {"m.f32": torch.randn(2, 2, 2), "flag": torch.tensor([True, False])}
+    save_file(first, str(tmp_path / "model-00001.safetensors"), metadata={"format": "pt"})
+    save_file(second, str(tmp_path / "model-00002.safetensors"))
+    chunk = read_folder(str(tmp_path), 7)
+    expected = {**first, **second}
+    by_torch = [
+        *load_file(tmp_path / "model-00001.safetensors"),
+        *load_file(tmp_path / "model-00002.safetensors"),
+    ]
+    assert chunk.names == by_torch
+    for name, dtype, shape, data in zip(
+        chunk.names, chunk.dtypes, chunk.shapes, chunk.data, strict=True
+    ):
+        tensor = expected[name]
+        assert dtype == str(tensor.dtype).removeprefix("torch.")
+        assert shape == list(tensor.shape)
+        assert data == tensor.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+SERVE_READS_A_FOLDER = """
+import sys
+import dora.serve.main  # the `dora serve` command and everything it imports
+from dora.protocol import WeightsReady
+from dora.serve.weights import WeightStore, read_folder
+
+store = WeightStore()
+store.on_chunk(read_folder(sys.argv[1], 3))  # as the trainer link does on a folder's WeightsReady
+store.on_ready(WeightsReady(version=3, incarnation=0, num_chunks=1))
+weights = store.get(3)
+print(*weights.names, *(m for m in ("torch", "safetensors.torch") if m in sys.modules))
+"""
+
+
+def test_serve_takes_a_weights_folder_without_importing_torch(tmp_path: Path) -> None:
+    """With the filesystem transport serve reads each published folder into its store; the
+    instances load it, so serve (which may drive vLLM from a small process) never needs torch."""
+    save_file({"w": torch.ones(2, 3), "b": torch.zeros(3)}, str(tmp_path / "model.safetensors"))
+    out = subprocess.run(
+        [sys.executable, "-c", SERVE_READS_A_FOLDER, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert out.stdout.split() == ["b", "w"]

@@ -9,8 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from dora.costs import PRESETS, Setup, apply_overrides, preset
 from dora.errors import ConfigError
-from dora.sim.costs import PRESETS, Setup, apply_overrides, preset
 from dora.sim.workload import Episode, Workload, mean_stats
 
 

@@ -9,9 +9,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dora.sim import MODES, Run, plan, preset, simulate
+from dora.costs import Setup, preset
+from dora.sim import MODES, Run, plan, simulate
 from dora.sim.cli import build_setup
-from dora.sim.costs import Setup
 from dora.sim.report import summarize
 
 

@@ -1,4 +1,4 @@
-"""The trainer's compute on groups of given lengths, outside a run: what `python -m dora.sim.cpu`
+"""The trainer's compute on groups of given lengths, outside a run: what `python -m dora.bench.cpu`
 fits the simulator's training cost on, and what `dora bench trainer` times with and without
 `learn.shared_prefix`.
 

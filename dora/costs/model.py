@@ -1,4 +1,6 @@
-"""The simulator's cost model and its presets: every constant, with where it came from.
+"""The cost model of a cluster: every constant of a `Setup`, with where it came from, and the
+formulas of decode, prefill and training time that the simulator, the emulated instances and the
+emulated trainer all spend.
 
 A `Setup` is flat on purpose: every field can be overridden on the command line as `key=value`,
 and docs/simulator.md lists each one with its source. Three kinds of constants:
@@ -15,6 +17,11 @@ Decode is memory-bound: one step of an instance running `b` sequences holding `S
 in all takes `t = t0 + c * b + k * S` seconds, where `t0` reads the weights once (plus the per-step
 overhead: kernel launches, tensor-parallel all-reduces, the scheduler), `c` is the per-sequence
 compute and `k` reads one token's KV cache. Prefill is compute-bound.
+
+Between events a batch's size `b` is fixed and `S` grows by `b` tokens per step, so the time to
+advance every running sequence by `p` tokens is the integral `(t0 + c*b + k*S) * p + k*b*p^2/2`
+(`decode_seconds`); `decode_steps` inverts it. The simulator and the emulated instances both move
+their batches with these two, so a modelled second means the same in both.
 """
 
 from __future__ import annotations
@@ -26,7 +33,7 @@ from dataclasses import dataclass
 
 from dora.errors import ConfigError
 
-__all__ = ["PRESETS", "Setup", "apply_overrides", "preset"]
+__all__ = ["Setup", "apply_overrides", "decode_seconds", "decode_steps", "validate"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -204,46 +211,20 @@ class Setup:
         return tokens * self.train_gpu_s_per_token / speedup
 
 
-_PAPER_64 = Setup()
-
-PRESETS: dict[str, Setup] = {
-    "paper-64": _PAPER_64,
-    "paper-128": dataclasses.replace(_PAPER_64, name="paper-128", gpus=128, rollout_gpus=64),
-    "agentic": dataclasses.replace(
-        _PAPER_64,
-        name="agentic",
-        gpus=2048,
-        rollout_gpus=1024,
-        groups_per_step=512,
-        group_size=8,
-        steps=6,
-        warmup_steps=2,
-        prompt_median=1500,
-        response_median=350,
-        response_sigma=1.0,
-        response_max=8192,
-        turns=6.0,
-        tool_latency_s=4.0,
-        tool_tokens=400,
-        max_seqs=64,
-    ),
-}
-"""`paper-64` / `paper-128`: Qwen2.5-32B on 64 / 128 H800, DAPO-Math (the paper's §5.1).
-`agentic`: multi-turn tool-using episodes (tau2-like: about 8 turns, seconds of tool latency,
-short turns over a long context), for the scale runs; not a paper number."""
+def decode_seconds(co: tuple[float, float, float], b: int, kv: float, steps: float) -> float:
+    """Seconds for `b` running sequences holding `kv` context tokens in all to advance `steps`
+    tokens each, with `co = Setup.decode_coefficients()`."""
+    t0, c, k = co
+    return (t0 + c * b + k * kv) * steps + 0.5 * k * b * steps * steps
 
 
-def preset(name: str) -> Setup:
-    if name == "cpu-bench":  # `dora bench modes examples/math/bench.toml` on the 2-core machine
-        from dora.sim.cpu import bench_preset
-
-        return bench_preset()
-    try:
-        return PRESETS[name]
-    except KeyError:
-        raise ConfigError(
-            f"unknown preset {name!r}; choose one of {', '.join(sorted([*PRESETS, 'cpu-bench']))}"
-        ) from None
+def decode_steps(co: tuple[float, float, float], b: int, kv: float, seconds: float) -> float:
+    """Tokens each of `b` running sequences holding `kv` context tokens advances in `seconds`: the
+    inverse of `decode_seconds` (the positive root, written to stay exact when `k` is 0)."""
+    t0, c, k = co
+    a = t0 + c * b + k * kv
+    q = 0.5 * k * b
+    return 2.0 * seconds / (a + math.sqrt(a * a + 4.0 * q * seconds))
 
 
 def _coerce(key: str, text: str, current: object) -> object:

@@ -1,5 +1,5 @@
-"""The CPU calibration (dora/sim/cpu.py) and the cost model's CPU knobs: instances that share
-cores, a trainer that does not scale linearly with threads."""
+"""The CPU calibration (dora/bench/cpu_costs.py) and the cost model's CPU knobs: instances that
+share cores, a trainer that does not scale linearly with threads."""
 
 from __future__ import annotations
 
@@ -10,22 +10,22 @@ from pathlib import Path
 
 import pytest
 
-from dora.cli import main
-from dora.config import load_config
-from dora.sim import plan, simulate
-from dora.sim.costs import PRESETS, Setup, preset
-from dora.sim.cpu import (
+from dora.bench.cpu_costs import (
     BENCH_COSTS,
-    BENCH_LENGTHS,
     BENCH_SETTINGS,
     Costs,
-    _group_share,
-    _lognormal,
     fit_decode,
+    group_share,
+    lognormal,
     one_core_serve,
     setup_for,
     write_lengths,
 )
+from dora.cli import main
+from dora.config import load_config
+from dora.costs import PRESETS, Setup, preset
+from dora.costs.presets import CPU_BENCH_LENGTHS
+from dora.sim import plan, simulate
 from dora.sim.report import summarize
 from dora.sim.workload import Workload, read_lengths
 from tests.unit.sim.test_engine import check_run
@@ -131,19 +131,19 @@ def test_the_cpu_bench_preset_is_the_benchmark_config() -> None:
                 got = getattr(getattr(stored, section), name)
                 assert getattr(getattr(bench, section), name) == got, key
     s = preset("cpu-bench")
-    assert s == setup_for(bench, BENCH_COSTS, lengths_file=BENCH_LENGTHS)
+    assert s == setup_for(bench, BENCH_COSTS, lengths_file=CPU_BENCH_LENGTHS)
     assert s.shared_cores and s.pool_instances == bench.serve.instances
     # the stored groups are of the benchmark's group size and max_tokens, and the stored costs'
     # length statistics are theirs
-    groups = [[int(n) for n in g] for g in read_lengths(str(BENCH_LENGTHS))]
+    groups = [[int(n) for n in g] for g in read_lengths(str(CPU_BENCH_LENGTHS))]
     assert {len(g) for g in groups} == {bench.rollout.group_size}
     assert max(n for g in groups for n in g) == bench.rollout.max_tokens
     every = [float(n) for g in groups for n in g]
     assert statistics.fmean(every) == pytest.approx(BENCH_COSTS.response_mean)
-    assert _lognormal(every) == pytest.approx(
+    assert lognormal(every) == pytest.approx(
         (BENCH_COSTS.response_median, BENCH_COSTS.response_sigma)
     )
-    assert _group_share(groups) == pytest.approx(BENCH_COSTS.group_share)
+    assert group_share(groups) == pytest.approx(BENCH_COSTS.group_share)
 
 
 def test_measured_groups_are_drawn_whole(tmp_path: Path) -> None:
