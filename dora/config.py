@@ -22,6 +22,7 @@ from typing import Annotated, Literal
 import msgspec
 
 from dora.config_check import check_finite, check_keys, explain
+from dora.config_correction import IcePopSettings, MisSettings
 from dora.config_file import raw_config, read_config_file
 from dora.config_rules import CROSS_FIELD_RULES
 from dora.errors import ConfigError
@@ -280,10 +281,17 @@ class LearnConfig(_Section):
         float, M(ge=0, description="PPO clip above: ratio <= 1 + clip_high (DAPO clip-higher)")
     ] = 0.28
     off_policy: Annotated[
-        Literal["none", "tis", "decoupled"],
-        M(description="Correction for stale or mismatched behaviour logprobs"),
+        Literal["none", "tis", "decoupled", "icepop", "mis"],
+        M(
+            description="Correction for stale or mismatched behaviour logprobs (docs/trainer.md): "
+            "tis truncates token weights, decoupled and icepop mask tokens, mis weighs sequences"
+        ),
     ] = "tis"
-    tis_cap: Annotated[float, M(gt=0, description="Cap of truncated importance weights")] = 2.0
+    tis_cap: Annotated[
+        float, M(gt=0, description="Cap of the token weights of tis, and decoupled's mask")
+    ] = 2.0
+    icepop: IcePopSettings = msgspec.field(default_factory=IcePopSettings)
+    mis: MisSettings = msgspec.field(default_factory=MisSettings)
     kl_coef: Annotated[float, M(ge=0, description="KL penalty to the initial policy; 0 is off")] = (
         0.0
     )
