@@ -90,10 +90,16 @@ class LossSettings:
 
 
 class LossTerms(NamedTuple):
-    """`loss_sum`: differentiable, unnormalised; `stats`: detached sums over active tokens."""
+    """`loss_sum`: differentiable, unnormalised; `stats`: detached sums over active tokens;
+    per token, detached, for the diagnostics (`dora.learn.diagnostics`): `rho` the applied
+    importance weight, `log_ratio` the raw `log(pi_prox / mu)` (`log(pi_theta / mu)` without a
+    correction), `capped` where the correction changed the weight."""
 
     loss_sum: torch.Tensor
     stats: dict[str, float]
+    rho: torch.Tensor
+    log_ratio: torch.Tensor
+    capped: torch.Tensor
 
 
 def group_advantages(
@@ -182,11 +188,13 @@ def policy_loss(
         old = behaviour_logprobs
         rho = torch.ones_like(logprobs)
         capped = torch.zeros_like(active)
+        sampler_log_ratio = logprobs.detach() - behaviour_logprobs
     else:
         if proximal_logprobs is None:
             raise ValueError(f"off_policy={settings.off_policy!r} needs proximal_logprobs")
         old = proximal_logprobs
-        rho, capped = importance_weights(proximal_logprobs - behaviour_logprobs, active, settings)
+        sampler_log_ratio = proximal_logprobs - behaviour_logprobs
+        rho, capped = importance_weights(sampler_log_ratio, active, settings)
     log_ratio = logprobs - old
     if settings.loss == "gspo":
         seq_log_ratio = (log_ratio.detach() * act).sum(-1) / tokens_per_row
@@ -224,4 +232,4 @@ def policy_loss(
                 else 0.0
             ),
         }
-    return LossTerms(loss_sum, stats)
+    return LossTerms(loss_sum, stats, rho.detach(), sampler_log_ratio.detach(), capped)
