@@ -18,7 +18,7 @@ gate bounds it by K). Per level and over the whole step, on the loss tokens:
   versions).
 - `off_first_version_fraction`: sampled tokens whose version is not the version of their
   trajectory's first sampled token (0 by construction in every mode that pins a trajectory to one
-  version).
+  version); `trajectories_spanning_versions` counts the trajectories that have such tokens.
 
 Pure: tensors and protocol values in, sums and numbers out.
 """
@@ -92,8 +92,8 @@ def weight_metrics(sums: np.ndarray) -> dict[str, float]:
 
 def version_sums(step: int, groups: Sequence[Group], n_levels: int) -> np.ndarray:
     """Per level `[sampled tokens, sum of their staleness, tokens off their trajectory's first
-    version]` over the unmasked samples of `groups`."""
-    out = np.zeros((n_levels, 3))
+    version, trajectories that span versions]` over the unmasked samples of `groups`."""
+    out = np.zeros((n_levels, 4))
     for g in groups:
         level = min(max(step - g.version, 0), n_levels - 1)
         for s in g.samples:
@@ -106,18 +106,21 @@ def version_sums(step: int, groups: Sequence[Group], n_levels: int) -> np.ndarra
                 versions.size,
                 float((step - versions.astype(np.int64)).sum()),
                 float((versions != versions[0]).sum()),
+                float((versions != versions[0]).any()),
             )
     return out
 
 
 def version_metrics(sums: np.ndarray) -> dict[str, float]:
-    """`staleness_tokens_mean` and `off_first_version_fraction` of one row of `version_sums`."""
-    tokens, staleness, off_first = (float(x) for x in sums)
+    """`staleness_tokens_mean`, `off_first_version_fraction` and
+    `trajectories_spanning_versions` of one row of `version_sums`."""
+    tokens, staleness, off_first, spanning = (float(x) for x in sums)
     if tokens == 0:
         return {}
     return {
         "staleness_tokens_mean": staleness / tokens,
         "off_first_version_fraction": off_first / tokens,
+        "trajectories_spanning_versions": spanning,
     }
 
 

@@ -85,14 +85,16 @@ def test_token_weighted_staleness_and_tokens_off_the_first_version() -> None:
     new = Group(id="b", prompt_id="q", version=5, samples=[_sample([5, 5, 5])])
     sums = version_sums(5, [old, new], n_levels=3)
     # level 2: 6 tokens, staleness 2 2 1 1 2 2 = 10, 2 tokens off their first version (4 4)
-    np.testing.assert_allclose(sums[2], [6, 10, 2])
-    np.testing.assert_allclose(sums[0], [3, 0, 0])
+    # (and 1 of its 2 trajectories spans versions)
+    np.testing.assert_allclose(sums[2], [6, 10, 2, 1])
+    np.testing.assert_allclose(sums[0], [3, 0, 0, 0])
     metrics = step_diagnostics(5, [old, new], np.zeros((3, 4 + 600)))
     assert metrics["staleness_tokens_mean"] == pytest.approx(10 / 9)
     assert metrics["off_first_version_fraction"] == pytest.approx(2 / 9)
     assert metrics["staleness2/staleness_tokens_mean"] == pytest.approx(10 / 6)
     assert metrics["staleness2/off_first_version_fraction"] == pytest.approx(2 / 6)
     assert metrics["staleness0/off_first_version_fraction"] == 0.0
+    assert metrics["trajectories_spanning_versions"] == 1.0
     assert "staleness1/tokens" not in metrics
 
 
