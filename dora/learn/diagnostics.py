@@ -9,9 +9,9 @@ gate bounds it by K). Per level and over the whole step, on the loss tokens:
   equal, near `1/n` when one token carries the step. Masked tokens count as weight 0.
 - `is_ratio_p05`, `is_ratio_p50`, `is_ratio_p95`: quantiles of the raw ratio `pi_prox / mu`
   before the correction (`pi_theta / mu` under `off_policy = "none"`, where `rho = 1`). They come
-  from a histogram of `log(pi_prox / mu)` in bins of 0.01 over [-3, 3] (ratios 0.05 to 20;
-  outside, the edge), so that ranks add their histograms like every other sum of the step: a
-  quantile is exact to 1% inside that range.
+  from a histogram of `log(pi_prox / mu)` in bins 0.01 wide centred on -3, -2.99, ..., 3
+  (ratios 0.05 to 20; outside, the edge), so that ranks add their histograms like every other
+  sum of the step: a quantile is exact to 0.5% inside that range, and a ratio of 1 is 1.
 - `is_capped_fraction`: tokens whose weight the correction changed (truncated, raised, masked).
 - `staleness_tokens_mean`: the token-weighted staleness, the mean over sampled tokens of
   `t - version of the token` (differs from the group's level only where a trajectory spans
@@ -34,7 +34,7 @@ from dora.protocol import Group
 
 LOG_RANGE = 3.0
 BIN_WIDTH = 0.01
-BINS = 600  # 2 * LOG_RANGE / BIN_WIDTH
+BINS = 601  # centred on the multiples of BIN_WIDTH in [-LOG_RANGE, LOG_RANGE], 0 among them
 COUNTS = ("tokens", "rho_sum", "rho_sq_sum", "capped")
 WIDTH = len(COUNTS) + BINS
 QUANTILES = (("p05", 0.05), ("p50", 0.5), ("p95", 0.95))
@@ -62,7 +62,7 @@ def level_sums(
     out[:, 1].index_add_(0, rows, w)
     out[:, 2].index_add_(0, rows, w * w)
     out[:, 3].index_add_(0, rows, capped[active].double().cpu())
-    bins = ((lr.clamp(-LOG_RANGE, LOG_RANGE) + LOG_RANGE) / BIN_WIDTH).long().clamp(0, BINS - 1)
+    bins = ((lr.clamp(-LOG_RANGE, LOG_RANGE) + LOG_RANGE) / BIN_WIDTH).round().long()
     flat = rows * WIDTH + len(COUNTS) + bins
     out.view(-1).index_add_(0, flat, torch.ones_like(w))
     return out
@@ -72,7 +72,7 @@ def _quantile(hist: np.ndarray, q: float) -> float:
     """The ratio at quantile `q` of a histogram of log ratios (the centre of its bin)."""
     cdf = np.cumsum(hist)
     index = int(np.searchsorted(cdf, q * cdf[-1], side="left"))
-    return float(np.exp(-LOG_RANGE + (index + 0.5) * BIN_WIDTH))
+    return float(np.exp(-LOG_RANGE + index * BIN_WIDTH))
 
 
 def weight_metrics(sums: np.ndarray) -> dict[str, float]:
