@@ -28,7 +28,7 @@ from dora.config_rules import CROSS_FIELD_RULES
 from dora.errors import ConfigError
 from dora.protocol import MIN_TEMPERATURE
 
-Mode = Literal["sync", "one_step_off", "partial", "dora"]
+Mode = Literal["sync", "one_step_off", "partial", "dora", "inflight"]
 M = msgspec.Meta
 
 
@@ -206,7 +206,13 @@ class ServeConfig(_Section):
 class RolloutConfig(_Section):
     """How groups are sampled and scheduled."""
 
-    mode: Annotated[Mode, M(description="sync, one_step_off, partial or dora (default)")] = "dora"
+    mode: Annotated[
+        Mode,
+        M(
+            description="sync, one_step_off, partial, dora (default) or inflight (docs/"
+            "scheduling.md)"
+        ),
+    ] = "dora"
     staleness: Annotated[
         int, M(ge=0, le=64, description="K: most steps between sampling and training a group")
     ] = 2

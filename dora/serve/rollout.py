@@ -131,6 +131,7 @@ class Rollout:
             kv_migration=config.serve.kv_migration and config.serve.backend != "vllm",
             control_timeout_s=config.serve.weight_load_timeout_s,
             stats=self.stats,
+            pin_versions=r.mode != "inflight",
         )
         self.placement = Placement(
             self.core.wrap(Orchestrator(mode=Mode(r.mode))),
@@ -152,6 +153,7 @@ class Rollout:
             # The embedded engine holds LoRA versions as adapters over one base model.
             multi_version=config.serve.backend in ("embedded", "vllm")
             and config.model.lora.rank > 0,
+            in_flight=r.mode == "inflight",
         )
         restored = self.queue.restore()  # before the dispatcher, which continues the prompt stream
         self.stats.completed = len(restored.groups)

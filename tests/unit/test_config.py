@@ -124,3 +124,12 @@ def test_a_config_without_model_or_env_says_what_it_trains_on(tmp_path: Path) ->
     assert "no [model] section" in notes[0] and "'tiny'" in notes[0]
     assert "no [env] section" in notes[1] and "envs.math:ChainArithmeticEnv" in notes[1]
     assert default_sections(bare, ["model.path=/m", "env.cls=my:Env"]) == []
+
+
+def test_inflight_mode_is_refused_with_vllm_naming_the_keys() -> None:
+    with pytest.raises(
+        ConfigError, match=r"rollout\.mode = 'inflight' is invalid with serve\.backend = 'vllm'"
+    ):
+        load_config(None, ["rollout.mode=inflight", "serve.backend=vllm"])
+    config = load_config(None, ["rollout.mode=inflight", "rollout.staleness=3"])
+    assert (config.rollout.mode, config.rollout.staleness) == ("inflight", 3)
