@@ -24,10 +24,11 @@ import msgspec
 from dora.config_check import check_finite, check_keys, explain
 from dora.config_file import raw_config
 from dora.config_rules import CROSS_FIELD_RULES
+from dora.config_sections import IcePopSettings, LoraSettings, MisSettings
 from dora.errors import ConfigError
 from dora.protocol import MIN_TEMPERATURE
 
-Mode = Literal["sync", "one_step_off", "partial", "dora"]
+Mode = Literal["sync", "one_step_off", "partial", "dora", "inflight"]
 LORA_LR = 1e-5
 """`learn.lr` of a LoRA run that gives none: adapters learn at about ten times the full rate."""
 M = msgspec.Meta
@@ -35,33 +36,6 @@ M = msgspec.Meta
 
 class _Section(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """Base of every config section."""
-
-
-_LLAMA_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-
-
-class LoraSettings(_Section):
-    """LoRA adapters: the trainer trains only them and every published version is one."""
-
-    rank: Annotated[
-        int, M(ge=0, description="LoRA rank r; 0 trains every weight (no adapters)")
-    ] = 0
-    alpha: Annotated[
-        int, M(ge=1, description="LoRA alpha: the adapter's update is scaled by alpha / rank")
-    ] = 16
-    dropout: Annotated[
-        float,
-        M(
-            ge=0,
-            lt=1,
-            description="Dropout on the adapters' input while training (the engine samples "
-            "without it, so keep 0 for exact behaviour logprobs)",
-        ),
-    ] = 0.0
-    target_modules: Annotated[
-        list[str],
-        M(description="Names of the linear layers that get adapters (peft's target_modules)"),
-    ] = msgspec.field(default_factory=lambda: list(_LLAMA_LINEARS))
 
 
 class ModelConfig(_Section):
@@ -211,7 +185,13 @@ class ServeConfig(_Section):
 class RolloutConfig(_Section):
     """How groups are sampled and scheduled."""
 
-    mode: Annotated[Mode, M(description="sync, one_step_off, partial or dora (default)")] = "dora"
+    mode: Annotated[
+        Mode,
+        M(
+            description="sync, one_step_off, partial, dora (default) or inflight (docs/"
+            "scheduling.md)"
+        ),
+    ] = "dora"
     staleness: Annotated[
         int, M(ge=0, le=64, description="K: most steps between sampling and training a group")
     ] = 2
@@ -286,10 +266,17 @@ class LearnConfig(_Section):
         float, M(ge=0, description="PPO clip above: ratio <= 1 + clip_high (DAPO clip-higher)")
     ] = 0.28
     off_policy: Annotated[
-        Literal["none", "tis", "decoupled"],
-        M(description="Correction for stale or mismatched behaviour logprobs"),
+        Literal["none", "tis", "decoupled", "icepop", "mis"],
+        M(
+            description="Correction for stale or mismatched behaviour logprobs (docs/trainer.md): "
+            "tis truncates token weights, decoupled and icepop mask tokens, mis weighs sequences"
+        ),
     ] = "tis"
-    tis_cap: Annotated[float, M(gt=0, description="Cap of truncated importance weights")] = 2.0
+    tis_cap: Annotated[
+        float, M(gt=0, description="Cap of the token weights of tis, and decoupled's mask")
+    ] = 2.0
+    icepop: IcePopSettings = msgspec.field(default_factory=IcePopSettings)
+    mis: MisSettings = msgspec.field(default_factory=MisSettings)
     kl_coef: Annotated[float, M(ge=0, description="KL penalty to the initial policy; 0 is off")] = (
         0.0
     )

@@ -62,6 +62,27 @@ def _open_without_token(c: DoraConfig) -> str | None:
     )
 
 
+def _inflight_backend(c: DoraConfig) -> str | None:
+    if c.rollout.mode != "inflight" or c.serve.backend != "vllm":
+        return None
+    return (
+        "rollout.mode = 'inflight' is invalid with serve.backend = 'vllm': its requests would "
+        "have to keep running across a weight load and say which version sampled each token, "
+        "which dora's vLLM client cannot; use serve.backend = 'embedded', or rollout.mode = "
+        "'partial' (requests resume on the new version by resubmission)"
+    )
+
+
+def _band_inverted(c: DoraConfig) -> str | None:
+    for key, band in (("learn.icepop", c.learn.icepop), ("learn.mis", c.learn.mis)):
+        if band.low >= band.high:
+            return (
+                f"{key}.low = {band.low} is invalid: it must be below {key}.high = {band.high} "
+                "(the band of importance ratios a correction keeps)"
+            )
+    return None
+
+
 CROSS_FIELD_RULES: tuple[CrossFieldRule, ...] = (
     CrossFieldRule(
         "`rollout.group_size` >= 2 with the group-relative losses (`grpo`, `dr_grpo`, `gspo`)",
@@ -78,6 +99,15 @@ CROSS_FIELD_RULES: tuple[CrossFieldRule, ...] = (
     CrossFieldRule(
         "`serve.host` off loopback needs `serve.token` (and the link's CURVE keys)",
         _open_without_token,
+    ),
+    CrossFieldRule(
+        "`rollout.mode = 'inflight'` needs a backend that loads under running requests "
+        "(`embedded` or `emulated`, not `vllm`)",
+        _inflight_backend,
+    ),
+    CrossFieldRule(
+        "`learn.icepop.low` < `learn.icepop.high` and `learn.mis.low` < `learn.mis.high`",
+        _band_inverted,
     ),
 )
 """Checked in this order at load, after the mode presets; the first broken rule is the error."""

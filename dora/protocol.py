@@ -241,6 +241,21 @@ class Sample(msgspec.Struct, kw_only=True, array_like=True):
     def token_versions(self) -> npt.NDArray[np.int32]:
         return np.frombuffer(self.versions, dtype=I32)
 
+    def version_spans(self) -> list[tuple[int, int, int]]:
+        """The versions that sampled the trajectory, compactly: `(start, end, version)` with
+        every sampled token in positions `[start, end)` sampled by `version`. Tokens the policy
+        did not sample (prompt, environment) belong to no span of their own: a span runs on
+        across them to the next token of another version. One span unless a trajectory spans
+        versions (partial mode)."""
+        versions = self.token_versions()
+        sampled = np.flatnonzero(versions >= 0)
+        if sampled.size == 0:
+            return []
+        changes = sampled[1:][np.diff(versions[sampled]) != 0]
+        starts = [int(sampled[0]), *map(int, changes)]
+        ends = [*starts[1:], int(sampled[-1]) + 1]
+        return [(a, b, int(versions[a])) for a, b in zip(starts, ends, strict=True)]
+
     def __len__(self) -> int:
         return len(self.token_ids) // I32.itemsize
 

@@ -47,7 +47,7 @@ from dora.records import (
     read_trainer_steps,
 )
 
-__all__ = ["RunData", "load_run", "main", "plot_accuracy_vs_time", "write_report"]
+__all__ = ["RunData", "load_run", "main", "plot_accuracy_vs_time", "version_rows", "write_report"]
 
 
 @dataclass(kw_only=True)
@@ -351,15 +351,30 @@ SUMMARY_KEYS = (
 )
 
 
+def version_rows(run: RunData) -> list[tuple[str, str]]:
+    """How many trajectories spanned versions over the trained steps, and the mean fraction of
+    tokens sampled by another version than their trajectory's first (none where the trainer's
+    records lack them)."""
+    steps = [m for _, m in run.step_metrics() if "trajectories_spanning_versions" in m]
+    if not steps:
+        return []
+    spanning = sum(m["trajectories_spanning_versions"] for m in steps)
+    off_first = sum(m["off_first_version_fraction"] for m in steps) / len(steps)
+    return [
+        ("trajectories_spanning_versions", json.dumps(round(spanning))),
+        ("off_first_version_fraction", json.dumps(round(off_first, 6))),
+    ]
+
+
 def _summary_rows(run: RunData) -> list[tuple[str, str]]:
     if run.summary is not None:
         summary = msgspec.to_builtins(run.summary)
-        return [(k, json.dumps(summary[k])) for k in SUMMARY_KEYS]
+        return [(k, json.dumps(summary[k])) for k in SUMMARY_KEYS] + version_rows(run)
     rows = [("state", "running (no summary yet)")]
     if run.ticks:
         last = run.ticks[-1]
         rows += [(k, json.dumps(getattr(last, k))) for k in ("step", "trained", "newest")]
-    return rows
+    return rows + version_rows(run)
 
 
 def write_report(run_dir: Path, out: Path | None = None) -> Path:

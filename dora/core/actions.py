@@ -28,6 +28,7 @@ class Mode(enum.Enum):
     ONE_STEP_OFF = "one_step_off"
     PARTIAL = "partial"
     DORA = "dora"
+    INFLIGHT = "inflight"
 
 
 @dataclass(frozen=True, slots=True)

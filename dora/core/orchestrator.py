@@ -51,28 +51,25 @@ Rules, in mode `dora` (and `sync`, which is `dora` with K = 0):
   (never the newest, nor version 0, the base).
 The driver starts every group through `place`, so it keeps no state of its own about draining.
 
-Mode `one_step_off`: one version at a time. On a new version every instance is drained; once no
-live request of the old version is left, all instances load the new one together.
-Mode `partial`: on a new version every request is parked (aborted, tokens kept), every instance
-loads the new version, and the parked requests resume on it (`Resume.version` is the version that
-samples from now on; trajectories span versions, so leases follow the request's current version).
+On a new version, mode `one_step_off` drains every instance and, once the old version has no live
+request, loads the new one on all together; `partial` parks every request (aborted, tokens kept),
+loads every instance and resumes them on it (`Resume.version` samples from now on: leases follow
+a request's current version); `inflight` loads every instance under its running requests, which
+go on with the KV cache the old weights made, their leases moved to the new version at once.
 
 Non-obvious choices:
-- A request takes one slot of capacity from its first token to its end, also while it waits for a
-  tool: counting only requests inside the engine would let a version be unloaded under a
-  multi-turn episode that still needs it.
-- `Load` is only emitted for an instance with no requests; the instance is not ready (gets no
-  requests) until the driver reports `on_loaded`.
+- A request takes one slot from its first token to its end, also while it waits for a tool:
+  else a version could be unloaded under a multi-turn episode that still needs it.
+- `Load` is only emitted for an instance with no requests (but in mode `inflight`); the instance
+  gets no new requests until the driver reports `on_loaded`.
 - The one exception to "old to newest only": a version whose requests wait with no room (its
   instance died, or there are fewer instances than live versions) gets an instance back, in
   deadline order, by draining (never preempting) one of the newest version's instances.
-- Planning is incremental over the pool's indexes (`pool.py`), so `place` is O(log n), a
-  finishing request is O(1) unless it lets a whole instance of its (old) version be freed, and a
-  publish is O(m log m) over the old versions' `m` instances. A full pass over the pool happens
-  only while requests are parked or an instance drains (an instance died, or fewer instances
-  than versions), which is rare.
-- Request sizes are the driver's last report (`set_size`), not live values: they only bound
-  packing, and the engine still preempts if a sequence outgrows its instance.
+- Planning is incremental (`pool.py`): `place` is O(log n), a finishing request O(1) unless it
+  frees a whole old instance, a publish O(m log m) over the old versions' `m` instances; a full
+  pass only while requests are parked or an instance drains (rare).
+- Request sizes are the driver's last report (`set_size`): they only bound packing (the engine
+  still preempts a sequence that outgrows its instance).
 
 Usage::
 
@@ -237,6 +234,9 @@ class Orchestrator(Pool):
                     actions.append(Park(rid, inst.id))
                     self._detach(inst, rid)
                     self._park(rid)
+        elif self._mode is Mode.INFLIGHT:
+            for inst in [i for i in self._instances.values() if i.version is not None]:
+                self._swap(inst, version, actions)
         return actions + self._plan()
 
     def set_demand(self, requests: int) -> list[Action]:
@@ -386,7 +386,7 @@ class Orchestrator(Pool):
         self._deferred = False
         if self._mode is Mode.ONE_STEP_OFF:
             self._plan_one_step_off(actions)
-        elif self._mode is Mode.PARTIAL:
+        elif self._mode in (Mode.PARTIAL, Mode.INFLIGHT):
             for inst in self._idle_not_newest():
                 if self._retargetable(inst):
                     self._load(inst, self._newest, actions)
@@ -577,7 +577,7 @@ class Orchestrator(Pool):
         for w in sorted(self._parked):
             queue = self._parked[w]
             while queue:
-                run_on = self._newest if self._mode is Mode.PARTIAL else w
+                run_on = self._newest if self._mode in (Mode.PARTIAL, Mode.INFLIGHT) else w
                 rid = queue[0]
                 req = self._requests[rid]
                 dst = self._room(run_on, req.size)

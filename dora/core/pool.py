@@ -418,6 +418,20 @@ class Pool:
         self._index(inst)
         actions.append(Load(inst.id, version, self._loads))
 
+    def _swap(self, inst: _Instance, version: int, actions: list[Action]) -> None:
+        """Load `version` onto `inst` under its running requests (mode inflight): they stay, and
+        their leases move to `version`, the one that samples their next tokens."""
+        rids = sorted(inst.requests)
+        for rid in rids:
+            self._detach(inst, rid)
+        self._load(inst, version, actions)
+        for rid in rids:
+            req = self._requests[rid]
+            self._count_live(req.version, -1, -req.size)
+            self._count_live(version, 1, req.size)
+            req.version = version
+            self._attach(inst, rid)
+
     def _forget_ghost_versions(self, newest: int, actions: list[Action]) -> None:
         """A roll-back to `newest`: multi-version instances unload the versions past it (the
         ghosts) and forget their loads; one that held only ghosts holds nothing, unready."""

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Literal, Protocol
 
 import msgspec
 
@@ -82,10 +82,12 @@ class InstanceClient(Protocol):
         *,
         path: str | None = None,
         tensors: Mapping[str, tuple[str, list[int], bytes]] | None = None,
+        mode: Literal["drain", "abort", "keep"] = "drain",
         timeout_s: float | None = None,
     ) -> dict[str, object]:
         """Load `version` from a safetensors folder `path` or from raw `tensors` (name -> dtype,
-        shape, bytes)."""
+        shape, bytes). `mode`: running requests finish first ("drain"), end now ("abort"), or go
+        on under the new weights with their KV cache ("keep"; a backend may refuse it)."""
         ...
 
     async def abort(self, request_id: str, *, timeout_s: float | None = None) -> Completion:

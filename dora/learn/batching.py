@@ -54,6 +54,7 @@ class SequenceItem:
     weight: float
     norm: float
     proximal: npt.NDArray[np.float32] | None = None
+    version: int = 0  # its group's version (the staleness level of the diagnostics)
 
     @property
     def length(self) -> int:
@@ -123,6 +124,7 @@ def prepare_group(
                 advantage=float(advantage),
                 weight=weight,
                 norm=norm,
+                version=group.version,
             )
         )
     return PreparedGroup(group=group, items=items, filtered=False, masked_samples=masked)

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from dora.config import LoraSettings
+from dora.config_sections import LoraSettings
 from dora.instance.adapter_folder import ADAPTER_CONFIG, ADAPTER_FILE, adapter_config
 
 

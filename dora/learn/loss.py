@@ -15,9 +15,15 @@ The step objective over the sequences `i` and their sampled tokens `t` is
   between the sampler and the proximal policy (staleness up to K versions, and trainer/inference
   numeric mismatch). `tis` truncates it at `tis_cap` (truncated importance sampling); `decoupled`
   keeps it unclipped but drops tokens whose weight exceeds `tis_cap` (AReaL's behaviour-weight cap).
+  `icepop` keeps it unclipped where it lies in `[icepop_low, icepop_high]` and drops the token
+  elsewhere (IcePop's two-sided mask). `mis` weighs a whole sequence by one ratio, the geometric
+  mean or the product of its token ratios, clamped into `[mis_low, mis_high]` or, with
+  `mis_action = "mask"`, dropping the sequence outside it (sequence-level masked importance
+  sampling).
 - GSPO (`loss = "gspo"`) replaces the token ratio by the sequence ratio
   `s_i = exp(mean_t log(pi_theta / pi_old))`, applied per token as `sg[s_i] * pi/sg[pi]` so the
-  gradient is `s_i A_i grad mean_t log pi`; its off-policy weight is the sequence-level one too.
+  gradient is `s_i A_i grad mean_t log pi`; its `tis`/`decoupled` weight is the sequence-level one
+  too (`icepop` stays per token, `mis` is per sequence anyway).
 - `k3 = exp(ref - theta) - (ref - theta) - 1` is Schulman's unbiased, non-negative KL estimator to a
   reference policy (the initial weights).
 - `w_i` and `Z` implement the aggregation and are chosen in `dora.learn.batching`: token-level
@@ -42,7 +48,7 @@ if TYPE_CHECKING:
     from dora.config import LearnConfig
 
 LossKind = Literal["grpo", "dr_grpo", "gspo"]
-OffPolicy = Literal["none", "tis", "decoupled"]
+OffPolicy = Literal["none", "tis", "decoupled", "icepop", "mis"]
 
 ADVANTAGE_EPS = 1e-6  # keeps a group with a tiny spread from exploding; std is unbiased (TRL's)
 
@@ -56,6 +62,12 @@ class LossSettings:
     clip_high: float = 0.28
     off_policy: OffPolicy = "tis"
     tis_cap: float = 2.0
+    icepop_low: float = 0.5
+    icepop_high: float = 5.0
+    mis_ratio: Literal["geometric", "product"] = "geometric"
+    mis_action: Literal["truncate", "mask"] = "truncate"
+    mis_low: float = 0.0
+    mis_high: float = 2.0
     kl_coef: float = 0.0
 
     @classmethod
@@ -67,15 +79,27 @@ class LossSettings:
             clip_high=learn.clip_high,
             off_policy=learn.off_policy,
             tis_cap=learn.tis_cap,
+            icepop_low=learn.icepop.low,
+            icepop_high=learn.icepop.high,
+            mis_ratio=learn.mis.ratio,
+            mis_action=learn.mis.action,
+            mis_low=learn.mis.low,
+            mis_high=learn.mis.high,
             kl_coef=learn.kl_coef,
         )
 
 
 class LossTerms(NamedTuple):
-    """`loss_sum`: differentiable, unnormalised; `stats`: detached sums over active tokens."""
+    """`loss_sum`: differentiable, unnormalised; `stats`: detached sums over active tokens;
+    per token, detached, for the diagnostics (`dora.learn.diagnostics`): `rho` the applied
+    importance weight, `log_ratio` the raw `log(pi_prox / mu)` (`log(pi_theta / mu)` without a
+    correction), `capped` where the correction changed the weight."""
 
     loss_sum: torch.Tensor
     stats: dict[str, float]
+    rho: torch.Tensor
+    log_ratio: torch.Tensor
+    capped: torch.Tensor
 
 
 def group_advantages(
@@ -108,6 +132,39 @@ def token_entropy(logits: torch.Tensor) -> torch.Tensor:
     return -(logp.exp() * logp).sum(-1)
 
 
+def importance_weights(
+    log_rho: torch.Tensor, active: torch.Tensor, settings: LossSettings
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The weights `rho` that `settings.off_policy` makes of the log importance ratios
+    `log(pi_prox / mu)` ([N, T]), and which active tokens the correction changed (truncated,
+    raised or masked). Inactive tokens (weight 0) take no part in a sequence's ratio."""
+    act = active.to(log_rho.dtype)
+    log_rho = torch.where(active, log_rho, torch.zeros_like(log_rho))
+    tokens_per_row = act.sum(-1).clamp_min(1.0)
+    if settings.off_policy == "mis":
+        seq = (log_rho * act).sum(-1)
+        if settings.mis_ratio == "geometric":
+            seq = seq / tokens_per_row
+        ratio = seq.exp().unsqueeze(-1).expand_as(log_rho)
+        outside = (ratio < settings.mis_low) | (ratio > settings.mis_high)
+        if settings.mis_action == "truncate":
+            rho = ratio.clamp(settings.mis_low, settings.mis_high)
+        else:
+            rho = torch.where(outside, torch.zeros_like(ratio), ratio)
+        return rho, outside & active
+    if settings.loss == "gspo" and settings.off_policy in ("tis", "decoupled"):
+        seq = (log_rho * act).sum(-1) / tokens_per_row
+        log_rho = seq.unsqueeze(-1).expand_as(log_rho)
+    raw = log_rho.exp()
+    if settings.off_policy == "icepop":
+        outside = (raw < settings.icepop_low) | (raw > settings.icepop_high)
+        return torch.where(outside, torch.zeros_like(raw), raw), outside & active
+    capped = raw > settings.tis_cap
+    if settings.off_policy == "tis":
+        return raw.clamp(max=settings.tis_cap), capped & active
+    return torch.where(capped, torch.zeros_like(raw), raw), capped & active
+
+
 def policy_loss(
     *,
     logprobs: torch.Tensor,
@@ -131,20 +188,13 @@ def policy_loss(
         old = behaviour_logprobs
         rho = torch.ones_like(logprobs)
         capped = torch.zeros_like(active)
+        sampler_log_ratio = logprobs.detach() - behaviour_logprobs
     else:
         if proximal_logprobs is None:
             raise ValueError(f"off_policy={settings.off_policy!r} needs proximal_logprobs")
         old = proximal_logprobs
-        log_rho = proximal_logprobs - behaviour_logprobs
-        if settings.loss == "gspo":
-            seq = (log_rho * act).sum(-1) / tokens_per_row
-            log_rho = seq.unsqueeze(-1).expand_as(logprobs)
-        raw_rho = log_rho.exp()
-        capped = raw_rho > settings.tis_cap
-        if settings.off_policy == "tis":
-            rho = raw_rho.clamp(max=settings.tis_cap)
-        else:
-            rho = torch.where(capped, torch.zeros_like(raw_rho), raw_rho)
+        sampler_log_ratio = proximal_logprobs - behaviour_logprobs
+        rho, capped = importance_weights(sampler_log_ratio, active, settings)
     log_ratio = logprobs - old
     if settings.loss == "gspo":
         seq_log_ratio = (log_ratio.detach() * act).sum(-1) / tokens_per_row
@@ -182,4 +232,4 @@ def policy_loss(
                 else 0.0
             ),
         }
-    return LossTerms(loss_sum, stats)
+    return LossTerms(loss_sum, stats, rho.detach(), sampler_log_ratio.detach(), capped)

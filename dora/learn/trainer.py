@@ -60,6 +60,7 @@ from dora.learn.checkpoint import (
     staging_dir,
     start_incarnation,
 )
+from dora.learn.diagnostics import WIDTH, level_sums, step_diagnostics
 from dora.learn.lora import adapter_tensors, apply_lora, enabled, resume_lora
 from dora.learn.loss import LossSettings, policy_loss, token_entropy
 from dora.learn.metrics import SUMS, step_metrics
@@ -90,6 +91,7 @@ class _Update:
     sums: dict[str, float] = field(default_factory=lambda: defaultdict(float))
     ratio_max: float = 0.0
     ratio_min: float = float("inf")
+    levels: torch.Tensor = field(default_factory=lambda: torch.zeros(0))  # diagnostics' sums
 
 
 @dataclass
@@ -262,7 +264,11 @@ class Trainer:
         self._step = step
         started = time.perf_counter()
         state = _Step()
-        updates = [_Update() for _ in range(self.cfg.updates_per_step)]
+        n_levels = self.config.rollout.staleness + 1
+        updates = [
+            _Update(levels=torch.zeros(n_levels, WIDTH, dtype=torch.float64))
+            for _ in range(self.cfg.updates_per_step)
+        ]
         while True:
             t0 = time.perf_counter()
             message = self.receiver.next(waiting_for=f"the groups of step {step}")
@@ -413,6 +419,14 @@ class Trainer:
         update.sums["entropy_sum"] += float((mb.unpack(token_entropy(logits)) * active).sum())
         for key in SUMS[1:-1]:
             update.sums[key] += terms.stats[key]
+        update.levels += level_sums(
+            rho=terms.rho,
+            log_ratio=terms.log_ratio,
+            capped=terms.capped,
+            active=mb.weights > 0,
+            levels=torch.tensor([self._step - item.version for item in items] or [0]),
+            n_levels=update.levels.shape[0],
+        )
         if terms.stats["tokens"]:
             update.ratio_max = max(update.ratio_max, terms.stats["ratio_max"])
             update.ratio_min = min(update.ratio_min, terms.stats["ratio_min"])
@@ -499,10 +513,13 @@ class Trainer:
             [max(u.ratio_max for u in updates), -min(u.ratio_min for u in updates)],
             dtype=torch.float64,
         )
+        levels = torch.stack([u.levels for u in updates]).sum(0)
         if self.world > 1:
             dist.all_reduce(sums, group=self._group)
+            dist.all_reduce(levels, group=self._group)
             dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=self._group)
-        return step_metrics(
+        trained = [p.group for p in state.prepared if not p.filtered]
+        return step_diagnostics(step, trained, levels.numpy()) | step_metrics(
             step=step,
             prepared=state.prepared,
             duplicates=state.duplicates,

@@ -14,6 +14,9 @@ its leases continue on instances of their version, or are parked until one has r
 replaced (when the pool can start instances: `replace`), at most `serve.max_instance_restarts`
 times in a run, and the replacement loads the version the orchestrator gives it from the weight
 store.
+
+In mode `inflight` a `Load` does not wait for the instance's calls: the engine loads between two
+decode steps ("keep") and its running requests go on under the new weights with their KV cache.
 """
 
 from __future__ import annotations
@@ -66,9 +69,11 @@ class InstanceLifecycle:
         spawn: Spawner,
         replace: Replace | None = None,
         multi_version: bool = False,
+        in_flight: bool = False,
     ) -> None:
         self._config = config
         self._multi_version = multi_version
+        self._in_flight = in_flight
         self._placement = placement
         self._router = placement.router
         self._orchestrator = placement.orchestrator
@@ -207,7 +212,8 @@ class InstanceLifecycle:
                 return  # the orchestrator gave the instance another load since (or lost it)
             try:
                 async with asyncio.timeout(timeout_s):
-                    if not self._multi_version:  # an adapter loads beside running calls
+                    # an adapter loads beside running calls; in-flight loads go under them
+                    if not self._multi_version and not self._in_flight:
                         await self._router.wait_idle(instance)
             except TimeoutError:
                 raise ServerTimeout(
@@ -256,7 +262,11 @@ class InstanceLifecycle:
         for attempt in range(retries + 1):
             try:
                 await client.load_weights(
-                    version, path=weights.path or None, tensors=tensors, timeout_s=timeout_s
+                    version,
+                    path=weights.path or None,
+                    tensors=tensors,
+                    mode="keep" if self._in_flight else "drain",
+                    timeout_s=timeout_s,
                 )
                 return True
             except ServerUnavailable:

@@ -199,7 +199,8 @@ class SampleLog:
     """Writes one completed group in every `every` to `<run_dir>/samples.jsonl`
     (`log.samples_every`): the exact token ids each sample was trained on, with the text they
     decode to, so a user can see what the model is given (a missing `<bos>`, a wrong template)
-    before trusting a run."""
+    before trusting a run, and which version sampled which tokens (`version_spans`,
+    `Sample.version_spans`)."""
 
     def __init__(self, run_dir: Path, *, every: int, decode: Callable[[list[int]], str]) -> None:
         self.path = run_dir / "samples.jsonl"
@@ -219,6 +220,7 @@ class SampleLog:
                     "token_ids": ids,
                     "prompt_len": s.prompt_len,
                     "loss_mask": s.mask().tolist(),
+                    "version_spans": s.version_spans(),
                     "text": self._decode(ids),
                     "reward": s.reward,
                     "masked": s.masked,

@@ -19,6 +19,7 @@ from dora.core.orchestrator import (
     Fail,
     Load,
     Migrate,
+    Mode,
     Orchestrator,
     Park,
     Resume,
@@ -100,6 +101,8 @@ class Placement:
         for action in actions:
             match action:
                 case Load():
+                    if self.orchestrator.mode is Mode.INFLIGHT:
+                        self.router.retag(action.instance, action.version)
                     self.on_load(action)
                 case Unload():
                     self.on_unload(action)

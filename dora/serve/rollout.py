@@ -113,7 +113,7 @@ class Rollout:
         self.spawn = Spawner()
         self.placement = Placement(
             self.core.wrap(Orchestrator(mode=Mode(r.mode))),
-            _router(config.serve, self.stats),
+            _router(config.serve, self.stats, pin_versions=r.mode != "inflight"),
             metrics=self.metrics,
             spawn=self.spawn,
         )
@@ -171,6 +171,7 @@ class Rollout:
             # The embedded engine holds LoRA versions as adapters over one base model.
             multi_version=config.serve.backend in ("embedded", "vllm")
             and config.model.lora.rank > 0,
+            in_flight=config.rollout.mode == "inflight",
         )
 
     def _metrics_ticker(self, config: DoraConfig, link: ServeLink) -> tuple[Snapshots, Ticker]:
@@ -332,12 +333,13 @@ def _metrics_log(config: DoraConfig, run_dir: Path) -> MetricsLog:
     return MetricsLog(run_dir, tracking=open_tracking(config, run_dir), console=console)
 
 
-def _router(serve: ServeConfig, stats: ServeStats) -> Router:
+def _router(serve: ServeConfig, stats: ServeStats, *, pin_versions: bool) -> Router:
     return Router(
         # vLLM cannot move a request with its KV cache; the embedded and emulated engines can.
         kv_migration=serve.kv_migration and serve.backend != "vllm",
         control_timeout_s=serve.weight_load_timeout_s,
         stats=stats,
+        pin_versions=pin_versions,
     )
 
 

@@ -128,8 +128,12 @@ class Router:
         control_timeout_s: float = 60.0,
         stats: ServeStats | None = None,
         max_interrupts: int = MAX_INTERRUPTS,
+        pin_versions: bool = True,
     ) -> None:
         self.kv_migration = kv_migration
+        self.pin_versions = pin_versions
+        """Calls pin their lease's version; off in mode inflight, where an instance changes
+        version under its calls and the engine's per-token versions say which sampled what."""
         self.control_timeout_s = control_timeout_s
         self._interrupting = asyncio.Semaphore(max_interrupts)
         self.instances: dict[str, InstanceState] = {}
@@ -205,6 +209,12 @@ class Router:
         lease.instance, lease.version = instance, version
         lease.resumes += 1
         lease.placed.set()
+
+    def retag(self, instance: str, version: int) -> None:
+        """Mode inflight: `instance` loads `version` under its leases, which sample it from now."""
+        for lease in self.leases.values():
+            if lease.instance == instance:
+                lease.version = version
 
     def fail(self, lease_id: str, reason: str) -> None:
         """`Fail` (after a `Park`): the lease can run on no instance; its episode's next call is
@@ -311,7 +321,10 @@ class Router:
                 try:
                     if imported is None:
                         completion = await inst.client.generate(
-                            prompt_ids, params, request_id=call_id, version=version
+                            prompt_ids,
+                            params,
+                            request_id=call_id,
+                            version=version if self.pin_versions else None,
                         )
                     else:
                         self.stats.kv_migrations += 1

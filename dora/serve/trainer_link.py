@@ -309,9 +309,9 @@ class TrainerLink:
         self.assigned(assigned)
 
     def _ghost_tainted(self, newest: int) -> set[str]:
-        """Groups holding a token of a version newer than `newest` (partial mode: a request
-        resumed on a ghost version): their running leases follow the version that samples them
-        now, and a completed group keeps each token's version."""
+        """Groups holding a token of a version newer than `newest` (partial and inflight modes:
+        a request resumed on, or moved under, a ghost version): their running leases follow the
+        version that samples them now, and a completed group keeps each token's version."""
         tainted = {
             gid
             for lid, lease in self._router.leases.items()

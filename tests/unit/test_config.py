@@ -135,3 +135,12 @@ def test_the_default_learning_rate_is_the_peers_one_and_ten_times_it_for_lora() 
     given = load_config(None, ["model.lora.rank=8", "learn.lr=3e-5"])
     assert given.learn.lr == 3e-5  # a rate the config gives is kept, LoRA or not
     assert load_config(None, ["learn.lr=2e-6"]).learn.lr == 2e-6
+
+
+def test_inflight_mode_is_refused_with_vllm_naming_the_keys() -> None:
+    with pytest.raises(
+        ConfigError, match=r"rollout\.mode = 'inflight' is invalid with serve\.backend = 'vllm'"
+    ):
+        load_config(None, ["rollout.mode=inflight", "serve.backend=vllm"])
+    config = load_config(None, ["rollout.mode=inflight", "rollout.staleness=3"])
+    assert (config.rollout.mode, config.rollout.staleness) == ("inflight", 3)

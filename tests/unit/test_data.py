@@ -153,8 +153,8 @@ class _LongEnv(SingleTurnEnv):
 
 @pytest.fixture(scope="module")
 def renderer() -> object:
-    from dora.models.tiny import char_tokenizer
     from dora.episode import ChatRenderer
+    from dora.models.tiny import char_tokenizer
 
     return ChatRenderer(char_tokenizer())  # type: ignore[arg-type]
 

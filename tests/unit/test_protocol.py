@@ -95,3 +95,24 @@ def test_completion_version_is_first_token_version() -> None:
         request_id="r", token_ids=[], logprobs=[], versions=[], finish_reason="abort"
     )
     assert empty.version == -1
+
+
+def test_version_spans_are_the_runs_of_the_sampled_tokens() -> None:
+    # prompt (2 tokens, -1), 3 tokens of version 4, an environment token (-1), 2 tokens of 5 and 1
+    # of 4: spans are half-open [start, end) over positions, merged across unsampled tokens
+    versions = [-1, -1, 4, 4, 4, -1, 5, 5, 4]
+    sample = Sample.build(
+        token_ids=list(range(9)),
+        loss_mask=[0 if v < 0 else 1 for v in versions],
+        logprobs=[0.0] * 9,
+        versions=versions,
+        prompt_len=2,
+        reward=0.0,
+    )
+    assert sample.version_spans() == [(2, 6, 4), (6, 8, 5), (8, 9, 4)]
+    assert (
+        Sample.build(
+            token_ids=[1], loss_mask=[0], logprobs=[0.0], versions=[-1], prompt_len=1, reward=0.0
+        ).version_spans()
+        == []
+    )

@@ -19,7 +19,7 @@ import pytest_asyncio
 import torch
 from vllm_helpers import MAX_MODEL_LEN, max_abs_diff, needs_vllm
 
-from dora.config import LoraSettings
+from dora.config_sections import LoraSettings
 from dora.errors import VersionMismatch
 from dora.learn.lora import adapter_tensors, apply_lora, save_published_adapter
 from dora.protocol import SamplingParams

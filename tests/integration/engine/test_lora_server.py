@@ -12,7 +12,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from dora.config import LoraSettings
+from dora.config_sections import LoraSettings
 from dora.engine import EngineClient, EngineServer
 from dora.errors import RequestError, VersionMismatch
 from dora.instance.interface import held_versions

@@ -20,8 +20,8 @@ import numpy as np
 import pytest
 
 from dora.env import Env, Task
-from dora.protocol import Completion, SamplingParams
 from dora.episode import EpisodeLimits, PinnedSampler, run_group
+from dora.protocol import Completion, SamplingParams
 
 engine = pytest.importorskip("dora.engine")
 

@@ -9,7 +9,9 @@ Checked in every mode: every group arrives exactly once and every step gets exac
 - sync: every group of step t was sampled by version t;
 - one_step_off: one version serving at a time;
 - partial: per-token versions recorded; some trajectories span versions, never going backwards
-  and never older than the version the group was admitted at (which its deadline counts from).
+  and never older than the version the group was admitted at (which its deadline counts from);
+- inflight: the same, with no request parked, resubmitted or migrated (the instances load under
+  their running requests).
 """
 
 from __future__ import annotations
@@ -169,3 +171,17 @@ async def test_partial_mode(tmp_path: Path, long_tail_model: Path) -> None:
             spanning += len(set(versions.tolist())) > 1
     assert spanning > 0, "some trajectories continued on a newer version"
     assert report.parks > 0
+
+
+async def test_inflight_mode(tmp_path: Path, long_tail_model: Path) -> None:
+    report, trainer, records = await _run("inflight", tmp_path, long_tail_model)
+    _common(report, trainer, records, k=2)
+    spanning = 0
+    for _, group in trainer.received:
+        for versions in _sampled_versions(group):
+            assert versions[0] >= group.version  # K counts from the group's (first) version
+            assert (np.diff(versions) >= 0).all(), "versions never go backwards"
+            spanning += len(set(versions.tolist())) > 1
+    assert spanning > 0, "some trajectories went on under a newer version"
+    # the weights changed under running requests: nothing was parked, aborted or resubmitted
+    assert report.parks == 0 and report.resubmissions == 0 and report.migrations == 0, report

@@ -18,10 +18,10 @@ pytest.importorskip("tau2.domains.mock.environment", reason="needs the tau2 extr
 from aiohttp import web
 
 from dora.env import Task
+from dora.episode import ChatRenderer, EpisodeLimits, run_episode
 from dora.errors import ConfigError
 from dora.models.tiny import char_tokenizer
 from dora.protocol import Completion, Sample, SamplingParams
-from dora.episode import ChatRenderer, EpisodeLimits, run_episode
 from envs.tau2 import Tau2Env, tau2_tasks
 from envs.tau2.chat import ChatEndpoint
 from envs.tau2.judge import judge_nl_assertions

@@ -17,10 +17,10 @@ import pytest
 pytest.importorskip("tau2.domains.mock.environment", reason="needs the tau2 extra (docs/tau2.md)")
 
 from dora.engine import EngineClient, EngineServer
+from dora.episode import EpisodeLimits, PinnedSampler, run_group
 from dora.models import TinyModelSpec, build_tiny_model
 from dora.models.warmup import WarmupSettings, warmup
 from dora.protocol import SamplingParams
-from dora.episode import EpisodeLimits, PinnedSampler, run_group
 from envs.tau2 import Tau2Env, tau2_tasks
 
 pytestmark = pytest.mark.timeout(300)

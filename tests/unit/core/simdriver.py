@@ -114,6 +114,9 @@ class Sim:
         for a in actions:
             if isinstance(a, Load):
                 self.draining.discard(a.instance)
+                for rid in self.end:  # inflight: the load goes under the instance's requests
+                    if self.o.location(rid) == a.instance and self.p.mode is Mode.INFLIGHT:
+                        self.segments[rid].append(a.version)
                 slow = 5.0 if self.rng.random() < 0.2 else 1.0
                 delay = self.p.load_time * slow * self.rng.uniform(0.5, 1.5)
                 self.loads[a.id] = a
@@ -326,7 +329,7 @@ class Sim:
         loaded = o.loaded_versions()
         self.max_versions = max(self.max_versions, len(loaded))
         assert len(loaded) <= p.k + 1, (loaded, q.step)
-        if p.mode is not Mode.DORA:  # sync, one_step_off and partial switch all instances at once
+        if p.mode is not Mode.DORA:  # the other modes switch all instances at once
             assert len(loaded) <= 1, loaded
         # One load per instance per change of the inputs, by the rules alone (every mode).
         assert o.held_back_loads == 0
@@ -338,8 +341,11 @@ class Sim:
         for rid in self.end:  # running, not parked: its instance holds its version
             where = o.location(rid)
             assert where is not None
-            assert o.request_version(rid) in o.held_versions(where), (rid, views[where])  # C1
-            if p.mode is not Mode.PARTIAL:
+            if p.mode is Mode.INFLIGHT:  # its instance holds or loads (under it) its version
+                assert o.request_version(rid) == views[where].version, (rid, views[where])
+            else:
+                assert o.request_version(rid) in o.held_versions(where), (rid, views[where])  # C1
+            if p.mode not in (Mode.PARTIAL, Mode.INFLIGHT):
                 assert self.segments[rid] == [self.group_version[self.group_of[rid]]] * len(
                     self.segments[rid]
                 )

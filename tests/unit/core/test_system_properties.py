@@ -92,3 +92,14 @@ def test_partial_trajectories_span_versions_but_deadline_counts_from_head(p: Par
     for rid, seg in sim.segments.items():
         assert seg[0] == sim.group_version[sim.group_of[rid]]
         assert seg == sorted(seg)
+
+
+@settings(max_examples=300, deadline=None)
+@given(params(Mode.INFLIGHT))
+def test_inflight_trajectories_span_versions_without_a_park_and_k_counts_from_the_first_token(
+    p: Params,
+) -> None:
+    sim = finished(p)  # staleness by the group's version (its first token's) <= K, C2, C3
+    for rid, seg in sim.segments.items():
+        assert seg[0] == sim.group_version[sim.group_of[rid]]
+        assert seg == sorted(seg)

@@ -18,7 +18,7 @@ from contextlib import contextmanager
 import pytest
 import torch
 
-from dora.config import LoraSettings
+from dora.config_sections import LoraSettings
 from dora.engine.batcher import Batcher
 from dora.engine.sequence import Sequence
 from dora.learn.lora import adapter_tensors, apply_lora

@@ -8,7 +8,7 @@ import copy
 import pytest
 import torch
 
-from dora.config import LoraSettings
+from dora.config_sections import LoraSettings
 from dora.engine.batcher import Batcher, BatcherConfig
 from dora.engine.sequence import Sequence
 from dora.learn.lora import adapter_tensors, apply_lora

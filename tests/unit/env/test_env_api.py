@@ -18,9 +18,9 @@ from dora.env import (
     load_env,
     load_object,
 )
+from dora.episode import run_episode
 from dora.errors import ConfigError
 from dora.protocol import SamplingParams
-from dora.episode import run_episode
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -7,10 +7,10 @@ import asyncio
 import pytest
 
 from dora.env import Env, Episode, Message, Task
+from dora.episode import EpisodeLimits, run_episode, run_group
 from dora.errors import ServerUnavailable
 from dora.models.tiny import char_tokenizer
 from dora.protocol import Completion, SamplingParams
-from dora.episode import EpisodeLimits, run_episode, run_group
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -12,11 +12,11 @@ import pytest
 
 from dora.data import load_tasks
 from dora.env import Env, Episode, Message, Task, load_env
+from dora.episode import run_episode
 from dora.errors import EnvError
 from dora.models import TinyModelSpec, build_tiny_model
 from dora.models.warmup import _shared_prefix, batch_loss, render_examples
 from dora.protocol import SamplingParams
-from dora.episode import run_episode
 from dora.tools import ToolCall
 
 pytestmark = pytest.mark.timeout(60)

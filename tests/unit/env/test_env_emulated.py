@@ -10,8 +10,8 @@ import zlib
 import pytest
 
 from dora.env import Task
-from dora.protocol import SamplingParams
 from dora.episode import EpisodeLimits, run_episode
+from dora.protocol import SamplingParams
 from envs.emulated import AgenticWorkloadEnv
 
 pytestmark = pytest.mark.timeout(30)

@@ -11,8 +11,6 @@ import numpy as np
 import pytest
 
 from dora.env import Env, Episode, Message, Task
-from dora.errors import ServerUnavailable
-from dora.protocol import Completion, Sample, SamplingParams
 from dora.episode import (
     ChatRenderer,
     EpisodeLimits,
@@ -20,6 +18,8 @@ from dora.episode import (
     run_episode,
     run_group,
 )
+from dora.errors import ServerUnavailable
+from dora.protocol import Completion, Sample, SamplingParams
 from dora.serve.history import masked_reason
 from dora.tools import tool_schema
 

@@ -13,9 +13,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dora.env import Env, Episode, Message, Task
+from dora.episode import ChatRenderer, EpisodeLimits, run_episode
 from dora.models.tiny import char_tokenizer
 from dora.protocol import Completion, SamplingParams
-from dora.episode import ChatRenderer, EpisodeLimits, run_episode
 from dora.tools import tool_schema
 
 pytestmark = pytest.mark.timeout(60)

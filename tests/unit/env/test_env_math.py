@@ -9,9 +9,9 @@ import statistics
 import pytest
 
 from dora.env import load_env
+from dora.episode import run_episode
 from dora.errors import ConfigError, DataError
 from dora.protocol import SamplingParams
-from dora.episode import run_episode
 from envs.math import (
     ChainArithmeticEnv,
     GSM8KEnv,

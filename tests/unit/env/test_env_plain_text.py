@@ -12,10 +12,10 @@ import pytest
 
 from dora.data import fit_context
 from dora.env import Env, Episode, Message, Task
+from dora.episode import ChatRenderer, run_episode
 from dora.errors import ConfigError
 from dora.models.tiny import BOS, char_tokenizer
 from dora.protocol import SamplingParams
-from dora.episode import ChatRenderer, run_episode
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -11,10 +11,10 @@ import pytest
 
 from dora.data import load_tasks
 from dora.env import Task, load_env
+from dora.episode import run_episode
 from dora.errors import ConfigError
 from dora.models.warmup import render_examples
 from dora.protocol import SamplingParams
-from dora.episode import run_episode
 
 pytest.importorskip("reasoning_gym")  # the `reasoning-gym` extra; CI installs it
 

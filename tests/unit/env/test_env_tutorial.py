@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from dora.env import Env, Episode, Task
-from dora.protocol import Completion, SamplingParams
 from dora.episode import PinnedSampler, run_episode
+from dora.protocol import Completion, SamplingParams
 from dora.tools import tool_schema
 
 pytestmark = pytest.mark.timeout(30)

@@ -9,7 +9,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from dora.cli import main
-from dora.config import LoraSettings
+from dora.config_sections import LoraSettings
 from dora.learn.lora import adapter_tensors, apply_lora, save_published_adapter
 from dora.models import TinyModelSpec, build_tiny_model
 

@@ -7,8 +7,8 @@ from pathlib import Path
 
 from transformers import AutoTokenizer
 
-from dora.models.tiny import TinyModelSpec, build_tiny_model
 from dora.episode import ChatRenderer
+from dora.models.tiny import TinyModelSpec, build_tiny_model
 
 
 def test_fast_decode_and_cached_encode_match_the_tokenizer(tmp_path: Path) -> None:

@@ -17,10 +17,10 @@ import pytest
 from dora.config import load_config
 from dora.core.orchestrator import Action, Load, Orchestrator
 from dora.env import Env, Episode, Message, Task
+from dora.episode import ChatRenderer
 from dora.models.tiny import char_tokenizer
 from dora.protocol import Completion, SamplingParams
 from dora.records import Record
-from dora.episode import ChatRenderer
 from dora.serve.evaluate import Evaluator
 from dora.serve.placement import Placement
 

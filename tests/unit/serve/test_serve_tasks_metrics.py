@@ -77,3 +77,23 @@ def test_a_group_must_fit_one_instance() -> None:
     # checked when the config is loaded (before dora serve starts anything)
     with pytest.raises(ConfigError, match=r"group_size = 16 .* serve.max_running = 8"):
         load_config(None, ["rollout.group_size=16", "serve.max_running=8"])
+
+
+def test_sample_log_shows_which_version_sampled_which_tokens(tmp_path: Path) -> None:
+    from dora.protocol import Group, Sample
+    from dora.serve.metrics import SampleLog
+
+    # a trajectory resumed under version 3 after 2 tokens of version 2
+    sample = Sample.build(
+        token_ids=[7, 8, 9, 10, 11],
+        loss_mask=[0, 1, 1, 1, 1],
+        logprobs=[0.0, -0.1, -0.2, -0.3, -0.4],
+        versions=[-1, 2, 2, 3, 3],
+        prompt_len=1,
+        reward=1.0,
+    )
+    log = SampleLog(tmp_path, every=1, decode=lambda ids: " ".join(map(str, ids)))
+    log.write(Group(id="g", prompt_id="p", version=2, samples=[sample]))
+    (line,) = (tmp_path / "samples.jsonl").read_text().splitlines()
+    (written,) = json.loads(line)["samples"]
+    assert written["version_spans"] == [[1, 3, 2], [3, 5, 3]]
