@@ -205,5 +205,9 @@ class Classic:
             )
         error = state.get("error")
         if error is not None:
-            raise RuntimeError(f"the verifiers rollout failed: {type(error).__name__}: {error}")
+            causes = []
+            while error is not None and len(causes) < 2:
+                causes.append(f"{type(error).__name__}: {error}".strip(": "))
+                error = error.__cause__ or error.__context__
+            raise RuntimeError(f"the verifiers rollout failed: {' <- '.join(causes)}")
         return await score(self.env.rubric, state)

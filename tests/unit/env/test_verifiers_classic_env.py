@@ -13,7 +13,7 @@ import importlib.metadata
 import pytest
 
 from dora.env import Task, load_env
-from dora.episode import run_episode
+from dora.episode import EpisodeLimits, run_episode
 from dora.errors import ConfigError
 from dora.protocol import SamplingParams
 from envs.verifiers.classic import import_verifiers, supported
@@ -142,3 +142,24 @@ def test_verifiers_versions_outside_the_pin_are_refused(
     else:
         with pytest.raises(ConfigError, match=f"verifiers>=0.3.1,<0.4.*found verifiers {version}"):
             import_verifiers()
+
+
+async def test_verifiers_classic_call_past_the_turn_limit_masks_with_the_reason(
+    scripted, tokenizer
+) -> None:
+    """The endpoint refuses a call past `rollout.max_turns`; verifiers ends the rollout with a
+    model error: the sample is masked with the refusal's reason, never trained half-scored."""
+    make = factory(max_turns=5)
+    sampler = scripted([CALL])  # calls the tool every turn
+    sample = await run_episode(
+        sampler=sampler,
+        tokenizer=tokenizer,
+        env=make(),
+        task=make().tasks("train")[0],  # type: ignore[attr-defined]
+        params=PARAMS,
+        limits=EpisodeLimits(max_turns=2),
+    )
+    assert len(sampler.prompts) == 2 and sample.metadata["refused: max turns"] == "1"
+    assert sample.masked and sample.metadata["error"].startswith(
+        "agent raised RuntimeError: the verifiers rollout failed: ModelError <- BadRequestError"
+    ), sample.metadata
