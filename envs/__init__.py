@@ -2,8 +2,9 @@
 
 - `envs.math`: chain arithmetic (generated, long-tailed solution lengths, exact reward) and
   GSM8K-format datasets (`####` / `\\boxed{}` answers, optional math-verify scoring).
-- `envs.verifiers`: verifiers (0.4) tasksets, rolled out by dora's chat loop on the episode's
-  endpoint, scored by their own reward functions.
+- `envs.verifiers`: verifiers environments (`load_environment`: `SingleTurnEnv`, `MultiTurnEnv`,
+  `ToolEnv`), each episode their own rollout on the episode's endpoint, and verifiers.v1
+  tasksets, rolled out by dora's chat loop there; scored by their own reward functions.
 - `envs.reasoning_gym`: any reasoning-gym dataset by name and config, scored by its own checker
   (extra `reasoning-gym`).
 """

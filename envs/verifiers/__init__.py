@@ -1,4 +1,15 @@
-"""verifiers tasksets as dora environments (verifiers >= 0.4, < 0.5: its `verifiers.v1` stack).
+"""verifiers environments as dora environments (verifiers >= 0.3.1, < 0.4), by either of its APIs.
+
+The classic API, which the Environments Hub and `vf-eval` use: an installed environment, and as the
+other keys the keyword arguments of its `load_environment` (`envs.verifiers.classic`).
+
+```toml fragment
+[env]
+cls = "envs.verifiers:VerifiersEnv"
+kwargs = { environment = "my-env", max_turns = 3 }
+```
+
+A `verifiers.v1` taskset (`envs.verifiers.tasksets`), with an optional held-out one:
 
 ```toml fragment
 [env]
@@ -6,224 +17,60 @@ cls = "envs.verifiers:VerifiersEnv"
 kwargs = { taskset = "my_taskset", eval_taskset = "my_taskset_eval", max_turns = 8 }
 ```
 
-`taskset` names an installed verifiers taskset, as `vf eval` takes it (`--env.taskset.id`): a
-module exporting its `vf.Taskset` subclass in `__all__`; `config` holds that taskset config's
-fields. Its tasks are the training tasks (`data.source = "env"`), `eval_taskset`'s the held-out
-ones. An episode is dora's own chat loop, in process, against the episode's endpoint (token-exact,
-one version; `dora.endpoint`): the task's system prompt and prompt, the tools of its
-`Task.toolsets` (each `@vf.tool` method, named `<server>_<tool>` as verifiers advertises them),
-tool results appended until the model answers without a call or `max_turns` model turns are
-done. The task's `@vf.reward` functions then score a `vf.Trace` of the conversation; each becomes
-a reward component worth `score * weight`, so the reward is verifiers' `trace.reward`.
+Either way the tasks are the training tasks (`data.source = "env"`), every model call of an
+episode goes to the episode's endpoint (token-exact, one version; `dora.endpoint`), and each
+weighted reward function is a reward component. A reward that is NaN or not a number masks the
+sample with the reason; an environment that is not installed, whose loading raises, or that dora
+cannot train on is a start-up error naming its key.
 
-Not supported, each refused at start or masked with its reason: verifiers' harnesses and runtimes
-(every 0.4 harness runs the agent as a `uv` script that installs its dependencies from the
-network, in a subprocess, container or sandbox: dora runs the loop itself instead), multi-agent
-`Env`s and `Env.finalize`, judges, reward functions that need a runtime, toolsets with shared
-state, and `@vf.metric`/`@vf.stop`/`@vf.intercept` hooks (not run). The 0.3 API
-(`load_environment(**kwargs)`, `SingleTurnEnv`, `MultiTurnEnv`, `ToolEnv`) is gone from 0.4.
+Not supported, each refused at start or masked with its reason: classic environments whose
+rollouts run in a remote sandbox (`SandboxEnv`, `PythonEnv`, `CliAgentEnv` and their kin), that
+roll out or score whole groups (group reward functions, `EnvGroup`s of those), judges (a
+`JudgeRubric` calls its own judge model, not the policy); verifiers.v1 harnesses and runtimes
+(dora runs the chat loop itself), multi-agent `Env`s, judges, toolsets with shared state and the
+`@vf.metric`/`@vf.stop`/`@vf.intercept` hooks (not run).
 """
 
 from __future__ import annotations
 
-import functools
-import importlib
-import inspect
-import json
-import numbers
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from collections.abc import Mapping, Sequence
 
-from dora import AgentEnv, ConfigError, Task, ToolBox, ToolCall
+from dora import AgentEnv, ConfigError, Task
+from envs.verifiers.classic import Classic
+from envs.verifiers.tasksets import Tasksets
 
 __all__ = ["VerifiersEnv"]
 
-
-def _vf() -> Any:
-    try:
-        return importlib.import_module("verifiers.v1")
-    except ImportError as exc:
-        raise ConfigError(
-            f"envs.verifiers needs verifiers>=0.4,<0.5: pip install -e '.[verifiers]' ({exc})"
-        ) from exc
-
-
-def load_taskset(key: str, taskset: str, config: Mapping[str, object]) -> Any:
-    """The verifiers taskset `taskset`; a ConfigError naming `key` if it cannot be loaded."""
-    vf = _vf()
-    from verifiers.v1.utils.loaders import taskset_config_type
-
-    try:
-        config_type = taskset_config_type(taskset)
-        return vf.load_taskset(config_type(id=taskset, **config))
-    except Exception as exc:
-        raise ConfigError(
-            f"env.kwargs.{key} = {taskset!r}: cannot load this verifiers taskset "
-            f"({type(exc).__name__}: {exc})"
-        ) from exc
-
-
-def _tools(vtask: Any, config: Any) -> list[Callable[..., Any]]:
-    """The task's toolset methods, named as verifiers advertises them (`<server>_<tool>`)."""
-    from verifiers.v1.state import State
-    from verifiers.v1.utils.decorators import discover_decorated
-
-    tools = []
-    for toolset in type(vtask).toolsets(config):
-        if toolset._state_cls is not State:
-            raise TypeError(f"toolset {type(toolset).__name__} keeps state: not supported")
-        for fn in discover_decorated(toolset, "tool"):
-            name = getattr(fn, "tool_name", None) or fn.__name__
-            prefix = toolset.server_name
-
-            @functools.wraps(fn)
-            async def tool(*args: Any, _fn: Any = fn, **kwargs: Any) -> str:
-                result = _fn(*args, **kwargs)
-                result = await result if inspect.isawaitable(result) else result
-                return result if isinstance(result, str) else json.dumps(result)
-
-            tool.__name__ = f"{prefix}_{name}" if prefix else name
-            tool.__signature__ = inspect.signature(fn)  # type: ignore[attr-defined]
-            tools.append(tool)
-    return tools
-
-
-def _prompt(vf: Any, data: Any, system_prompt: str | None) -> list[dict[str, Any]]:
-    system = data.system_prompt or system_prompt
-    messages: list[dict[str, Any]] = [{"role": "system", "content": system}] if system else []
-    if isinstance(data.prompt, str):
-        messages.append({"role": "user", "content": data.prompt})
-    else:
-        messages.extend(m.model_dump(exclude_none=True) for m in data.prompt or [])
-    return messages
-
-
-async def _chat(
-    base_url: str, model: str, messages: list[dict[str, Any]], box: ToolBox, max_turns: int
-) -> None:
-    """The chat loop: the model, its tool calls answered, until it answers without one."""
-    from openai import AsyncOpenAI
-
-    async with AsyncOpenAI(base_url=base_url, api_key="dora", max_retries=0) as client:
-        for _ in range(max_turns):
-            response = await client.chat.completions.create(
-                model=model, messages=messages, tools=box.schemas or None
-            )
-            message = response.choices[0].message
-            messages.append(message.model_dump(exclude_none=True))
-            if not message.tool_calls:
-                return
-            for call in message.tool_calls:
-                native: ToolCall = call.model_dump()  # type: ignore[assignment]
-                result = await box.call(native)
-                messages.append(
-                    {"role": "tool", "tool_call_id": call.id, "content": result.content}
-                )
-
-
-def _trace(vf: Any, vtask: Any, messages: list[dict[str, Any]]) -> Any:
-    """A `vf.Trace` of the conversation, for the task's reward functions."""
-    from pydantic import TypeAdapter
-    from verifiers.v1.graph import MessageNode
-    from verifiers.v1.trace import AgentInfo, TraceTask
-
-    adapter = TypeAdapter(vf.Message)
-    nodes = []
-    for i, raw in enumerate(messages):
-        message = dict(raw)
-        if message.get("tool_calls"):
-            message["tool_calls"] = [
-                {"id": c["id"], **{k: c["function"][k] for k in ("name", "arguments")}}
-                for c in message["tool_calls"]
-            ]
-        nodes.append(
-            MessageNode(
-                parent=i - 1 if i else None,
-                message=adapter.validate_python(message),
-                sampled=message["role"] == "assistant",
-            )
-        )
-    task = TraceTask(type=type(vtask).__name__, data=vtask.data, key=vtask.key, hash=vtask.hash)
-    return vf.Trace(task=task, agent=AgentInfo(config=vf.AgentConfig()), nodes=nodes)
-
-
-def _is_number(value: object) -> bool:
-    return isinstance(value, numbers.Real) and not isinstance(value, bool)
-
-
-async def _score(vtask: Any, trace: Any) -> dict[str, float]:
-    """Each `@vf.reward` function's score times its weight; keyed scores of a function are
-    components of their own. A value that is not a number is refused, never parsed."""
-    from verifiers.v1.utils.decorators import invoke_all
-
-    if vtask.plugged_judges():
-        raise TypeError("verifiers judges are not supported")
-    rewards = vtask.hooks("reward")
-    if not rewards:
-        raise TypeError(f"task {type(vtask).__name__} has no @vf.reward function")
-    results = await invoke_all(rewards, {"task": vtask.data, "trace": trace})
-    components: dict[str, float] = {}
-    for fn, result in zip(rewards, results, strict=True):
-        weight = float(getattr(fn, "_vf_weight", 1.0))
-        items = result.items() if isinstance(result, Mapping) else [(fn.__name__, result)]
-        for name, value in items:
-            if not _is_number(value):
-                raise TypeError(f"reward {name!r} returned {value!r:.80}, not a number")
-            components[str(name)] = float(value) * weight
-    return components
+TASKSET_KEYS = {"taskset", "config", "eval_taskset", "eval_config", "max_turns"}
 
 
 class VerifiersEnv(AgentEnv):
-    """A verifiers taskset's tasks, rolled out by dora's chat loop (see the module docstring)."""
+    """A verifiers environment (`environment`) or taskset (`taskset`): see the module docstring."""
 
-    def __init__(
-        self,
-        *,
-        taskset: str,
-        config: Mapping[str, object] | None = None,
-        eval_taskset: str = "",
-        eval_config: Mapping[str, object] | None = None,
-        max_turns: int = 8,
-        loaded: Any = None,
-        loaded_eval: Any = None,
-    ) -> None:
-        self.max_turns = max_turns
-        self.taskset = loaded
-        self.eval_taskset = loaded_eval
+    def __init__(self, *, loaded: Classic | Tasksets | None = None, **kwargs: object) -> None:
+        assert loaded is not None, "VerifiersEnv is built by load_env, after setup()"
+        self.loaded = loaded
 
     @classmethod
     def setup(cls, **kwargs: object) -> Mapping[str, object]:
-        """Load the tasksets once per process: a start-up error names the key that failed."""
-        taskset, eval_taskset = kwargs.get("taskset"), kwargs.get("eval_taskset") or ""
-        if not isinstance(taskset, str) or not taskset:
-            raise ConfigError("env.kwargs.taskset must name an installed verifiers taskset")
-        config, eval_config = kwargs.get("config") or {}, kwargs.get("eval_config") or {}
-        assert isinstance(config, Mapping) and isinstance(eval_config, Mapping)
-        loaded = load_taskset("taskset", taskset, config)
-        loaded_eval = None
-        if eval_taskset:
-            loaded_eval = load_taskset("eval_taskset", str(eval_taskset), eval_config)
-        return {"loaded": loaded, "loaded_eval": loaded_eval}
+        """Load the environment or tasksets once per process: a start-up error names the key."""
+        if bool(kwargs.get("environment")) == bool(kwargs.get("taskset")):
+            raise ConfigError(
+                "env.kwargs: name either environment (a verifiers environment) or taskset "
+                "(a verifiers.v1 taskset), not both or neither"
+            )
+        if kwargs.get("environment"):
+            return {"loaded": Classic.load(kwargs)}
+        stray = sorted(set(kwargs) - TASKSET_KEYS)
+        if stray:
+            raise ConfigError(
+                f"env.kwargs {stray}: a verifiers taskset takes {sorted(TASKSET_KEYS)}"
+            )
+        return {"loaded": Tasksets.load(kwargs)}
 
     def tasks(self, split: str, **kwargs: object) -> Sequence[Task] | None:
-        """`train`: the taskset's tasks; `test`: `eval_taskset`'s (None without one)."""
-        source = self.taskset if split == "train" else self.eval_taskset
-        if source is None:
-            return None
-        return [
-            Task(f"{split}-{vtask.data.id or i}", vtask.data.model_dump(mode="json"))
-            for i, vtask in enumerate(source)
-        ]
+        """`train`: the training tasks; `test`: the held-out ones (None without them)."""
+        return self.loaded.tasks(split)
 
     async def agent(self, base_url: str, model: str, task: Task) -> dict[str, float]:
-        vf = _vf()
-        source = self.taskset if task.prompt_id.startswith("train-") else self.eval_taskset
-        task_type = type(source).task_type()
-        vtask = task_type(task_type.data_type().model_validate(dict(task.data)), source.config.task)
-        box = ToolBox(_tools(vtask, source.config.task))
-        try:
-            messages = _prompt(vf, vtask.data, source.system_prompt)
-            await _chat(base_url, model, messages, box, self.max_turns)
-        finally:
-            box.close()
-        return await _score(vtask, _trace(vf, vtask, messages))
+        return await self.loaded.agent(base_url, model, task)

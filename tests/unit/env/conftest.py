@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+import sys
+from collections.abc import Iterator, Sequence
+from pathlib import Path
 
 import pytest
 
@@ -65,3 +67,15 @@ def scripted(tokenizer: object) -> type[ScriptedSampler]:
             super().__init__(tokenizer, turns, version=version)
 
     return Bound
+
+
+@pytest.fixture
+def verifiers_on_path() -> Iterator[None]:
+    """This folder on `sys.path` for the verifiers environment and taskset written here as their
+    users write them (imported by module name, as verifiers imports them), unloaded after."""
+    here = str(Path(__file__).parent)
+    sys.path.insert(0, here)
+    yield
+    sys.path.remove(here)
+    for name in ("verifiers_calc", "verifiers_calc_env"):
+        sys.modules.pop(name, None)

@@ -1,13 +1,9 @@
-"""envs.verifiers: a verifiers (0.4) tool taskset, written as a verifiers user writes it
+"""envs.verifiers: a verifiers.v1 tool taskset, written as a verifiers user writes it
 (tests/unit/env/verifiers_calc.py), runs through the endpoint token-exact, its weighted rewards
 as components; a taskset that cannot load is a start-up error naming its key; a reward that is
 NaN or not a number masks the sample with the reason."""
 
 from __future__ import annotations
-
-import sys
-from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
@@ -16,20 +12,13 @@ from dora.episode import run_episode
 from dora.errors import ConfigError
 from dora.protocol import SamplingParams
 from tests.unit.env.exact import check_exact
+from tests.unit.env.needs_verifiers import skip_unless_verifiers
 
-pytest.importorskip("verifiers.v1")
-pytest.importorskip("openai")
+skip_unless_verifiers("verifiers.v1")
+pytestmark = pytest.mark.usefixtures("verifiers_on_path")
 
 PARAMS = SamplingParams(max_tokens=200)
 CALL = '<tool_call>{"name": "calculator_add", "arguments": {"a": 10, "b": 7}}</tool_call><|im_end|>'
-
-
-@pytest.fixture(autouse=True)
-def taskset_on_path() -> Iterator[None]:
-    sys.path.insert(0, str(Path(__file__).parent))
-    yield
-    sys.path.remove(str(Path(__file__).parent))
-    sys.modules.pop("verifiers_calc", None)
 
 
 def factory() -> object:
@@ -83,7 +72,7 @@ async def test_verifiers_reward_nan_or_text_masks_the_sample(
             {"taskset": "verifiers_calc", "eval_taskset": "no_such_eval_xyz"},
             "env.kwargs.eval_taskset = 'no_such_eval_xyz'",
         ),
-        ({}, "env.kwargs.taskset must name"),
+        ({}, "name either environment .* or taskset"),
     ],
 )
 def test_verifiers_taskset_that_cannot_load_names_its_key(

@@ -1,4 +1,4 @@
-"""A verifiers taskset as a verifiers user writes one (verifiers 0.4, `verifiers.v1`): sums to
+"""A verifiers taskset as a verifiers user writes one (`verifiers.v1`): sums to
 work out with a calculator toolset over several turns, two weighted rewards. The tests import it
 by module name, as `vf eval calc_taskset` would."""
 
@@ -40,7 +40,7 @@ class SumTaskset(vf.Taskset[SumTask]):
     def load(self):
         for i in range(8):
             data = SumData(
-                id=f"sum{i}", prompt=f"What is {10 + i} + 7? Use the tool.", a=10 + i, b=7
+                name=f"sum{i}", prompt=f"What is {10 + i} + 7? Use the tool.", a=10 + i, b=7
             )
             yield SumTask(data, self.config.task)
 
