@@ -46,7 +46,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
-from array import array
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal, Protocol, cast
@@ -65,7 +64,7 @@ from dora.episode_guard import (
 )
 from dora.errors import EnvError
 from dora.instance.interface import InstanceClient
-from dora.protocol import Completion, FinishReason, Sample, SamplingParams, extend_array
+from dora.protocol import Completion, FinishReason, Sample, SamplingParams, TokenSequence
 from dora.render import ChatRenderer
 from dora.tools import ParsedTurn, ToolBox, ToolResult, parse_tool_calls
 
@@ -156,50 +155,6 @@ class GroupFailed(EnvError):
         self.errors = errors
 
 
-class _Trajectory:
-    """The growing token sequence of one episode and its per-token arrays.
-
-    Typed arrays, not lists: thousands of episodes are in flight at once, and the garbage
-    collector walks every item of a list (an array is one object to it); they also pack into a
-    `Sample` with one copy."""
-
-    def __init__(self) -> None:
-        self.ids = array("i")  # a C int: 4 bytes wherever torch runs
-        self.mask = array("B")
-        self.logprobs = array("f")
-        self.versions = array("i")
-
-    def add_context(self, ids: Sequence[int]) -> None:
-        n = len(ids)
-        self.ids.extend(array("i", ids))
-        self.mask.frombytes(bytes(n))
-        self.logprobs.frombytes(bytes(4 * n))  # 0.0
-        self.versions.extend(array("i", [-1]) * n)
-
-    def add_sampled(self, completion: Completion) -> None:
-        n = len(completion.token_ids)
-        if len(completion.logprobs) != n or len(completion.versions) != n:
-            raise EnvError(
-                f"sampler returned {n} tokens but {len(completion.logprobs)} logprobs and "
-                f"{len(completion.versions)} versions"
-            )
-        extend_array(self.ids, completion.token_ids)
-        self.mask.frombytes(b"\x01" * n)
-        extend_array(self.logprobs, completion.logprobs)
-        extend_array(self.versions, completion.versions)
-
-    def to_sample(self, *, prompt_len: int, reward: float, **fields: object) -> Sample:
-        return Sample.build(
-            token_ids=self.ids,
-            loss_mask=self.mask,
-            logprobs=self.logprobs,
-            versions=self.versions,
-            prompt_len=prompt_len,
-            reward=reward,
-            **fields,
-        )
-
-
 @dataclass
 class _Counts:
     """What an episode has done so far, for the sample (also when it fails half way)."""
@@ -211,7 +166,7 @@ class _Counts:
 
 def masked_sample(task: Task, error: str) -> Sample:
     """The empty, masked sample of an episode that could not start (e.g. the env factory raised)."""
-    return _Trajectory().to_sample(
+    return TokenSequence().to_sample(
         prompt_len=0,
         reward=0.0,
         finish_reason="error",
@@ -301,7 +256,7 @@ async def _run_episode(
             params=params,
             limits=limits,
         )
-    traj = _Trajectory()
+    traj = TokenSequence()
     prompt_len = 0
     counts = _Counts()
     try:
@@ -352,7 +307,7 @@ async def _open(
     hooks: Hooks,
     task: Task,
     limits: EpisodeLimits,
-    traj: _Trajectory,
+    traj: TokenSequence,
 ) -> tuple[list[Message] | str, ToolBox]:
     """`reset` and `tools`: the prompt, its ids added to `traj`, and the episode's toolbox."""
     prompt = await hooks.call("reset", env.reset, task, timeout_s=limits.step_timeout_s)
@@ -390,7 +345,7 @@ async def _loop(
     limits: EpisodeLimits,
     prompt: list[Message] | str,
     toolbox: ToolBox,
-    traj: _Trajectory,
+    traj: TokenSequence,
     counts: _Counts,
 ) -> Episode:
     """The turns of one episode; fills `traj` and `counts`, returns the Episode for `reward`.

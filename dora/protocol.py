@@ -20,6 +20,8 @@ import msgspec
 import numpy as np
 import numpy.typing as npt
 
+from dora.errors import EnvError
+
 FinishReason = Literal["stop", "length", "abort", "tool_limit", "context", "error"]
 
 I32 = np.dtype("<i4")
@@ -258,6 +260,62 @@ class Sample(msgspec.Struct, kw_only=True, array_like=True):
 
     def __len__(self) -> int:
         return len(self.token_ids) // I32.itemsize
+
+
+class TokenSequence:
+    """The growing token sequence of one episode and its per-token arrays, packed into a `Sample`
+    at the end: context tokens (the prompt, tool results, replies) with mask 0, log-prob 0 and
+    version -1; sampled tokens with mask 1 and the behaviour log-probs and versions the instance
+    returned.
+
+    Typed arrays, not lists: thousands of episodes are in flight at once, and the garbage
+    collector walks every item of a list (an array is one object to it); they also pack into a
+    `Sample` with one copy."""
+
+    def __init__(self) -> None:
+        self.ids = array("i")  # a C int: 4 bytes wherever torch runs
+        self.mask = array("B")
+        self.logprobs = array("f")
+        self.versions = array("i")
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def add_context(self, ids: Sequence[int]) -> None:
+        n = len(ids)
+        extend_array(self.ids, ids)
+        self.mask.frombytes(bytes(n))
+        self.logprobs.frombytes(bytes(4 * n))  # 0.0
+        self.versions.extend(array("i", [-1]) * n)
+
+    def add_sampled(self, completion: Completion) -> None:
+        check_completion(completion)
+        n = len(completion.token_ids)
+        extend_array(self.ids, completion.token_ids)
+        self.mask.frombytes(b"\x01" * n)
+        extend_array(self.logprobs, completion.logprobs)
+        extend_array(self.versions, completion.versions)
+
+    def to_sample(self, *, prompt_len: int, reward: float, **fields: object) -> Sample:
+        return Sample.build(
+            token_ids=self.ids,
+            loss_mask=self.mask,
+            logprobs=self.logprobs,
+            versions=self.versions,
+            prompt_len=prompt_len,
+            reward=reward,
+            **fields,
+        )
+
+
+def check_completion(completion: Completion) -> None:
+    """A completion carries one log-prob and one version per sampled token, or `EnvError`."""
+    n = len(completion.token_ids)
+    if len(completion.logprobs) != n or len(completion.versions) != n:
+        raise EnvError(
+            f"sampler returned {n} tokens but {len(completion.logprobs)} logprobs and "
+            f"{len(completion.versions)} versions"
+        )
 
 
 class Group(msgspec.Struct, kw_only=True, array_like=True):

@@ -20,7 +20,7 @@ from __future__ import annotations
 from array import array
 from dataclasses import dataclass, field
 
-from dora.protocol import Completion, Sample, extend_array
+from dora.protocol import Completion, Sample, TokenSequence, check_completion
 
 __all__ = ["Call", "CallRecord", "Trajectory"]
 
@@ -35,36 +35,25 @@ class Call:
 
 @dataclass
 class Trajectory:
-    """The token sequence trained on and its per-token arrays (one segment of calls)."""
+    """The token sequence trained on (one segment of calls)."""
 
-    ids: list[int] = field(default_factory=list)
-    mask: array[int] = field(default_factory=lambda: array("B"))
-    logprobs: array[float] = field(default_factory=lambda: array("f"))
-    versions: array[int] = field(default_factory=lambda: array("i"))
+    tokens: TokenSequence = field(default_factory=TokenSequence)
     prompt_len: int = 0
     calls: int = 0
 
     def add(self, call: Call) -> None:
-        """Append `call`, whose prompt starts with `ids`: the new prompt tokens as context, then
-        the sampled tokens."""
-        context = call.prompt_ids[len(self.ids) :]
+        """Append `call`, whose prompt starts with the sequence so far: the new prompt tokens as
+        context, then the sampled tokens."""
+        context = call.prompt_ids[len(self.tokens) :]
         if not self.calls:
             self.prompt_len = len(context)
-        n = len(context)
-        self.ids.extend(context)
-        self.mask.frombytes(bytes(n))
-        self.logprobs.frombytes(bytes(4 * n))
-        self.versions.extend(array("i", [-1]) * n)
-        completion = call.completion
-        k = len(completion.token_ids)
-        self.ids.extend(completion.token_ids)
-        self.mask.frombytes(b"\x01" * k)
-        extend_array(self.logprobs, completion.logprobs)
-        extend_array(self.versions, completion.versions)
+        self.tokens.add_context(context)
+        self.tokens.add_sampled(call.completion)
         self.calls += 1
 
     def extended_by(self, prompt_ids: list[int]) -> bool:
-        return len(prompt_ids) >= len(self.ids) and prompt_ids[: len(self.ids)] == self.ids
+        n = len(self.tokens)
+        return len(prompt_ids) >= n and array("i", prompt_ids[:n]) == self.tokens.ids
 
 
 @dataclass
@@ -79,14 +68,9 @@ class CallRecord:
     """Requests answered with an error, by short reason (`wrong model`, `stream`, ...)."""
 
     def add(self, prompt_ids: list[int], completion: Completion) -> None:
-        n = len(completion.token_ids)
-        if len(completion.logprobs) != n or len(completion.versions) != n:
-            raise ValueError(
-                f"sampler returned {n} tokens but {len(completion.logprobs)} logprobs and "
-                f"{len(completion.versions)} versions"
-            )
+        check_completion(completion)  # refused when it is sampled, not when the episode ends
         self.calls.append(Call(list(prompt_ids), completion))
-        self.sampled += n
+        self.sampled += len(completion.token_ids)
 
     def refuse(self, reason: str) -> None:
         self.refused[reason] = self.refused.get(reason, 0) + 1
@@ -117,11 +101,7 @@ class CallRecord:
         segments = self.segments()
         last = segments[-1] if segments else Trajectory()
         metadata = {**self.metadata(segments), **dict(fields.pop("metadata", {}))}  # type: ignore[call-overload]
-        return Sample.build(
-            token_ids=last.ids,
-            loss_mask=last.mask,
-            logprobs=last.logprobs,
-            versions=last.versions,
+        return last.tokens.to_sample(
             prompt_len=last.prompt_len,
             reward=reward,
             num_turns=len(self.calls),
