@@ -49,7 +49,7 @@ from dora.costs import Setup, decode_seconds, decode_steps
 from dora.errors import SchedulingError
 from dora.sim.modes import ModePlan
 from dora.sim.state import Group, Inst, Req, Run
-from dora.sim.workload import Workload
+from dora.sim.workload import Workload, chain_s
 
 __all__ = ["Run", "simulate"]
 
@@ -88,6 +88,7 @@ class _Sim:
         self.done = False
         self.step_count = [0] * setup.steps
         self.step_tokens = [0] * setup.steps
+        self.step_chain = [0.0] * setup.steps
         self.step_version: list[Counter[int]] = [Counter() for _ in range(setup.steps)]
         self.trainer_until = 0.0
         self.trainer_gpus = plan.train_gpus
@@ -457,7 +458,8 @@ class _Sim:
             inst = self.insts[where]
             self.sync(inst)
             eps = self.workload.group()
-            group = Group(gid, v, len(eps), sum(e.tokens for e in eps))
+            chain = max(chain_s(s, e) for e in eps)
+            group = Group(gid, v, len(eps), sum(e.tokens for e in eps), chain)
             self.groups[gid] = group
             for rid, ep in zip(rids, eps, strict=True):
                 req = Req(rid, group, ep, v)
@@ -498,7 +500,9 @@ class _Sim:
 
     def assigned(self, out: list[Assigned]) -> None:
         for a in out:
-            self.take(a, self.groups.pop(a.group_id).tokens)
+            group = self.groups.pop(a.group_id)
+            self.step_chain[a.step] = max(self.step_chain[a.step], group.chain_s)
+            self.take(a, group.tokens)
 
     def take(self, a: Assigned, tokens: int) -> None:
         s, k = self.s, self.p.staleness
@@ -551,6 +555,7 @@ class _Sim:
         run = self.run
         run.step_end_s.append(self.now)
         run.step_tokens.append(self.step_tokens[step])
+        run.step_chain_s.append(self.step_chain[step])
         run.step_groups.append(self.step_count[step])
         run.step_versions.append(dict(self.step_version[step]))
         run.snapshots.append(

@@ -12,6 +12,9 @@ warm-up: the window runs from the end of the last warm-up step to the end of the
   colocated `train time + generation work / capacity + weight sync` (the GPUs cannot overlap the
   two). Capacity is an instance's decode throughput when its KV cache is full of sequences of the
   workload's average running context. Efficiency = bound / achieved step time.
+- the tight bound per step: the larger of the physical bound and the chain bound, which counts
+  each episode's turns and tool waits in order (docs/simulator.md, "A bound for chains of
+  turns"); efficiency vs tight bound = tight bound / achieved step time.
 """
 
 from __future__ import annotations
@@ -61,6 +64,27 @@ def bound_s(setup: Setup, run: Run, tokens_per_step: float) -> tuple[float, floa
     return max(train, gen), train, gen
 
 
+def chain_bound_s(run: Run) -> float:
+    """The chain bound per step over the measured steps: each step's longest least-time chain
+    among its groups plus the training that must follow its last group, over K + 1
+    (docs/simulator.md, "A bound for chains of turns")."""
+    s, plan = run.setup, run.plan
+    w = s.warmup_steps
+    total = 0.0
+    for i in range(w, len(run.step_end_s)):
+        total += run.step_chain_s[i] + _train_after_last_group(run, i)
+    return total / (plan.staleness + 1) / max(1, len(run.step_end_s) - w)
+
+
+def _train_after_last_group(run: Run, step: int) -> float:
+    """What the trainer must still do once the last group of `step` arrived: the step's
+    overhead, and its whole training unless it streams groups into the step as they arrive."""
+    s, plan = run.setup, run.plan
+    if plan.colocated or not s.stream_training:
+        return s.train_s(run.step_tokens[step], plan.train_gpus) + s.train_step_overhead_s
+    return s.train_step_overhead_s
+
+
 def versions_per_step(run: Run) -> list[int]:
     """For each step, the most versions instances held at once while it was being produced."""
     ends = run.step_end_s
@@ -96,6 +120,7 @@ def summarize(run: Run) -> dict[str, Any]:
     step_s = window / n_steps
     inst = run.plan.instances
     bound, train, gen = bound_s(s, run, tokens / n_steps)
+    chain = chain_bound_s(run)
     hist = [0] * (run.plan.staleness + 1)
     for x in run.staleness:
         hist[x] += 1
@@ -130,6 +155,9 @@ def summarize(run: Run) -> dict[str, Any]:
         "bound_train_min": train / 60.0,
         "bound_generation_min": gen / 60.0,
         "efficiency": bound / step_s,
+        "chain_bound_min": chain / 60.0,
+        "tight_bound_min": max(bound, chain) / 60.0,
+        "tight_efficiency": max(bound, chain) / step_s,
         "migrations": run.migrations,
         "migrated_gb": run.migrated_gb,
         "preemptions": run.preemptions,
@@ -199,6 +227,13 @@ def _rows(m: dict[str, Any]) -> list[tuple[str, str, str]]:
             "",
         ),
         ("efficiency vs bound", f"{m['efficiency']:.0%}", ""),
+        (
+            f"tight bound per step ({unit})",
+            f"{m['tight_bound_min'] * scale:.2f}"
+            f" (chains of turns {m['chain_bound_min'] * scale:.2f})",
+            "",
+        ),
+        ("efficiency vs tight bound", f"{m['tight_efficiency']:.0%}", ""),
         (
             "migrations / preemptions / parks",
             f"{m['migrations']} / {m['preemptions']} / {m['parks']}",

@@ -62,6 +62,8 @@ class Group:
     version: int
     left: int
     tokens: int
+    chain_s: float = 0.0
+    """The least time its slowest episode takes (`workload.chain_s`)."""
 
 
 class Inst:
@@ -121,6 +123,8 @@ class Run:
     step_end_s: list[float] = field(default_factory=list)
     step_tokens: list[int] = field(default_factory=list)
     step_groups: list[int] = field(default_factory=list)
+    step_chain_s: list[float] = field(default_factory=list)
+    """Per step: the longest least-time chain (`workload.chain_s`) among its groups."""
     step_versions: list[dict[int, int]] = field(default_factory=list)
     """Per step: groups consumed per version (sync must be all version t)."""
     snapshots: list[tuple[float, float, float, float, float]] = field(default_factory=list)

@@ -26,10 +26,10 @@ from pathlib import Path
 
 import numpy as np
 
-from dora.costs import Setup
+from dora.costs import Setup, decode_seconds
 from dora.errors import ConfigError
 
-__all__ = ["Episode", "Workload", "read_lengths"]
+__all__ = ["Episode", "Workload", "chain_s", "read_lengths"]
 
 
 @dataclass(slots=True)
@@ -46,6 +46,20 @@ class Episode:
         return self.prompt + sum(self.turns) + self.tool_tokens
 
     tool_tokens: int = 0
+
+
+def chain_s(setup: Setup, episode: Episode) -> float:
+    """The least time `episode` can take from its first token to its last: each turn decoded alone
+    on an instance (a batch of one, the fastest a sequence advances, over the context it has by
+    then), and every tool's latency between turns. Prefill is left out, so this bounds any
+    schedule from below."""
+    co = setup.decode_coefficients()
+    total = sum(episode.tool_s)
+    ctx = float(episode.prompt)
+    for j, n in enumerate(episode.turns):
+        total += decode_seconds(co, 1, ctx, n)
+        ctx += n + (setup.tool_tokens if j < len(episode.turns) - 1 else 0)
+    return total
 
 
 class Workload:

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from dora.costs import Setup, preset
 from dora.sim import MODES, Run, plan, simulate
 from dora.sim.cli import build_setup
-from dora.sim.report import summarize
+from dora.sim.report import chain_bound_s, summarize
 
 
 def small(**changes: object) -> Setup:
@@ -43,6 +43,13 @@ def check_run(run: Run, setup: Setup) -> None:
     assert acc["unassigned"] == 0 and acc["filtered"] == 0
     assert len(run.staleness) == acc["consumed"]
     assert run.step_end_s == sorted(run.step_end_s)
+    # The chain bound (docs/simulator.md) as the inequality it is: step i ends at least its longest
+    # chain plus the training after its last group later than step i - K - 1; summed over the
+    # measured steps, that fits between the end of step w - K - 1 (time 0 before the first) and
+    # the last step's end.
+    ends, w = run.step_end_s, setup.warmup_steps
+    before = ends[w - k - 1] if w - k - 1 >= 0 else 0.0
+    assert chain_bound_s(run) * (len(ends) - w) <= ends[-1] - before + 1e-6
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -162,3 +169,13 @@ def test_an_over_provisioned_pool_never_consolidates() -> None:
     run = simulate(idle, plan("dora", idle), seed=6)
     check_run(run, idle)
     assert run.migrations == 0
+
+
+def test_the_tight_bound_is_the_chain_of_turns_where_tools_are_slow() -> None:
+    """Hour-long tool waits make every episode's chain, not the GPUs' capacity, what bounds a
+    step; the physical bound does not see them."""
+    setup = small(turns=3.0, tool_latency_s=3600.0, tool_tokens=50, steps=5, warmup_steps=1)
+    m = summarize(simulate(setup, plan("dora", setup), seed=3))
+    assert m["chain_bound_min"] > 10 * m["bound_min"]
+    assert m["tight_bound_min"] == m["chain_bound_min"]
+    assert m["tight_efficiency"] <= 1.0 + 1e-9
