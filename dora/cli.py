@@ -88,7 +88,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("simulate", help=helps["simulate"], description=helps["simulate"])
     p.add_argument("--preset", default="paper-64", help="paper-64, paper-128, agentic, ...")
-    p.add_argument("--modes", default="sync,one_step_off,partial,dora", help="comma-separated")
+    p.add_argument(
+        "--modes", default="sync,one_step_off,partial,dora,inflight", help="comma-separated"
+    )
     p.add_argument("--steps", type=int, default=None, help="train steps to simulate")
     p.add_argument("--instances", type=int, default=None, help="inference instances")
     p.add_argument("--plot", default=None, metavar="PNG", help="write a timeline picture")

@@ -9,7 +9,8 @@ Where the cores go, stated in the table's `cores` column (dora/placement.py): ev
 every core. `sync` is colocated, as the paper's synchronous baseline; `one_step_off`, `partial`
 and `dora` share the cores unpinned (`--placement shared`, the default) or, with `--placement
 split`, are pinned to a fixed split as separate GPU pools would be; `sync_split` (on request) is
-sync on that split.
+sync on that split, and `inflight` (on request) is dora's scheduler with every new version loaded
+under the running requests, placed as dora is.
 Every mode uses the same engine, the same fast paths and the same config otherwise. Every process
 runs with `OMP_WAIT_POLICY=PASSIVE` (unless the caller set it): on a shared machine, a trainer with
 two OpenMP threads spins at every barrier while its peer thread is descheduled, which made colocated
@@ -53,7 +54,7 @@ from dora.placement import KINDS, Kind, Placement, place
 __all__ = ["Placement", "main", "plan", "run_mode"]
 
 MODES = ("sync", "one_step_off", "partial", "dora")
-KNOWN = (*MODES, "sync_split")
+KNOWN = (*MODES, "inflight", "sync_split")
 
 
 def plan(

@@ -302,7 +302,7 @@ def ratio_lines(results: list[ModeResult]) -> list[str]:
     if "dora" not in by:
         return []
     dora = by["dora"].tokens_per_s
-    order = [m for m in ("one_step_off", "partial", "sync_split", "sync") if m in by]
+    order = [m for m in ("inflight", "one_step_off", "partial", "sync_split", "sync") if m in by]
     return [
         f"dora/{m} throughput ratio: {dora / by[m].tokens_per_s:.2f}"
         for m in order

@@ -101,5 +101,8 @@ def main(args: argparse.Namespace) -> int:
         unit, scale = ("s", 60.0) if max(s["step_min"] for s in summaries) < 1 else ("min", 1.0)
         steps = ", ".join(f"{s['mode']} {s['step_min'] * scale:.2f}" for s in summaries)
         print(f"step time ({unit}): {steps}")
+    if "dora" in by_mode and "inflight" in by_mode:
+        vs = by_mode["dora"]["tokens_per_s"] / by_mode["inflight"]["tokens_per_s"]
+        print(f"dora/inflight throughput ratio: {vs:.2f}")
     print(f"dora/sync throughput ratio: {'n/a' if ratio is None else f'{ratio:.2f}'}")
     return 0

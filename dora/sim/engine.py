@@ -40,6 +40,7 @@ from dora.core.orchestrator import (
     Drain,
     Load,
     Migrate,
+    Mode,
     Orchestrator,
     Park,
     Resume,
@@ -350,7 +351,11 @@ class _Sim:
                 inst = self.insts[a.instance]
                 self.sync(inst)
                 if inst.used:
-                    raise SchedulingError(f"Load on {inst.id} which holds {inst.used} requests")
+                    if self.p.orchestrator is not Mode.INFLIGHT:
+                        raise SchedulingError(f"Load on {inst.id} which holds {inst.used} requests")
+                    for req in self.reqs.values():  # their next tokens come from a.version
+                        if req.inst is inst:
+                            req.v_last = a.version
                 self.segment(inst, inst.version if inst.ready and inst.version is not None else -1)
                 inst.version = a.version
                 inst.ready = False

@@ -1,4 +1,4 @@
-"""The four rollout modes as the simulator runs them: presets of one machinery (docs/scheduling.md).
+"""The five rollout modes as the simulator runs them: presets of one machinery (docs/scheduling.md).
 
 Each mode is a staleness bound K for the transfer queue, an orchestrator mode, and a placement:
 
@@ -8,6 +8,7 @@ Each mode is a staleness bound K for the transfer queue, an orchestrator mode, a
 | one_step_off | 1 | ONE_STEP_OFF | disaggregated (`rollout_gpus` generate, the rest train) |
 | partial | K | PARTIAL | colocated, as the paper ran it (`partial_colocated=0`: disaggregated) |
 | dora | K | DORA | disaggregated |
+| inflight | K | INFLIGHT | disaggregated; each new version loaded under running requests |
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from dora.errors import ConfigError
 
 __all__ = ["MODES", "ModePlan", "plan"]
 
-MODES = ("sync", "one_step_off", "partial", "dora")
+MODES = ("sync", "one_step_off", "partial", "dora", "inflight")
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,4 +49,8 @@ def plan(name: str, setup: Setup) -> ModePlan:
         )
     if name == "dora":
         return ModePlan(name, setup.staleness, Mode.DORA, False, setup.instances, setup.train_gpus)
+    if name == "inflight":
+        return ModePlan(
+            name, setup.staleness, Mode.INFLIGHT, False, setup.instances, setup.train_gpus
+        )
     raise ConfigError(f"unknown mode {name!r}; choose from {', '.join(MODES)}")

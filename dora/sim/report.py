@@ -240,7 +240,7 @@ def _rows(m: dict[str, Any]) -> list[tuple[str, str, str]]:
             "",
         ),
     ]
-    if m["mode"] == "partial":
+    if m["mode"] in ("partial", "inflight"):
         spans = " ".join(f"{k}:{v}" for k, v in m["version_span_histogram"].items())
         rows.append(("version span per trajectory", spans, ""))
     return rows

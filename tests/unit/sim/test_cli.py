@@ -23,13 +23,15 @@ def test_simulate_writes_json_and_plot_and_ends_with_the_ratio(
     text = capsys.readouterr().out
     lines = text.rstrip("\n").splitlines()
     assert re.fullmatch(r"dora/sync throughput ratio: \d+\.\d\d", lines[-1])
-    for mode in ("sync", "one_step_off", "partial", "dora"):
+    for mode in ("sync", "one_step_off", "partial", "dora", "inflight"):
         assert f": {mode} ==" in text
-    for metric in ("tokens/s", "rollout-only share", "staleness histogram", "efficiency vs bound"):
+    metrics = ("tokens/s", "rollout-only share", "staleness histogram", "efficiency vs bound")
+    for metric in (*metrics, "tight bound per step", "efficiency vs tight bound"):
         assert metric in text
+    assert re.search(r"^dora/inflight throughput ratio: \d+\.\d\d$", text, re.MULTILINE)
     assert "version span per trajectory" in text
     doc = json.loads(out_json.read_text())
-    assert set(doc["modes"]) == {"sync", "one_step_off", "partial", "dora"}
+    assert set(doc["modes"]) == {"sync", "one_step_off", "partial", "dora", "inflight"}
     assert doc["setup"]["groups_per_step"] == 64
     assert doc["setup"]["gpus"] == 32  # 8 instances of 4 GPUs
     ratio = doc["modes"]["dora"]["tokens_per_s"] / doc["modes"]["sync"]["tokens_per_s"]

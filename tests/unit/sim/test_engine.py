@@ -113,6 +113,17 @@ def test_partial_trajectories_span_versions() -> None:
     assert max(run.staleness) <= setup.staleness
 
 
+def test_inflight_loads_under_running_requests_without_parking_or_migrating() -> None:
+    """Every instance takes each new version under its running requests: trajectories span
+    versions, nothing is parked, moved or drained, and staleness by the first token stays <= K."""
+    setup = small(steps=6)
+    run = simulate(setup, plan("inflight", setup), seed=4)
+    assert max(run.spans) > 1
+    assert run.parks == 0 and run.migrations == 0
+    assert max(run.staleness) <= setup.staleness
+    assert versions_at_once(run) == 1  # one version served at a time, the newest
+
+
 def versions_at_once(run: Run) -> int:
     segs = [(a, b, v) for _, a, b, v in run.segments if v >= 0]
     return max(len({v for a, b, v in segs if a <= t < b}) for t, _, _ in segs)
