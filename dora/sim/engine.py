@@ -353,9 +353,8 @@ class _Sim:
                 if inst.used:
                     if self.p.orchestrator is not Mode.INFLIGHT:
                         raise SchedulingError(f"Load on {inst.id} which holds {inst.used} requests")
-                    for req in self.reqs.values():  # their next tokens come from a.version
-                        if req.inst is inst:
-                            req.v_last = a.version
+                    for req in (r for r in self.reqs.values() if r.inst is inst):
+                        req.v_last = a.version  # its next tokens are a.version's
                 self.segment(inst, inst.version if inst.ready and inst.version is not None else -1)
                 inst.version = a.version
                 inst.ready = False
@@ -505,12 +504,11 @@ class _Sim:
 
     def assigned(self, out: list[Assigned]) -> None:
         for a in out:
-            group = self.groups.pop(a.group_id)
-            self.step_chain[a.step] = max(self.step_chain[a.step], group.chain_s)
-            self.take(a, group.tokens)
+            self.take(a, self.groups.pop(a.group_id))
 
-    def take(self, a: Assigned, tokens: int) -> None:
-        s, k = self.s, self.p.staleness
+    def take(self, a: Assigned, group: Group) -> None:
+        s, k, tokens = self.s, self.p.staleness, group.tokens
+        self.step_chain[a.step] = max(self.step_chain[a.step], group.chain_s)
         stale = a.step - a.version
         if not 0 <= stale <= k:
             raise SchedulingError(f"staleness {stale} outside [0, {k}] for {a}")
@@ -592,10 +590,7 @@ class _Sim:
         run.admission_waits = {r.value: n for r, n in self.q.admission_waits().items() if n}
         acc = self.q.accounting()
         run.accounting = {
-            "admitted": acc.admitted,
-            "consumed": acc.consumed,
-            "filtered": acc.filtered,
-            "unassigned": acc.unassigned,
+            k: getattr(acc, k) for k in ("admitted", "consumed", "filtered", "unassigned")
         }
         return run
 
