@@ -153,14 +153,15 @@ def _count(run_dir: Path, kind: str) -> int:
 
 
 @pytest.mark.parametrize(
-    ("seed", "faults"),
+    ("seed", "faults", "mode"),
     [
-        pytest.param(1, FAULTS, id="seed1-kills"),
-        pytest.param(2, FAULTS, id="seed2-kills"),
-        pytest.param(4, ("stall",), id="seed4-stall"),
+        pytest.param(1, FAULTS, "dora", id="seed1-kills"),
+        pytest.param(2, FAULTS, "dora", id="seed2-kills"),
+        pytest.param(3, FAULTS, "inflight", id="seed3-inflight-kills"),
+        pytest.param(4, ("stall",), "dora", id="seed4-stall"),
     ],
 )
-def test_chaos(tmp_path: Path, seed: int, faults: tuple[str, ...]) -> None:
+def test_chaos(tmp_path: Path, seed: int, faults: tuple[str, ...], mode: str) -> None:
     rng = random.Random(seed)
     order = rng.sample(faults, len(faults))
     # The trained-step counts that trigger each fault, then a random moment inside the step.
@@ -173,6 +174,8 @@ def test_chaos(tmp_path: Path, seed: int, faults: tuple[str, ...]) -> None:
         f"rollout.batch_size={B}",
         f"rollout.group_size={G}",
         f"rollout.staleness={K}",
+        f"rollout.mode={mode}",
+        "log.samples_every=1",
         "rollout.max_tokens=48",
         "serve.instances=2",
         "serve.max_running=16",
@@ -248,6 +251,26 @@ def test_chaos(tmp_path: Path, seed: int, faults: tuple[str, ...]) -> None:
 
     check_final_checkpoint(run_dir, steps=STEPS)
     check_nothing_left(seen)
+    check_token_versions(run_dir, spans_versions=mode == "inflight")
+
+
+def check_token_versions(run_dir: Path, *, spans_versions: bool) -> None:
+    """Which version sampled each token (samples.jsonl): the group's version alone (C1), or, in
+    mode inflight, versions in order from the group's on, never an older one (a request that got
+    its first token after a load starts on the newer version), so the staleness counted from the
+    group's version bounds that of every token."""
+    groups = [json.loads(x) for x in (run_dir / "samples.jsonl").read_text().splitlines()]
+    assert groups, "samples.jsonl is empty"
+    for group in groups:
+        for sample in group["samples"]:
+            versions = [v for _, _, v in sample["version_spans"]]
+            if not versions:
+                continue  # masked: nothing sampled
+            if spans_versions:
+                assert versions[0] >= group["version"], (group["group"], versions)
+                assert versions == sorted(versions), (group["group"], versions)
+            else:
+                assert versions == [group["version"]], (group["group"], versions)
 
 
 def _remember(run_pid: int, seen: set[int]) -> None:
