@@ -39,7 +39,7 @@ import os
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -52,7 +52,7 @@ from dora.looplag import p99
 from dora.records import Tick
 from dora.report import load_run
 from dora.sim.engine import Run, simulate
-from dora.sim.modes import MODES, ModePlan
+from dora.sim.modes import MODES, PAPER_MODES, ModePlan
 from dora.sim.modes import plan as mode_plan
 
 __all__ = ["default_time_scale", "main", "mode_overrides", "predicted", "warmup_steps"]
@@ -101,10 +101,12 @@ def _window(run: Run, warmup: int) -> tuple[float, float]:
     return (tokens / span if span > 0 else 0.0), span / max(1, len(ends) - 1)
 
 
-def default_time_scale(setup: Setup, *, steps: int, budget_s: float) -> float:
-    """The scale that fits the four runs' predicted modelled time into `budget_s` real seconds."""
-    total = sum(predicted(setup, mode_plan(m, setup), steps=steps).step_end_s[-1] for m in MODES)
-    return max(1e-4, (budget_s - len(MODES) * _STARTUP_S) / total)
+def default_time_scale(
+    setup: Setup, *, steps: int, budget_s: float, modes: Sequence[str] = PAPER_MODES
+) -> float:
+    """The scale that fits the runs' predicted modelled time into `budget_s` real seconds."""
+    total = sum(predicted(setup, mode_plan(m, setup), steps=steps).step_end_s[-1] for m in modes)
+    return max(1e-4, (budget_s - len(modes) * _STARTUP_S) / total)
 
 
 def mode_overrides(
@@ -291,7 +293,7 @@ def _parser() -> argparse.ArgumentParser:
         help="train steps per mode after its warm-up (its first K steps); the window measured "
         "runs from the end of the first of them to the end of the last",
     )
-    p.add_argument("--modes", default=",".join(MODES))
+    p.add_argument("--modes", default=",".join(PAPER_MODES), help=f"from {', '.join(MODES)}")
     p.add_argument(
         "--cost",
         action="append",
@@ -310,7 +312,8 @@ def main(argv: list[str] | None = None) -> int:
     setup = apply_overrides(preset(args.preset), list(args.cost))
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     steps = args.steps
-    scale = args.time_scale or default_time_scale(setup, steps=steps, budget_s=60 * args.budget_min)
+    budget = 60 * args.budget_min
+    scale = args.time_scale or default_time_scale(setup, steps=steps, budget_s=budget, modes=modes)
     stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
     out = Path(args.out or f"runs/bench-cluster-{args.preset}-{stamp}")
     out.mkdir(parents=True, exist_ok=True)

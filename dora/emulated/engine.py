@@ -73,6 +73,9 @@ class Sequence:
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
     """Tokens carried in by an import (their values, already sampled elsewhere)."""
+    sampled_by: list[tuple[int, int]] = field(default_factory=list)
+    """`(n, v)` for each version loaded under it: its tokens before position `n` not yet given
+    a version were sampled by `v` (`load(keep=True)`); the rest by `version`."""
     future: asyncio.Future[Completion] | None = None
     prefill_from: int = 0
     """Context tokens already in the KV cache when it starts (-1: look up the prefix cache)."""
@@ -157,8 +160,10 @@ class EmulatedInstance:
         self.paused = paused
         self._kick()
 
-    async def load(self, version: int) -> float:
-        """Load `version` (modelled `weight_sync_s`); new requests wait meanwhile."""
+    async def load(self, version: int, *, keep: bool = False) -> float:
+        """Load `version` (modelled `weight_sync_s`); every request waits meanwhile. With `keep`
+        the requests it holds go on afterwards with the KV cache they have, their next tokens
+        sampled by `version` (mode inflight)."""
         self._sync()
         self.loading = True
         self._kick()
@@ -168,6 +173,11 @@ class EmulatedInstance:
         finally:
             self._sync()
             self.loading = False
+            if keep:
+                for seq in [*self.running.values(), *self.waiting]:
+                    done = seq.done + (self.prog - seq.p0 if seq.running else 0.0)
+                    seq.sampled_by.append((int(done + _EPS), seq.version))
+                    seq.version = version
             self.version = version
             self.prefix.clear()  # the prefix cache is salted by version (docs/engine.md)
             self._kick()
@@ -297,7 +307,7 @@ class EmulatedInstance:
             request_id=seq.id,
             token_ids=as_array("i", seq.token_ids) + ids,
             logprobs=as_array("f", seq.logprobs) + logprobs,
-            versions=as_array("i", seq.versions) + array("i", [seq.version]) * len(ids),
+            versions=as_array("i", seq.versions) + _versions(seq, carried, count),
             finish_reason=finish,
             prompt_tokens=len(seq.prompt_ids),
         )
@@ -306,3 +316,13 @@ class EmulatedInstance:
     def _resolve(seq: Sequence, out: Completion) -> None:
         if seq.future is not None and not seq.future.done():
             seq.future.set_result(out)
+
+
+def _versions(seq: Sequence, start: int, end: int) -> array[int]:
+    """The versions that sampled `seq`'s tokens in positions `[start, end)`."""
+    out = array("i")
+    for n, version in seq.sampled_by:
+        upto = min(max(n, start), end)
+        out += array("i", [version]) * (upto - start)
+        start = upto
+    return out + array("i", [seq.version]) * (end - start)

@@ -164,13 +164,11 @@ class EmulatedServer:
         inst = self.instance
         previous = inst.version
         aborted: list[str] = []
-        if req.mode == "keep":
-            return self._error(400, "emulated instances load with mode 'drain' or 'abort'")
         if req.mode == "abort":
             aborted = [c.request_id for c in inst.abort_all()]
-        else:
+        elif req.mode == "drain":
             await inst.idle.wait()
-        load_s = await inst.load(req.version)
+        load_s = await inst.load(req.version, keep=req.mode == "keep")
         return self._json(
             {
                 "version": req.version,

@@ -19,9 +19,11 @@ from dora.core.orchestrator import Mode
 from dora.costs import Setup
 from dora.errors import ConfigError
 
-__all__ = ["MODES", "ModePlan", "plan"]
+__all__ = ["MODES", "PAPER_MODES", "ModePlan", "plan"]
 
-MODES = ("sync", "one_step_off", "partial", "dora", "inflight")
+PAPER_MODES = ("sync", "one_step_off", "partial", "dora")
+"""The modes the DORA paper compares (its baselines and dora), which `dora bench cluster` runs."""
+MODES = (*PAPER_MODES, "inflight")
 
 
 @dataclass(frozen=True, slots=True)

@@ -12,7 +12,7 @@ import argparse
 
 from dora.sim.cli import build_setup
 from dora.sim.engine import simulate
-from dora.sim.modes import MODES, plan
+from dora.sim.modes import PAPER_MODES, plan
 from dora.sim.report import summarize
 
 __all__ = ["VARIANTS", "main"]
@@ -40,7 +40,7 @@ VARIANTS: list[tuple[str, list[str]]] = [
 def row(preset: str, overrides: list[str], steps: int | None, seed: int) -> dict[str, float]:
     setup = build_setup(preset, overrides, steps=steps)
     out: dict[str, float] = {}
-    for mode in MODES:
+    for mode in PAPER_MODES:
         m = summarize(simulate(setup, plan(mode, setup), seed=seed))
         out[mode] = m["step_min"]
         out[f"{mode}_tps"] = m["tokens_per_s"]
@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     print("| --- | --- | --- | --- | --- | --- |")
     for label, overrides in VARIANTS:
         r = row(args.preset, overrides, args.steps, args.seed)
-        cells = " | ".join(f"{r[m]:.2f}" for m in MODES)
+        cells = " | ".join(f"{r[m]:.2f}" for m in PAPER_MODES)
         print(f"| {label} | {cells} | {r['ratio']:.2f} |", flush=True)
     return 0
 

@@ -19,7 +19,7 @@ from dora.bench.modes import run_mode
 from dora.bench.modes_report import summarise
 from dora.costs import apply_overrides, preset
 from dora.emulated.checks import check_run
-from dora.sim.modes import MODES
+from dora.sim.modes import PAPER_MODES as MODES
 from dora.sim.modes import plan as mode_plan
 
 pytestmark = pytest.mark.timeout(240)

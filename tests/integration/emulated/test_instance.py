@@ -120,3 +120,22 @@ async def test_versions_loads_and_bad_requests() -> None:
         assert health["version"] == 1
         metrics = await a.metrics()
         assert metrics["running"] == 0 and metrics["generated_tokens"] > 0
+
+
+async def test_a_load_that_keeps_running_requests_switches_their_next_tokens() -> None:
+    """Mode inflight: the load lands under a running request, which is not aborted and goes on
+    where it was; its tokens before the load carry the old version, the rest the new one, and
+    the text is the same as a request that ran on one version."""
+    params = SamplingParams(max_tokens=5000)
+    i = long_index()
+    async with cluster(2, scale=0.1) as (a, b):
+        whole = await b.generate(PROMPT, params, request_id=f"w/{i}#1", version=0)
+        call = asyncio.create_task(a.generate(PROMPT, params, request_id=f"k/{i}#1"))
+        await asyncio.sleep(0.2)  # some tokens sampled, not all
+        out = await a.load_weights(1, path="/nowhere/needed", mode="keep")
+        assert out["aborted"] == [] and out["version"] == 1
+        kept = await call
+    assert kept.finish_reason == "stop" and list(kept.token_ids) == list(whole.token_ids)
+    versions = list(kept.versions)
+    switch = versions.index(1)
+    assert 0 < switch < len(versions) and versions == [0] * switch + [1] * (len(versions) - switch)
