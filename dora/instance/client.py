@@ -28,7 +28,7 @@ from dora.errors import (
     ServerUnavailable,
     VersionMismatch,
 )
-from dora.instance.interface import ExportedRequest
+from dora.instance.interface import Capabilities, ExportedRequest
 from dora.protocol import (
     MSGPACK,
     Completion,
@@ -135,6 +135,10 @@ class ClientOptions(TypedDict, total=False):
 class EngineClient:
     """Talks to one engine instance at `base_url` (e.g. `http://127.0.0.1:8000`)."""
 
+    capabilities = Capabilities(kv_migration=True, lora_versions=True)
+    """The embedded engine's: it moves requests with their KV cache and holds LoRA versions as
+    adapters. A server of the same API that can do less says so with `capabilities=`."""
+
     def __init__(
         self,
         base_url: str,
@@ -143,7 +147,10 @@ class EngineClient:
         control_timeout_s: float = 120.0,
         token: str | None = None,
         session: aiohttp.ClientSession | None = None,
+        capabilities: Capabilities | None = None,
     ) -> None:
+        if capabilities is not None:
+            self.capabilities = capabilities
         self.base_url = base_url.rstrip("/")
         self.timeout_s = timeout_s
         self.control_timeout_s = control_timeout_s

@@ -6,13 +6,15 @@ vLLM server, or any future backend). Serve drives every backend through `Instanc
 that an instance holding another one refuses with `VersionMismatch` rather than sample), load a
 version, abort (returns the tokens so far), health, and the optional KV-migration capability
 (export a running request with its KV cache, import it on another instance of the same version).
-A backend without that capability raises `RequestError` from `export_request`/`import_request`,
-and serve falls back to abort plus resubmission of the prompt and the tokens so far; serve's tests
-pass with `kv_migration = false` too.
+Each client declares what its backend can do as `Capabilities`, and serve asks that instead of
+the backend's name. A backend without KV migration raises `RequestError` from
+`export_request`/`import_request`, and serve falls back to abort plus resubmission of the prompt
+and the tokens so far; serve's tests pass with `kv_migration = false` too.
 
-An adapter-capable backend (the embedded engine with LoRA versions) holds several versions at
-once and reports them as `versions` in its `health()` answer; `held_versions` reads that answer
-for any backend (one that reports only `version` holds that one).
+An adapter-capable backend (the embedded engine or a vLLM server with LoRA versions) holds several
+versions at once, reports them as `versions` in its `health()` answer and drops one with
+`unload_weights`; `held_versions` reads that answer for any backend (one that reports only
+`version` holds that one).
 
 This module and its package import neither torch nor any backend: the vLLM client and serve use it
 without loading the embedded engine.
@@ -28,7 +30,35 @@ import msgspec
 
 from dora.protocol import Completion, SamplingParams
 
-__all__ = ["ExportedRequest", "InstanceClient", "InstanceHandle", "SetBackground", "held_versions"]
+__all__ = [
+    "Capabilities",
+    "ExportedRequest",
+    "InstanceClient",
+    "InstanceHandle",
+    "SetBackground",
+    "common_capabilities",
+    "held_versions",
+]
+
+
+class Capabilities(msgspec.Struct, frozen=True, kw_only=True):
+    """What one backend's instances can do beyond generate, load, abort and health."""
+
+    kv_migration: bool
+    """`export_request`/`import_request` move a running request with its KV cache to another
+    instance of the same version."""
+    lora_versions: bool
+    """With LoRA versions (`model.lora.rank > 0`), an instance holds several versions at once as
+    adapters over one base, reports them as `versions` in `health()`, and drops one with
+    `unload_weights`."""
+
+
+def common_capabilities(clients: Sequence[InstanceClient]) -> Capabilities:
+    """What every one of `clients` can do (serve plans for the pool as a whole)."""
+    return Capabilities(
+        kv_migration=all(c.capabilities.kv_migration for c in clients),
+        lora_versions=all(c.capabilities.lora_versions for c in clients),
+    )
 
 
 class ExportedRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -64,6 +94,11 @@ class InstanceClient(Protocol):
     `timeout_s=None` means the client's own default deadline; every call has one.
     """
 
+    @property
+    def capabilities(self) -> Capabilities:
+        """What this instance can do (KV migration, several LoRA versions at once)."""
+        ...
+
     async def generate(
         self,
         prompt_ids: Sequence[int],
@@ -88,6 +123,12 @@ class InstanceClient(Protocol):
         """Load `version` from a safetensors folder `path` or from raw `tensors` (name -> dtype,
         shape, bytes). `mode`: running requests finish first ("drain"), end now ("abort"), or go
         on under the new weights with their KV cache ("keep"; a backend may refuse it)."""
+        ...
+
+    async def unload_weights(
+        self, version: int, *, timeout_s: float | None = None
+    ) -> dict[str, object]:
+        """Drop the adapter of `version` (only where `capabilities.lora_versions`)."""
         ...
 
     async def abort(self, request_id: str, *, timeout_s: float | None = None) -> Completion:

@@ -21,12 +21,16 @@ from pathlib import Path
 from dora.config import DoraConfig
 from dora.emulated.setup import urls_path
 from dora.errors import ServerTimeout, ServerUnavailable
-from dora.instance import EngineClient, InstanceHandle
+from dora.instance import Capabilities, EngineClient, InstanceHandle
 from dora.lifetime import PARENT_ENV
 
 __all__ = ["emulated_instances"]
 
 log = logging.getLogger("dora.serve")
+
+EMULATED = Capabilities(kv_migration=True, lora_versions=False)
+"""An emulated instance moves requests (without KV bytes, `dora.emulated.server`) and holds one
+full-weight version."""
 
 
 @contextlib.asynccontextmanager
@@ -82,6 +86,7 @@ async def emulated_instances(
                 line,
                 timeout_s=config.serve.request_timeout_s,
                 control_timeout_s=config.serve.weight_load_timeout_s,
+                capabilities=EMULATED,
             )
             handles.append(InstanceHandle(id=f"i{i}", url=line, client=client, stop=stop_one))
         log.info("emulated cluster (pid %d): %d instances", proc.pid, count)

@@ -186,12 +186,12 @@ class InstanceLifecycle:
 
     async def _unload(self, unload: Unload) -> None:
         inst = self._router.instances[unload.instance]
-        drop = getattr(inst.client, "unload_weights", None)
-        if drop is None or not inst.alive:
+        if not inst.client.capabilities.lora_versions or not inst.alive:
             return
         async with self._load_locks[unload.instance]:
             try:
-                await drop(unload.version, timeout_s=self._config.weight_load_timeout_s)
+                timeout_s = self._config.weight_load_timeout_s
+                await inst.client.unload_weights(unload.version, timeout_s=timeout_s)
                 log.debug("instance %s dropped version %d", inst.id, unload.version)
             except (ServerError, ServerTimeout) as exc:
                 log.warning("instance %s kept version %d: %s", inst.id, unload.version, exc)

@@ -49,6 +49,7 @@ from dora.config import DoraConfig, ServeConfig
 from dora.core.orchestrator import Mode, Orchestrator
 from dora.env import Env, PromptStream, Task
 from dora.episode import ChatRenderer
+from dora.instance import common_capabilities
 from dora.link import ServeLink
 from dora.records import Restore, ServeStart
 from dora.serve.console import StepLines
@@ -100,9 +101,9 @@ class Rollout:
         eval_prompts_skipped: int = 0,
         sample_log: SampleLog | None = None,
     ) -> None:
-        r = config.rollout
         self.config = config
         self._instances = instances
+        self._capabilities = common_capabilities([h.client for h in instances])
         self.stats = ServeStats(
             prompts_skipped=prompts_skipped, eval_prompts_skipped=eval_prompts_skipped
         )
@@ -111,12 +112,7 @@ class Rollout:
         self.queue = self.core.wrap(_journaled_queue(config, run_dir))
         self.metrics = _metrics_log(config, run_dir)
         self.spawn = Spawner()
-        self.placement = Placement(
-            self.core.wrap(Orchestrator(mode=Mode(r.mode))),
-            _router(config.serve, self.stats, pin_versions=r.mode != "inflight"),
-            metrics=self.metrics,
-            spawn=self.spawn,
-        )
+        self.placement = self._placement(config)
         self.store = WeightStore()
         self.store.add_path(0, model_dir)
         self.lifecycle = self._instance_lifecycle(config, replace_instance)
@@ -158,6 +154,18 @@ class Rollout:
             self._log_restore()
         self._cpu_priority = _cpu_priority(config.serve, self._instances)
 
+    def _placement(self, config: DoraConfig) -> Placement:
+        """The orchestrator and the router; requests move with their KV cache where the config
+        asks for it and every instance can."""
+        router = Router(
+            kv_migration=config.serve.kv_migration and self._capabilities.kv_migration,
+            control_timeout_s=config.serve.weight_load_timeout_s,
+            stats=self.stats,
+            pin_versions=config.rollout.mode != "inflight",
+        )
+        orchestrator = self.core.wrap(Orchestrator(mode=Mode(config.rollout.mode)))
+        return Placement(orchestrator, router, metrics=self.metrics, spawn=self.spawn)
+
     def _instance_lifecycle(self, config: DoraConfig, replace: Replace | None) -> InstanceLifecycle:
         return InstanceLifecycle(
             config.serve,
@@ -168,9 +176,7 @@ class Rollout:
             stats=self.stats,
             spawn=self.spawn,
             replace=replace,
-            # The embedded engine holds LoRA versions as adapters over one base model.
-            multi_version=config.serve.backend in ("embedded", "vllm")
-            and config.model.lora.rank > 0,
+            multi_version=config.model.lora.rank > 0 and self._capabilities.lora_versions,
             in_flight=config.rollout.mode == "inflight",
         )
 
@@ -331,16 +337,6 @@ def _metrics_log(config: DoraConfig, run_dir: Path) -> MetricsLog:
     if config.log.console_every:
         console = StepLines(every=config.log.console_every, total_steps=config.learn.steps)
     return MetricsLog(run_dir, tracking=open_tracking(config, run_dir), console=console)
-
-
-def _router(serve: ServeConfig, stats: ServeStats, *, pin_versions: bool) -> Router:
-    return Router(
-        # vLLM cannot move a request with its KV cache; the embedded and emulated engines can.
-        kv_migration=serve.kv_migration and serve.backend != "vllm",
-        control_timeout_s=serve.weight_load_timeout_s,
-        stats=stats,
-        pin_versions=pin_versions,
-    )
 
 
 def _cpu_priority(config: ServeConfig, instances: list[InstanceHandle]) -> CpuPriority | None:

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Literal
 import msgspec
 
 from dora.errors import RequestError, ServerError, ServerTimeout, VersionMismatch
+from dora.instance import Capabilities
 from dora.instance.client import ClientOptions
 from dora.protocol import Completion, SamplingParams
 from dora.vllm.client import VllmClient, write_safetensors
@@ -53,6 +54,8 @@ def adapter_name(version: int) -> str:
 class VllmAdapterClient(VllmClient):
     """Talks to one vLLM server started with `--enable-lora`; holds version 0 (the base) and any
     adapter versions loaded since."""
+
+    capabilities = Capabilities(kv_migration=False, lora_versions=True)
 
     def __init__(
         self,

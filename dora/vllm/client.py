@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Literal
 import msgspec
 
 from dora.errors import ConfigError, RequestError, ServerError, ServerTimeout, VersionMismatch
-from dora.instance import EngineClient, ExportedRequest
+from dora.instance import Capabilities, EngineClient, ExportedRequest
 from dora.instance.client import ClientOptions, generate_body
 from dora.protocol import Completion, FinishReason, SamplingParams
 
@@ -64,7 +64,8 @@ _GAUGES = {
 class VllmClient(EngineClient):
     """Talks to one vLLM server at `base_url`, which holds `version` when the client is made."""
 
-    supports_kv_migration = False
+    capabilities = Capabilities(kv_migration=False, lora_versions=False)
+    """vLLM cannot move a request with its KV cache; this client loads full weights."""
 
     def __init__(
         self,
