@@ -6,7 +6,16 @@ engine's HTTP API (which `dora.vllm.client.VllmClient` extends). Importing this 
 neither torch nor the engine (tests/unit/test_layers.py checks it).
 """
 
+from dora.instance.callcpu import CALL_CPU, CallCpu
 from dora.instance.client import EngineClient
 from dora.instance.interface import ExportedRequest, InstanceClient, InstanceHandle, SetBackground
 
-__all__ = ["EngineClient", "ExportedRequest", "InstanceClient", "InstanceHandle", "SetBackground"]
+__all__ = [
+    "CALL_CPU",
+    "CallCpu",
+    "EngineClient",
+    "ExportedRequest",
+    "InstanceClient",
+    "InstanceHandle",
+    "SetBackground",
+]

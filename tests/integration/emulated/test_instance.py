@@ -120,3 +120,18 @@ async def test_versions_loads_and_bad_requests() -> None:
         assert health["version"] == 1
         metrics = await a.metrics()
         assert metrics["running"] == 0 and metrics["generated_tokens"] > 0
+
+
+async def test_call_cpu_counts_each_generate_by_part() -> None:
+    from dora.instance import CALL_CPU
+
+    before_calls, before = CALL_CPU.calls, dict(CALL_CPU.seconds)
+    async with cluster(1) as (client,):
+        for i in range(3):
+            await client.generate(
+                PROMPT, SamplingParams(max_tokens=50), request_id=f"c/{i}#1", version=0
+            )
+    assert CALL_CPU.calls - before_calls == 3
+    for part in ("request", "answer"):
+        assert CALL_CPU.seconds[part] > before.get(part, 0.0), part
+    assert set(CALL_CPU.per_call_us()) >= {"request", "answer"}
