@@ -63,6 +63,7 @@ from dora.episode_guard import (
     reward_total,
 )
 from dora.errors import EnvError
+from dora.instance.callcpu import CALL_CPU
 from dora.instance.interface import InstanceClient
 from dora.protocol import Completion, FinishReason, Sample, SamplingParams, TokenSequence
 from dora.render import ChatRenderer
@@ -373,7 +374,7 @@ async def _loop(
         traj.add_sampled(completion)
         sampled += len(completion.token_ids)
         counts.turns += 1
-        text = renderer.decode(completion.token_ids)
+        text = CALL_CPU.timed("turn", renderer.decode, completion.token_ids)
         if completion.finish_reason == "length":
             completion_text = renderer.split_turn_end(text)[0] if chat else text
             _record_turn(messages, _parse(completion_text, toolbox) if chat else None)
@@ -388,8 +389,7 @@ async def _loop(
             )
             new_ids: list[int] = []
             if not done and counts.turns < limits.max_turns:
-                rendered = guarded("rendering", renderer.new_message_ids, replies)
-                new_ids = renderer.encode(turn_end) + rendered
+                new_ids = CALL_CPU.timed("turn", _next_ids, renderer, turn_end, replies)
         else:
             completion_text = text
             raw = await hooks.call("step", env.step, text, timeout_s=limits.step_timeout_s)
@@ -415,6 +415,11 @@ async def _loop(
         num_tool_calls=counts.tool_calls,
         num_tool_errors=counts.tool_errors,
     )
+
+
+def _next_ids(renderer: ChatRenderer, turn_end: str, replies: list[Message]) -> list[int]:
+    """The ids that close the model's turn and open the next: the replies, rendered."""
+    return renderer.encode(turn_end) + guarded("rendering", renderer.new_message_ids, replies)
 
 
 async def _chat_reply(

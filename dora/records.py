@@ -298,6 +298,10 @@ class RolloutReport(Record, tag="summary"):
     core_s_by_call: dict[str, float] = msgspec.field(default_factory=dict)
     """Seconds spent in each method of the transfer queue (journal writes included) and the
     orchestrator over the run, as `Type.method`: what the ticks' `core_s` is made of."""
+    model_calls: int = 0
+    """Generate calls serve made (`dora.instance.callcpu`)."""
+    call_cpu_s: dict[str, float] = msgspec.field(default_factory=dict)
+    """Serve's thread CPU spent on those calls, by part (`request`, `answer`, `turn`)."""
 
 
 _Known = (

@@ -173,6 +173,10 @@ class Overheads:
     core_s_per_step: float
     core_share: float
     core_by_call: dict[str, float]
+    call_cpu_us: dict[str, float]
+    """Serve's CPU per model call in microseconds: `total` (the process's CPU from its first tick
+    to its last over the calls of the run), its measured parts and `rest` (the event loop, the
+    HTTP stack, admission and completion)."""
     """The run's orchestration seconds by `Type.method` (its summary record)."""
     checked_groups: int
     problems: list[str]
@@ -228,9 +232,22 @@ def overheads(
         core_s_per_step=core,
         core_share=core_share,
         core_by_call=dict(run.summary.core_s_by_call) if run.summary is not None else {},
+        call_cpu_us=call_cpu_us(ticks, run.summary.model_calls, run.summary.call_cpu_s)
+        if run.summary is not None
+        else {},
         checked_groups=checked[0],
         problems=checked[1],
     )
+
+
+def call_cpu_us(ticks: list[Tick], calls: int, parts: dict[str, float]) -> dict[str, float]:
+    """Serve's CPU per model call in microseconds: `total`, each measured part and the `rest`."""
+    if calls <= 0 or len(ticks) < 2:
+        return {}
+    total = (ticks[-1].cpu_s - ticks[0].cpu_s) * 1e6 / calls
+    out = {"total": total} | {k: v * 1e6 / calls for k, v in sorted(parts.items())}
+    out["rest"] = total - sum(v * 1e6 / calls for v in parts.values())
+    return out
 
 
 def comparison_table(
@@ -431,6 +448,9 @@ def _print_report(
             top = sorted(o.core_by_call.items(), key=lambda kv: -kv[1])[:4]
             parts = ", ".join(f"{k} {v:.2f} s" for k, v in top)
             print(f"orchestration {name}, whole run, largest: {parts}")
+        if o.call_cpu_us:
+            parts = ", ".join(f"{k} {v:.0f}" for k, v in o.call_cpu_us.items())
+            print(f"serve CPU per model call {name}, us: {parts}")
     if "dora" in sims:
         sim_lines = [
             f"simulator dora/{m}: {sims['dora'][0] / sims[m][0]:.2f}"

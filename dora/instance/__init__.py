@@ -7,6 +7,7 @@ extends). Importing this package loads neither torch nor the engine (tests/unit/
 checks it).
 """
 
+from dora.instance.callcpu import CALL_CPU, CallCpu
 from dora.instance.client import EngineClient
 from dora.instance.interface import (
     Capabilities,
@@ -18,6 +19,8 @@ from dora.instance.interface import (
 )
 
 __all__ = [
+    "CALL_CPU",
+    "CallCpu",
     "Capabilities",
     "EngineClient",
     "ExportedRequest",

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import io
+import time
 from collections.abc import Callable, Mapping, Sequence
 from types import TracebackType
 from typing import Literal, TypedDict, TypeVar
@@ -28,6 +29,7 @@ from dora.errors import (
     ServerUnavailable,
     VersionMismatch,
 )
+from dora.instance.callcpu import CALL_CPU
 from dora.instance.interface import Capabilities, ExportedRequest
 from dora.protocol import (
     MSGPACK,
@@ -186,13 +188,29 @@ class EngineClient:
         timeout_s: float | None = None,
     ) -> Completion:
         """Sample one completion of `prompt_ids`; `version` pins it (else VersionMismatch)."""
+        started = time.thread_time()
+        CALL_CPU.calls += 1
         body = generate_body(prompt_ids, params, request_id)
         if version is not None:
             body["version"] = version
-        raw, kind = await self._post_raw(
-            "/v1/completions", body, timeout_s or self.timeout_s, "generate", accept=MSGPACK
+        data = encode_json(body)
+        CALL_CPU.add("request", started)
+        raw, kind = await self._call(
+            "POST",
+            "/v1/completions",
+            data,
+            "application/json",
+            timeout_s or self.timeout_s,
+            "generate",
+            accept=MSGPACK,
         )
+        started = time.thread_time()
+        try:
+            return self._completion(raw, kind, request_id, len(prompt_ids))
+        finally:
+            CALL_CPU.add("answer", started)
 
+    def _completion(self, raw: bytes, kind: str, request_id: str, prompt_len: int) -> Completion:
         decode = _first_choice_msgpack if kind == MSGPACK else _first_choice_json
         choice = self._decode(raw, "generate", decode)
         if choice is None:
@@ -204,7 +222,7 @@ class EngineClient:
             logprobs=logprobs,
             versions=versions,
             finish_reason=finish_reason,
-            prompt_tokens=len(prompt_ids),
+            prompt_tokens=prompt_len,
         )
 
     async def load_weights(

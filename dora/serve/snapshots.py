@@ -8,6 +8,7 @@ import time
 from collections.abc import Callable
 
 from dora.heap import peak_rss_mb
+from dora.instance.callcpu import CALL_CPU
 from dora.link import ServeLink
 from dora.records import InstanceTick, LinkCounts, Tick, TickEval
 from dora.serve.coretime import CoreClock
@@ -201,4 +202,6 @@ class Snapshots:
             core_s_by_call={
                 k: round(v, 4) for k, v in sorted(self._core.by_call.items(), key=lambda kv: -kv[1])
             },
+            model_calls=CALL_CPU.calls,
+            call_cpu_s={k: round(v, 6) for k, v in CALL_CPU.seconds.items()},
         )

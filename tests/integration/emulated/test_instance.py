@@ -139,3 +139,18 @@ async def test_a_load_that_keeps_running_requests_switches_their_next_tokens() -
     versions = list(kept.versions)
     switch = versions.index(1)
     assert 0 < switch < len(versions) and versions == [0] * switch + [1] * (len(versions) - switch)
+
+
+async def test_call_cpu_counts_each_generate_by_part() -> None:
+    from dora.instance import CALL_CPU
+
+    before_calls, before = CALL_CPU.calls, dict(CALL_CPU.seconds)
+    async with cluster(1) as (client,):
+        for i in range(3):
+            await client.generate(
+                PROMPT, SamplingParams(max_tokens=50), request_id=f"c/{i}#1", version=0
+            )
+    assert CALL_CPU.calls - before_calls == 3
+    for part in ("request", "answer"):
+        assert CALL_CPU.seconds[part] > before.get(part, 0.0), part
+    assert set(CALL_CPU.per_call_us()) >= {"request", "answer"}
