@@ -5,10 +5,12 @@ from a plain checkout."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 DORA = [sys.executable, "-m", "dora.cli"]
@@ -20,13 +22,16 @@ def checkout_env(**extra: str) -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": path, **extra}
 
 
-def run_dora(*args: str, cwd: Path, timeout_s: float = 120) -> subprocess.CompletedProcess[str]:
+def run_dora(
+    *args: str, cwd: Path, timeout_s: float = 120, **env: str
+) -> subprocess.CompletedProcess[str]:
     """`dora ARGS` to the end in `cwd`, its output captured; prepared models are cached in
-    `cwd/cache`, so that nothing lands outside the test's folder."""
+    `cwd/cache`, so that nothing lands outside the test's folder; `env` is added to the
+    environment."""
     return subprocess.run(
         [*DORA, *args],
         cwd=cwd,
-        env=checkout_env(DORA_CACHE=str(cwd / "cache")),
+        env=checkout_env(DORA_CACHE=str(cwd / "cache"), **env),
         capture_output=True,
         text=True,
         timeout=timeout_s,
@@ -49,3 +54,24 @@ def start_dora_run(
             cwd=cwd,
             env=checkout_env(**env),
         )
+
+
+def jsonl(path: Path) -> list[dict[str, Any]]:
+    """The records of a JSON-lines file of a run directory, in file order."""
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def reward_thirds(run_dir: Path, steps: int) -> tuple[float, float]:
+    """The trainer's mean reward over the first and the last third of a run of `steps` steps,
+    from its `learn-metrics.jsonl`, after checking that every step from 0 to `steps - 1` trained
+    exactly once."""
+    metrics = sorted(jsonl(run_dir / "learn-metrics.jsonl"), key=lambda m: m["step"])
+    assert [m["step"] for m in metrics] == list(range(steps)), metrics
+    rewards = [m["reward_mean"] for m in metrics]
+    third = steps // 3
+    return sum(rewards[:third]) / third, sum(rewards[-third:]) / third
+
+
+def held_out_evals(run_dir: Path) -> list[dict[str, Any]]:
+    """The held-out evaluations of a run (`kind` "eval" in its `rollout.jsonl`), in order."""
+    return [r for r in jsonl(run_dir / "rollout.jsonl") if r["kind"] == "eval"]

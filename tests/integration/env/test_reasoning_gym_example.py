@@ -16,12 +16,11 @@ accuracy gain of the full example is measured in docs/benchmarks.md, not here (i
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from tests.commands import held_out_evals, jsonl, reward_thirds, run_dora
 
 pytest.importorskip("reasoning_gym")  # the `reasoning-gym` extra; CI installs it
 
@@ -57,23 +56,11 @@ def test_reasoning_gym_example_reward_rises(tmp_path: Path) -> None:
         f"log.run_dir={json.dumps(str(run_dir))}",
         "log.progress=false",
     ]
-    proc = subprocess.run(
-        [sys.executable, "-m", "dora.cli", "run", str(CONFIG), *over],
-        cwd=ROOT,
-        env={**os.environ, "OMP_WAIT_POLICY": "PASSIVE"},
-        capture_output=True,
-        text=True,
-        timeout=850,
+    proc = run_dora(
+        "run", str(CONFIG), *over, cwd=tmp_path, timeout_s=850, OMP_WAIT_POLICY="PASSIVE"
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
-    steps = [json.loads(x) for x in (run_dir / "learn-metrics.jsonl").read_text().splitlines()]
-    steps.sort(key=lambda s: s["step"])
-    assert [s["step"] for s in steps] == list(range(STEPS))
-    assert all(s["masked_samples"] == 0 for s in steps)
-    rewards = [s["reward_mean"] for s in steps]
-    third = STEPS // 3
-    first, last = sum(rewards[:third]) / third, sum(rewards[-third:]) / third
-    assert last > first + MARGIN, rewards
-    records = [json.loads(x) for x in (run_dir / "rollout.jsonl").read_text().splitlines()]
-    evals = [r for r in records if r["kind"] == "eval"]
-    assert [e["version"] for e in evals] == [0, STEPS], evals
+    assert all(m["masked_samples"] == 0 for m in jsonl(run_dir / "learn-metrics.jsonl"))
+    first, last = reward_thirds(run_dir, STEPS)
+    assert last > first + MARGIN, (first, last)
+    assert [e["version"] for e in held_out_evals(run_dir)] == [0, STEPS]

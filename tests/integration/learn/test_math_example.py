@@ -18,12 +18,11 @@ the first to the last third (42-46 s a run).
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from tests.commands import held_out_evals, jsonl, reward_thirds, run_dora
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -69,23 +68,11 @@ def test_math_example_reward_rises(tmp_path: Path, lora: bool) -> None:
         "log.progress=false",
         *(LORA if lora else []),
     ]
-    proc = subprocess.run(
-        [sys.executable, "-m", "dora.cli", "run", str(config), *over],
-        cwd=ROOT,
-        env={**os.environ, "OMP_WAIT_POLICY": "PASSIVE"},
-        capture_output=True,
-        text=True,
-        timeout=850,
+    proc = run_dora(
+        "run", str(config), *over, cwd=tmp_path, timeout_s=850, OMP_WAIT_POLICY="PASSIVE"
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
-    steps = [json.loads(x) for x in (run_dir / "learn-metrics.jsonl").read_text().splitlines()]
-    steps.sort(key=lambda s: s["step"])
-    assert [s["step"] for s in steps] == list(range(STEPS))
-    assert all(s["staleness_max"] <= 2 for s in steps)
-    rewards = [s["reward_mean"] for s in steps]
-    third = STEPS // 3
-    first, last = sum(rewards[:third]) / third, sum(rewards[-third:]) / third
-    assert last > first + MARGIN, rewards
-    records = [json.loads(x) for x in (run_dir / "rollout.jsonl").read_text().splitlines()]
-    evals = [r for r in records if r["kind"] == "eval"]
-    assert [e["version"] for e in evals] == [0, STEPS], evals
+    assert all(m["staleness_max"] <= 2 for m in jsonl(run_dir / "learn-metrics.jsonl"))
+    first, last = reward_thirds(run_dir, STEPS)
+    assert last > first + MARGIN, (first, last)
+    assert [e["version"] for e in held_out_evals(run_dir)] == [0, STEPS]
