@@ -22,15 +22,13 @@ import argparse
 import json
 import math
 import statistics
-import subprocess
-import sys
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dora.bench import summary
+from dora.bench import dora_run, summary
 from dora.config import load_config
 from dora.records import Eval, Trained, read_records
 
@@ -185,15 +183,6 @@ def plot(runs: Sequence[RunResult], staleness: Sequence[int], path: Path, *, tit
     plt.close(fig)
 
 
-def _run_dora(config: str, overrides: list[str], run_dir: Path, log: Path) -> None:
-    cmd = [sys.executable, "-m", "dora.cli", "run", config, *overrides]
-    cmd += [f"log.run_dir={run_dir}", "log.progress=false"]
-    with log.open("wb") as f:
-        code = subprocess.call(cmd, stdout=f, stderr=subprocess.STDOUT)
-    if code:
-        raise SystemExit(f"dora bench converge: a run failed ({code}); see {log}")
-
-
 def plan(modes: Sequence[str], staleness: Sequence[int], seeds: int) -> list[tuple[str, int, int]]:
     """The runs, (mode, K, seed), seed by seed so that a sweep cut short has every mode: sync
     once per seed (K = 0), the other modes once per K."""
@@ -238,7 +227,9 @@ def main(argv: list[str] | None = None) -> int:
             [] if mode == "sync" else [f"rollout.staleness={k}"]
         )
         run_dir = out / name
-        _run_dora(args.config, [*overrides, *mode_keys, *seeds], run_dir, out / f"{name}.log")
+        log = out / f"{name}.log"
+        if dora_run(args.config, [*overrides, *mode_keys, *seeds], run_dir, log):
+            raise SystemExit(f"dora bench converge: {name} failed; see {log}")
         runs.append(read_run(run_dir, mode=mode, staleness=k, seed=seed))
     target = args.target if args.target is not None else default_target(runs)
     doc: dict[str, Any] = {"config": args.config, "overrides": overrides, "target": target}

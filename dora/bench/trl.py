@@ -28,14 +28,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import subprocess
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from dora.bench import summary
+from dora.bench import dora_run, summary
 from dora.config import DoraConfig, load_config
 from dora.errors import ConfigError
 from dora.records import Eval, Trained, read_records
@@ -266,10 +264,7 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, Any] = {}
     if not args.skip_dora:
         run_dir = out / "dora"
-        cmd = [sys.executable, "-m", "dora.cli", "run", args.config, *overrides]
-        cmd += [f"log.run_dir={run_dir}", "log.progress=false"]
-        with open(out / "dora.log", "wb") as log:
-            code = subprocess.call(cmd, stdout=log, stderr=subprocess.STDOUT)
+        code = dora_run(args.config, overrides, run_dir, out / "dora.log")
         if code:
             print(f"dora bench trl: dora run failed ({code}); see {out / 'dora.log'}")
             return 1
