@@ -164,6 +164,10 @@ class WeightLoad(Record, tag="weight_load"):
     instance: str
     version: int
     seconds: float
+    under_calls: int = 0
+    """Calls that were running on the instance when the load began and went on under the new
+    weights with the KV cache of the old (mode `inflight`); 0 where a load waits for the
+    instance to empty, or loads an adapter beside calls that keep their own version."""
 
 
 class WeightLoadTimeout(Record, tag="weight_load_timeout"):

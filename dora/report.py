@@ -13,9 +13,10 @@ data URIs (the page needs nothing else):
 - `throughput.png`: trained tokens/s per step (trainer) and generated tokens/s (instances);
 - `staleness.png`: how many groups trained at each staleness `t - w`;
 - `timeline.png`: instance x time, each instance coloured by the version it holds, light where it
-  was idle and full where it was generating (tick utilisation), hatched while loading weights, with
-  the trainer's steps marked. This is the picture that explains DORA: old versions finish their
-  long tails on a few instances while the others already serve the newest.
+  was idle and full where it was generating (tick utilisation), hatched while loading weights, a
+  red triangle where a load landed under running calls (mode `inflight`: they went on with the
+  new weights), with the trainer's steps marked. This is the picture that explains DORA: old
+  versions finish their long tails on a few instances while the others already serve the newest.
 
 The version an instance holds comes from `weight_load` records (exact: end time and duration of
 each load); utilisation is per tick interval (`log.metrics_every_s`).
@@ -304,6 +305,16 @@ def draw_timeline(
             if not loading and shown > 0.025 * (hi - lo):
                 mid = (max(start, lo) + min(stop, hi)) / 2
                 ax.text(mid, y, f"v{v}", ha="center", va="center", fontsize=7)
+    under = [w for w in run.weight_loads if w.under_calls and w.instance in names]
+    if under:  # loads under running calls: the calls went on with the new weights
+        ax.scatter(
+            [w.time_s for w in under],
+            [names.index(w.instance) + 0.4 for w in under],
+            marker="v",
+            color="crimson",
+            s=22,
+            zorder=3,
+        )
     for rec in run.trained:
         ax.axvline(rec.time_s, color="black", alpha=0.25, linewidth=0.8)
     if span is not None:
@@ -316,10 +327,16 @@ def draw_timeline(
     ax.set_title(title or f"{mode} instances x time, coloured by the version each holds".strip())
     from matplotlib.patches import Patch
 
-    handles = [Patch(color=colour(v), label=f"v{v}") for v in versions[:10]]
+    handles: list[Any] = [Patch(color=colour(v), label=f"v{v}") for v in versions[:10]]
     if len(versions) > 10:
         handles = [Patch(color=colour(v), label=f"v{v}, v{v + 10}, ...") for v in range(10)]
     handles.append(Patch(facecolor="white", edgecolor="black", hatch="////", label="loading"))
+    if under:
+        from matplotlib.lines import Line2D
+
+        handles.append(
+            Line2D([], [], marker="v", color="crimson", linestyle="", label="loaded under calls")
+        )
     ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize="small")
 
 

@@ -224,6 +224,7 @@ class InstanceLifecycle:
                 return  # superseded while we waited (the store may have dropped `version` since)
             started = time.monotonic()
             incarnation = self._queue.incarnation
+            under_calls = self._router.instances[instance].inflight if self._in_flight else 0
             if not await self._send_weights(instance, version):
                 return
             seconds = time.monotonic() - started
@@ -241,7 +242,11 @@ class InstanceLifecycle:
                 state.version, state.held = version, {version}
             self._stats.weight_loads += 1
             self._stats.weight_load_s += seconds
-            self._metrics.write(WeightLoad(instance=instance, version=version, seconds=seconds))
+            self._metrics.write(
+                WeightLoad(
+                    instance=instance, version=version, seconds=seconds, under_calls=under_calls
+                )
+            )
         self._loaded(load)
 
     async def _send_weights(self, instance: str, version: int) -> bool:

@@ -133,6 +133,8 @@ async def test_dora_mode(tmp_path: Path, long_tail_model: Path, kv_migration: bo
     report, trainer, records = await _run("dora", tmp_path, long_tail_model, **extra)
     _common(report, trainer, records, k=2)
     _one_version_per_sample(trainer)
+    loads = [r for r in records if r["kind"] == "weight_load"]
+    assert loads and not [r for r in loads if r.get("under_calls")], "dora never loads under calls"
     assert report.max_versions_serving >= 2, report
     assert report.migrations > 0, report
     if kv_migration:
@@ -185,3 +187,5 @@ async def test_inflight_mode(tmp_path: Path, long_tail_model: Path) -> None:
     assert spanning > 0, "some trajectories went on under a newer version"
     # the weights changed under running requests: nothing was parked, aborted or resubmitted
     assert report.parks == 0 and report.resubmissions == 0 and report.migrations == 0, report
+    loads = [r for r in records if r["kind"] == "weight_load"]
+    assert any(r["under_calls"] > 0 for r in loads), "the records say which loads ran under calls"

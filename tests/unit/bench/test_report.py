@@ -110,3 +110,36 @@ def test_eval_records_become_the_accuracy_curve(tmp_path: Path) -> None:
         tmp_path / "n", mode="dora", steps=4, step_s=1.0, tokens=50.0, wait_s=0.1, train_s=0.5
     )
     assert "No accuracy is recorded" in write_report(no_evals).read_text()
+
+
+def test_a_load_under_running_calls_is_marked_on_its_instance_row(tmp_path: Path) -> None:
+    """Mode inflight: an instance that changed version under running calls shows a marker at the
+    load's end on its own row; a load that waited for the instance to empty shows none."""
+    from matplotlib.collections import PathCollection
+
+    from dora.records import WeightLoad
+    from dora.report import _plt, draw_timeline
+
+    run = load_run(
+        write_run(
+            tmp_path / "r",
+            mode="inflight",
+            steps=3,
+            step_s=2.0,
+            tokens=10.0,
+            wait_s=0.0,
+            train_s=1.0,
+        )
+    )
+    _fig, ax = _plt().subplots()
+    draw_timeline(ax, run)
+    assert not [c for c in ax.collections if isinstance(c, PathCollection)], "no marker yet"
+    run.weight_loads.append(
+        WeightLoad(time_s=4.0, instance="i1", version=2, seconds=0.1, under_calls=3)
+    )
+    _fig, ax = _plt().subplots()
+    draw_timeline(ax, run)
+    markers = [c for c in ax.collections if isinstance(c, PathCollection)]
+    assert len(markers) == 1
+    assert markers[0].get_offsets().tolist() == [[4.0, 1.4]]  # row i1, at the load's end
+    assert "loaded under calls" in [t.get_text() for t in ax.get_legend().get_texts()]
