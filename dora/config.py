@@ -213,7 +213,7 @@ class RolloutConfig(_Section):
     ] = 1.0
     max_turns: Annotated[int, M(ge=1, description="Most assistant turns in one episode")] = 8
     tool_timeout_s: Annotated[float, M(gt=0, description="Deadline for one tool call")] = 30.0
-    legacy_filling: Annotated[
+    admit_old_versions: Annotated[
         bool, M(description="Let old versions start new groups too (off: newest only)")
     ] = False
     on_env_error: Annotated[

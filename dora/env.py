@@ -137,7 +137,7 @@ class Episode:
     `messages` is the whole conversation in OpenAI format (assistant turns carry their parsed
     `tool_calls`), or for plain-text episodes the prompt followed by the turns. `completion` is the
     text of the model's last turn. `finish_reason` says why the episode ended: "stop" (done),
-    "length" (token budget), "context" (context limit), "tool_limit" (max turns).
+    "length" (token budget), "context" (context limit), "max_turns" (`rollout.max_turns` reached).
     """
 
     task: Task

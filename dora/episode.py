@@ -400,7 +400,7 @@ async def _loop(
             finish = "stop"
             break
         if counts.turns >= limits.max_turns:
-            finish = "tool_limit"
+            finish = "max_turns"
             break
         if len(traj.ids) + len(new_ids) >= limits.context_limit:
             finish = "context"

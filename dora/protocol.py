@@ -22,7 +22,7 @@ import numpy.typing as npt
 
 from dora.errors import EnvError
 
-FinishReason = Literal["stop", "length", "abort", "tool_limit", "context", "error"]
+FinishReason = Literal["stop", "length", "abort", "max_turns", "context", "error"]
 
 I32 = np.dtype("<i4")
 F32 = np.dtype("<f4")

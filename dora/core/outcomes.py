@@ -31,7 +31,7 @@ class RefusalReason(enum.Enum):
     HORIZON = "horizon"
     """The run's last step is filled; nothing more will be consumed."""
     NOT_NEWEST = "not_newest"
-    """A version older than the newest was asked for and legacy filling is off."""
+    """A version older than the newest was asked for and admitting old versions is off."""
     NO_CAPACITY = "no_capacity"
     """No instance has room (recorded by the driver; the queue never returns it)."""
 

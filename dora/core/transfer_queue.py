@@ -20,7 +20,7 @@ Strict inputs: `on_step_done` takes the steps in order, `on_durable` only a fill
 
 Rules (docs/scheduling.md):
 - admission at version `w` needs (a) `w + K >= t` and (b) room for one more group of deadline
-  `w + K` in the invariant; `w` is the newest loaded version unless `legacy_filling` is on;
+  `w + K` in the invariant; `w` is the newest loaded version unless `admit_old_versions` is on;
 - a group whose episodes were lost with their process is admitted again (`restart`) at a loaded
   version not older than its own (that moves its deadline later and never raises any `U(<= s)`);
   `start` freezes the version;
@@ -109,7 +109,7 @@ class TransferQueue(GroupBook):
         max_staleness: int,
         num_steps: int | None = None,
         max_retries: int = 0,
-        legacy_filling: bool = False,
+        admit_old_versions: bool = False,
     ) -> None:
         if groups_per_step < 1:
             raise SchedulingError(f"groups_per_step must be >= 1, got {groups_per_step}")
@@ -122,7 +122,7 @@ class TransferQueue(GroupBook):
         self._k = max_staleness
         self._horizon = None if num_steps is None else num_steps - 1
         self._max_retries = max_retries
-        self._legacy = legacy_filling
+        self._admit_old = admit_old_versions
         self._t = 0
         self._f = groups_per_step
         self._due = [0] * (max_staleness + 1)  # unassigned groups per deadline, index d - t
@@ -230,7 +230,7 @@ class TransferQueue(GroupBook):
         w = self._newest if version is None else version
         if w is None or w not in self._loaded or w + self._k < self._t:
             return RefusalReason.WEIGHTS_NOT_LOADED
-        if w != self._newest and not self._legacy:
+        if w != self._newest and not self._admit_old:
             return RefusalReason.NOT_NEWEST
         i = self._deadline_of(w) - self._t
         if self._slack_min(i, self._k) < 1:

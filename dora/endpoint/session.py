@@ -5,7 +5,7 @@ sampler, pinned to the episode's version: C1), one call at a time in the order t
 is recorded token for token (`CallRecord`). The episode's limits hold as in the runner: at most
 `max_turns` calls, `max_total_tokens` sampled tokens over all calls, `context_limit` tokens in a
 prompt with its completion; a call past one is refused (400) and the sample's finish reason says
-which ("tool_limit", "length", "context").
+which ("max_turns", "length", "context").
 
 A sampler that raises (a dead server) fails the call (503) and the episode: the runner raises the
 error once the agent has returned, as the episode runner lets it propagate. An instance that ends
@@ -148,7 +148,7 @@ class Session:
         if self.error is not None or self.failure is not None:
             raise BadRequest("the episode's sampler failed; no more calls", "sampler", 503)
         if len(record.calls) >= limits.max_turns:
-            self.finish = "tool_limit"
+            self.finish = "max_turns"
             raise BadRequest(
                 f"this episode's limit of {limits.max_turns} model calls is reached", "max turns"
             )

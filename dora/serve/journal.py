@@ -154,14 +154,14 @@ class JournaledQueue(TransferQueue):
         max_staleness: int,
         num_steps: int | None = None,
         max_retries: int = 0,
-        legacy_filling: bool = False,
+        admit_old_versions: bool = False,
     ) -> None:
         super().__init__(
             groups_per_step=groups_per_step,
             max_staleness=max_staleness,
             num_steps=num_steps,
             max_retries=max_retries,
-            legacy_filling=legacy_filling,
+            admit_old_versions=admit_old_versions,
         )
         self._depth = 0
         self._ops: JournalFile | None = None

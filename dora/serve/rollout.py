@@ -327,7 +327,7 @@ def _journaled_queue(config: DoraConfig, run_dir: Path) -> JournaledQueue:
         max_staleness=r.staleness,
         num_steps=config.learn.steps,
         max_retries=r.max_retries if r.on_env_error == "retry" else 0,
-        legacy_filling=r.legacy_filling,
+        admit_old_versions=r.admit_old_versions,
     )
 
 

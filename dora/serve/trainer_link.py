@@ -351,7 +351,7 @@ class TrainerLink:
         keep |= set(self._queue.version_counts())
         keep |= set(self._orchestrator.live())
         keep |= {i.version for i in self._orchestrator.instances() if i.version is not None}
-        if self._config.rollout.legacy_filling:
+        if self._config.rollout.admit_old_versions:
             q = self._queue
             keep |= set(range(max(0, q.step - q.max_staleness), max(keep, default=0) + 1))
         self._store.retain(keep)

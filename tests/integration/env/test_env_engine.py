@@ -87,7 +87,7 @@ async def test_tutorial_env_runs_against_the_embedded_engine(tiny_model, served)
     assert len(samples) == 2
     for sample in samples:
         assert not sample.masked, sample.metadata.get("error")
-        assert sample.finish_reason in ("stop", "tool_limit", "length")
+        assert sample.finish_reason in ("stop", "max_turns", "length")
         tokens = sample.tokens().tolist()
         mask = sample.mask()
         # This episode's requests: each continued a prefix of the final sequence with exactly

@@ -263,7 +263,7 @@ async def test_agent_stop_and_turn_limit(chat_server: FakeChatServer) -> None:
         + [say("Anything else?")] * 10,
         [OPENING] + ["Hmm."] * 10,
     )
-    assert sample.finish_reason == "tool_limit" and sample.reward == 0.0
+    assert sample.finish_reason == "max_turns" and sample.reward == 0.0
 
 
 async def test_dead_user_simulator_masks_the_episode() -> None:

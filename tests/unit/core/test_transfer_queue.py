@@ -89,8 +89,8 @@ def test_admission_binds_newest() -> None:
     assert q.try_admit("x", version=0) == Refused(RefusalReason.NOT_NEWEST)
 
 
-def test_legacy_filling_admits_old_version() -> None:
-    q = TransferQueue(groups_per_step=1, max_staleness=2, legacy_filling=True)
+def test_admit_old_versions_admits_old_version() -> None:
+    q = TransferQueue(groups_per_step=1, max_staleness=2, admit_old_versions=True)
     q.on_version_loaded(0)
     admit(q, "a")
     assert q.complete("a") == [Assigned("a", 0, 0)]

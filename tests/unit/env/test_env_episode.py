@@ -345,7 +345,7 @@ async def test_limits_end_the_episode(tokenizer, scripted) -> None:
         )
 
     sample = await run(scripted(looping), max_turns=3)
-    assert (sample.finish_reason, sample.num_turns, sample.num_tool_calls) == ("tool_limit", 3, 3)
+    assert (sample.finish_reason, sample.num_turns, sample.num_tool_calls) == ("max_turns", 3, 3)
     assert sample.tokens()[-1] == tokenizer.convert_tokens_to_ids(END)
 
     turn = len(tokenizer.encode(looping[0], add_special_tokens=False))
@@ -389,11 +389,11 @@ async def test_serve_caps_each_turn_with_rollout_max_tokens_per_turn(tokenizer, 
     # without a per-turn cap, a turn may take what the episode has left
     sample, sampler = await run("rollout.max_tokens=256")
     assert [p.max_tokens for p in sampler.params] == [256, 256 - turn, 256 - 2 * turn]
-    assert sample.finish_reason == "tool_limit"
+    assert sample.finish_reason == "max_turns"
     # a cap above a turn's length bounds every call and changes nothing else
     sample, sampler = await run("rollout.max_tokens=256", f"rollout.max_tokens_per_turn={turn + 1}")
     assert [p.max_tokens for p in sampler.params] == [turn + 1] * 3
-    assert sample.finish_reason == "tool_limit"
+    assert sample.finish_reason == "max_turns"
     # a turn that runs into the cap is cut there, and the episode ends as too long
     sample, sampler = await run("rollout.max_tokens=256", f"rollout.max_tokens_per_turn={turn - 4}")
     assert [p.max_tokens for p in sampler.params] == [turn - 4]

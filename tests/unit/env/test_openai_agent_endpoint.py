@@ -202,7 +202,7 @@ async def test_openai_agent_limits_and_late_calls_are_refused(scripted, tokenize
         return 1.0
 
     sample = await run(scripted(["x<|im_end|>"]), greedy, tokenizer, max_turns=2)
-    assert statuses == [400] and sample.finish_reason == "tool_limit"
+    assert statuses == [400] and sample.finish_reason == "max_turns"
     assert sample.metadata["refused: max turns"] == "1" and sample.num_turns == 2
     late = openai.AsyncOpenAI(base_url=urls[0], api_key="none", max_retries=0)
     async with late:
