@@ -20,9 +20,9 @@ from pathlib import Path
 from dora.config import DoraConfig, config_from_raw, load_config
 from dora.config_file import raw_config
 from dora.config_text import render_toml
+from dora.cpu_plan import given_keys
 from dora.errors import ConfigError
 from dora.gpu_plan import GpuPlan, cpu_bf16_refusal, plan_gpus, visible_devices
-from dora.placement import given_keys
 
 __all__ = [
     "Planned",
@@ -171,7 +171,7 @@ def dry_run(command: str, path: str, overrides: list[str], gpus: int | None) -> 
 def thread_overrides(raw: dict[str, object], overrides: list[str], config: DoraConfig) -> list[str]:
     """Threads per instance and trainer threads for this mode on this machine, where the config
     as written (`raw_config`) and its overrides leave them unset."""
-    from dora.placement import run_threads
+    from dora.cpu_plan import run_threads
 
     return run_threads(
         config.rollout.mode,

@@ -22,7 +22,7 @@ instance's GPU without colocation, an entry whose size is not the tensor-paralle
 Instances that dora starts run on GPUs, vLLM servers and embedded engines alike; an embedded
 engine spans one GPU (it has no tensor parallelism). Emulated instances and servers attached at
 `serve.urls` take none of this machine's GPUs. With no GPU visible the plan is the CPU plan:
-every process on the CPU, as `dora.placement` threads it. The module is pure: the GPU count and
+every process on the CPU, as `dora.cpu_plan` threads it. The module is pure: the GPU count and
 the visible ids are arguments.
 """
 

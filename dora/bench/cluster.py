@@ -44,7 +44,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from dora.bench import summary
-from dora.bench.modes import Placement, run_mode
+from dora.bench.modes import CorePlan, run_mode
 from dora.bench.modes_report import ModeResult, ratio_lines, render, summarise, table
 from dora.costs import Setup, apply_overrides, preset
 from dora.emulated.checks import check_run
@@ -63,10 +63,10 @@ _STARTUP_S = 20.0
 """Real seconds a run takes to start and stop (processes, the first fill's setup)."""
 
 
-def emulated_placement(mode: str, cores: list[int]) -> Placement:
+def emulated_placement(mode: str, cores: list[int]) -> CorePlan:
     """Every mode shares every core, unpinned, one thread a process: the emulated compute spends
     modelled time, not cores, so only serve's and the trainer's own code runs on them."""
-    return Placement(
+    return CorePlan(
         name=mode,
         mode=mode,
         kind="shared",

@@ -3,7 +3,7 @@ makes, and the cost model's `Setup` derived from them (`setup_for`).
 
 The prediction is of the split placement (`dora bench modes --placement split`), because the cost
 model gives rollout and training disjoint pools; the benchmark's default for the asynchronous modes
-is `shared` (dora/placement.py: serve, its instances and the trainer unpinned on every core at
+is `shared` (dora/cpu_plan.py: serve, its instances and the trainer unpinned on every core at
 once), which the model does not represent. On the cost model a GPU is a core: `gpus` = the cores
 the measuring process may use, `rollout_gpus` = the cores the split placement pins serve to (the
 rest train), `gpus_per_instance` = threads per instance, `pool_instances` = `serve.instances`,

@@ -5,7 +5,7 @@ differs), launched the way `dora run` launches one: the initial model prepared o
 `python -m dora.cli serve` and `python -m dora.cli learn` with the same overrides, a free port and a
 run directory of their own (`OUT/<mode>`). The benchmark then reads the run directories.
 
-Where the cores go, stated in the table's `cores` column (dora/placement.py): every mode gets
+Where the cores go, stated in the table's `cores` column (dora/cpu_plan.py): every mode gets
 every core. `sync` is colocated, as the paper's synchronous baseline; `one_step_off`, `partial`
 and `dora` share the cores unpinned (`--placement shared`, the default) or, with `--placement
 split`, are pinned to a fixed split as separate GPU pools would be; `sync_split` (on request) is
@@ -48,10 +48,10 @@ from dora.bench.modes_report import (
 )
 from dora.bench.proc import POLL_S, TrainedCounter, cpu_model, own_cpu_s, tree_cpu_s
 from dora.bench.rounds import round_bound_line, round_bound_shares, round_ratio_lines
+from dora.cpu_plan import KINDS, CorePlan, Kind, place
 from dora.launch import free_port, sigterm_interrupts, start_side, stop_all
-from dora.placement import KINDS, Kind, Placement, place
 
-__all__ = ["Placement", "main", "plan", "run_mode"]
+__all__ = ["CorePlan", "main", "plan", "run_mode"]
 
 MODES = ("sync", "one_step_off", "partial", "dora")
 KNOWN = (*MODES, "inflight", "sync_split")
@@ -66,7 +66,7 @@ def plan(
     placement: str = "shared",
     sync_trainer_threads: int | None = None,
     trainer_threads: int | None = None,
-) -> list[Placement]:
+) -> list[CorePlan]:
     """The placement of each mode on `cores` (pure): sync colocated, `sync_split` split, the
     asynchronous modes `placement` ("shared" or "split")."""
     if placement not in KINDS:
@@ -101,7 +101,7 @@ def run_mode(
     config_path: str,
     overrides: list[str],
     run_dir: Path,
-    placement: Placement,
+    placement: CorePlan,
     *,
     steps: int,
     warmup: int = 0,
@@ -142,7 +142,7 @@ def run_mode(
 
 
 def _run_settings(
-    config_path: str, overrides: list[str], run_dir: Path, placement: Placement
+    config_path: str, overrides: list[str], run_dir: Path, placement: CorePlan
 ) -> tuple[list[str], dict[str, str]]:
     """The overrides both sides of one mode's run get, and their environment; the model is
     prepared and the run's resolved config written to `run_dir/config.toml`."""
@@ -234,7 +234,7 @@ def _parser() -> argparse.ArgumentParser:
         "--trainer-threads",
         type=int,
         default=None,
-        help="the asynchronous modes' trainer threads (default: dora.placement's rule)",
+        help="the asynchronous modes' trainer threads (default: dora.cpu_plan's rule)",
     )
     p.add_argument(
         "--sync-trainer-threads",
@@ -306,7 +306,7 @@ def main(argv: list[str] | None = None) -> int:
 def _run_rounds(
     args: argparse.Namespace,
     overrides: list[str],
-    placements: list[Placement],
+    placements: list[CorePlan],
     out: Path,
     *,
     steps: int,

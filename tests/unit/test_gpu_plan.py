@@ -8,9 +8,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dora.config import load_config
+from dora.cpu_plan import given_keys
 from dora.errors import ConfigError
 from dora.gpu_plan import COLOCATED_MEMORY_FRACTION, plan_gpus, visible_devices
-from dora.placement import given_keys
 
 AIRLINE = "examples/tau2/airline.toml"
 

@@ -28,7 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-__all__ = ["KINDS", "Placement", "given_keys", "place", "run_threads", "threads_for"]
+__all__ = ["KINDS", "CorePlan", "given_keys", "place", "run_threads", "threads_for"]
 
 Kind = Literal["colocated", "shared", "split"]
 KINDS: tuple[str, ...] = ("shared", "split")
@@ -37,7 +37,7 @@ benchmark's `sync_split`)."""
 
 
 @dataclass(frozen=True, kw_only=True)
-class Placement:
+class CorePlan:
     """Where one run's processes go and with how many threads."""
 
     name: str
@@ -83,7 +83,7 @@ def place(
     kind: Kind,
     trainer_cores: int = 1,
     trainer_threads: int | None = None,
-) -> Placement:
+) -> CorePlan:
     """The placement of one run on `cores`: `kind` as asked, except that an unpinned sync run is
     always colocated (its phases take turns)."""
     if kind == "split":
@@ -92,7 +92,7 @@ def place(
         if not 1 <= trainer_cores < len(cores):
             raise ValueError(f"--trainer-cores must be in 1..{len(cores) - 1}, got {trainer_cores}")
         serve, learn = cores[: len(cores) - trainer_cores], cores[len(cores) - trainer_cores :]
-        return Placement(
+        return CorePlan(
             name=name,
             mode=mode,
             kind="split",
@@ -104,7 +104,7 @@ def place(
     if mode == "sync":
         kind = "colocated"
     inst, trainer = threads_for(kind, len(cores), instances)
-    return Placement(
+    return CorePlan(
         name=name,
         mode=mode,
         kind=kind,

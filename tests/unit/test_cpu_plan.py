@@ -7,7 +7,7 @@ from pathlib import Path
 
 from dora.config import load_config
 from dora.config_file import raw_config
-from dora.placement import given_keys, run_threads
+from dora.cpu_plan import given_keys, run_threads
 
 
 def test_sync_trains_on_every_core_and_the_others_share_them() -> None:
