@@ -4,7 +4,10 @@ keys and say why."""
 
 from __future__ import annotations
 
+import sys
+
 import pytest
+import torch
 
 from dora.config import load_config
 from dora.errors import ConfigError
@@ -46,6 +49,23 @@ def test_nccl_transport_needs_gpus_in_the_plan() -> None:
         plan_gpus(config, visible_devices({}, 0), keys)
     plan = plan_gpus(config, visible_devices({}, 4), keys)
     assert plan.trainer and all(plan.instances)
+
+
+def test_nccl_trainer_without_a_gpu_or_vllm_is_refused_at_its_start(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from dora.learn.nccl import nccl_sender
+
+    config = load_config(None, NCCL)
+    sent: list[object] = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ConfigError, match="no CUDA device"):
+        nccl_sender(config, sent.append)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setitem(sys.modules, "vllm.distributed.device_communicators.pynccl", None)
+    with pytest.raises(ConfigError, match=r"dora\[vllm\]"):
+        nccl_sender(config, sent.append)
+    assert sent == []  # refused before anything reached serve
 
 
 def test_nccl_servers_start_with_the_weight_transfer_config() -> None:
