@@ -8,7 +8,8 @@ publication (`NCCL_MODES`), so a round normally holds every instance. The broadc
 the last member is ready; one that is not ready within `serve.weight_load_timeout_s` (busy with an
 older version, dead, replaced) ends the round: the ready members load from the weight store
 (`load` returns False). Only the newest version in the store is broadcast (the one the trainer
-keeps); any other load, and version 0, comes from the weight store as on a CPU.
+keeps), and only while the trainer runs; any other load, and version 0, comes from the weight
+store as on a CPU.
 
 The group. vLLM's NCCL group is fixed when a server joins it (`/init_weight_transfer_engine`:
 rank offset and world size), and a server may join a new one later (vLLM replaces its group). So
@@ -91,6 +92,7 @@ class NcclLoads:
         clients: Callable[[], Mapping[str, object]],
         store: WeightStore,
         send: Send,
+        trainer_up: Callable[[], bool] = lambda: True,
         tensor_parallel: int,
         timeout_s: float,
         stats: ServeStats,
@@ -99,6 +101,7 @@ class NcclLoads:
         self._clients = clients
         self._store = store
         self._send = send
+        self._trainer_up = trainer_up
         self._tensor_parallel = tensor_parallel
         self._timeout_s = timeout_s
         self._stats = stats
@@ -115,6 +118,8 @@ class NcclLoads:
         store_versions = self._store.versions()
         if version == 0 or not store_versions or version != max(store_versions):
             return False
+        if not self._trainer_up():
+            return False  # the run's last version, after the trainer stopped: nobody broadcasts
         loop = asyncio.get_running_loop()
         rnd = self._round
         if rnd is None or rnd.version != version:
@@ -282,6 +287,7 @@ def wire_nccl(
         clients=lambda: {i: s.client for i, s in router.instances.items() if s.alive},
         store=store,
         send=trainer.link.send,
+        trainer_up=lambda: not trainer.trainer_stopped,
         tensor_parallel=config.vllm_tensor_parallel,
         timeout_s=config.weight_load_timeout_s,
         stats=stats,
