@@ -308,8 +308,18 @@ class LearnConfig(_Section):
         int, M(ge=1, description="Steps between checkpoints (one is always written at the end)")
     ] = 10
     weight_transport: Annotated[
-        Literal["filesystem", "inline"], M(description="How versions reach dora serve")
+        Literal["filesystem", "inline", "nccl"],
+        M(
+            description="How versions reach dora serve; 'nccl' sends them inline and broadcasts "
+            "each from rank 0's GPU to the vLLM instances that switch to it (docs/vllm.md)"
+        ),
     ] = "inline"
+    nccl_address: Annotated[
+        str, M(description="Rank 0's address as the vLLM workers reach it, for the NCCL group")
+    ] = "127.0.0.1"
+    nccl_port: Annotated[
+        int, M(ge=0, le=65535, description="Port rank 0 opens the NCCL group on; 0 picks one")
+    ] = 0
     seed: Annotated[int, M(description="Seed of the trainer")] = 0
     max_minutes: Annotated[
         float,

@@ -125,6 +125,12 @@ def plan_gpus(config: DoraConfig, visible: Sequence[str], given: Collection[str]
             )
             if value
         ]
+        if learn.weight_transport == "nccl":
+            raise ConfigError(
+                "learn.weight_transport = 'nccl' broadcasts from trainer rank 0's GPU to the vLLM "
+                "instances' GPUs, but no GPU is visible (CUDA_VISIBLE_DEVICES, or --gpus with "
+                "--dry-run): use learn.weight_transport = 'inline' on the CPU"
+            )
         if named:
             raise ConfigError(
                 f"{' and '.join(named)} name GPUs, but none is visible (CUDA_VISIBLE_DEVICES, or "

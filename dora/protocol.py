@@ -354,6 +354,24 @@ class Hello(msgspec.Struct, tag="hello", kw_only=True):
     token: str = ""
 
 
+class NcclOpen(msgspec.Struct, tag="nccl_open", kw_only=True):
+    """Open NCCL group `generation` for a broadcast to `instances` vLLM servers of
+    `tensor_parallel` workers each (`dora.weight_transfer.TransferGroup`): trainer rank 0 answers
+    `NcclListening` with where it waits for them, then `NcclDone(version=-1)`."""
+
+    generation: int
+    instances: int
+    tensor_parallel: int
+
+
+class NcclBroadcast(msgspec.Struct, tag="nccl_broadcast", kw_only=True):
+    """The instances of group `generation` are paused and are receiving `version`: broadcast it
+    now (answered by `NcclDone`)."""
+
+    generation: int
+    version: int
+
+
 class Refused(msgspec.Struct, tag="refused", kw_only=True):
     """Serve's answer to a hello that carried the run's token but that serve does not admit:
     why, and the incarnation serve is at (a restart takes the next one)."""
@@ -386,6 +404,23 @@ class WeightChunk(msgspec.Struct, tag="weight_chunk", kw_only=True):
     data: list[bytes]
 
 
+class NcclListening(msgspec.Struct, tag="nccl_listening", kw_only=True):
+    """Trainer rank 0 waits for the workers of group `generation` at `address:port`."""
+
+    generation: int
+    address: str
+    port: int
+
+
+class NcclDone(msgspec.Struct, tag="nccl_done", kw_only=True):
+    """Group `generation` is open (`version` -1) or `version` is broadcast; `error` says why
+    not (empty on success)."""
+
+    generation: int
+    version: int
+    error: str = ""
+
+
 class StepDone(msgspec.Struct, tag="step_done", kw_only=True):
     """Step `step` is trained; version `step + 1` is published. Carries the step's metrics."""
 
@@ -407,8 +442,10 @@ class Shutdown(msgspec.Struct, tag="shutdown", kw_only=True):
     reason: str = ""
 
 
-ServeMessage = Assigned | StepClosed | Hello | Refused | Shutdown
-LearnMessage = WeightsReady | WeightChunk | StepDone | Durable | Hello | Shutdown
+ServeMessage = Assigned | StepClosed | Hello | Refused | NcclOpen | NcclBroadcast | Shutdown
+LearnMessage = (
+    WeightsReady | WeightChunk | StepDone | Durable | Hello | NcclListening | NcclDone | Shutdown
+)
 
 _encoder = msgspec.msgpack.Encoder()
 _serve_decoder = msgspec.msgpack.Decoder(ServeMessage)

@@ -35,6 +35,7 @@ __all__ = [
     "InstanceUnresponsive",
     "LinkCounts",
     "Masked",
+    "NcclFallback",
     "Record",
     "RequestFailed",
     "Restore",
@@ -174,6 +175,15 @@ class WeightLoadTimeout(Record, tag="weight_load_timeout"):
     instance: str
     version: int
     attempt: int
+    error: str
+
+
+class NcclFallback(Record, tag="nccl_fallback"):
+    """A version that was to reach `instances` by an NCCL broadcast, and why it did not: they
+    load it from the weight store instead."""
+
+    version: int
+    instances: list[str]
     error: str
 
 
@@ -325,6 +335,7 @@ _Known = (
     | InstanceRestarted
     | WeightLoad
     | WeightLoadTimeout
+    | NcclFallback
     | Eval
     | Tick
     | RolloutReport

@@ -237,6 +237,12 @@ def nccl_part(device: str, model_dir: Path) -> bool:
         f"{received} ({'ok' if same else 'FAIL'})"
     )
     print(f"nccl: open_communicator here: {real}")
+    if importlib.util.find_spec("vllm") is not None and torch.cuda.device_count() >= 2:
+        print(
+            "nccl: to exercise it end to end (vLLM servers on GPUs): dora run "
+            "examples/math/gpu.toml learn.weight_transport=nccl rollout.mode=one_step_off, "
+            "then nccl_loads and nccl_fallbacks in the run's summary.json"
+        )
     return same
 
 

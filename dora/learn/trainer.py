@@ -21,6 +21,8 @@ Step `t`, on every rank (they see the same messages in the same order, `dora.lea
    the arrival order or the split.
 3. Version `t + 1` is published (`dora.learn.publish`), then `WeightsReady(t + 1)`, then
    `StepDone(t, metrics)`; every `learn.checkpoint_every` steps a checkpoint, then `Durable(t)`.
+   With `learn.weight_transport = "nccl"` rank 0 also keeps the version, and broadcasts it when
+   serve's `NcclBroadcast` arrives among the next step's messages (`dora.learn.nccl`).
 """
 
 from __future__ import annotations
@@ -64,6 +66,7 @@ from dora.learn.diagnostics import WIDTH, level_sums, step_diagnostics
 from dora.learn.lora import adapter_tensors, apply_lora, enabled, resume_lora
 from dora.learn.loss import LossSettings, policy_loss, token_entropy
 from dora.learn.metrics import SUMS, step_metrics
+from dora.learn.nccl import NcclSender, nccl_sender
 from dora.learn.parallel import make_parallel, refuse_accelerate_plugins
 from dora.learn.publish import inline_chunks, publish_filesystem
 from dora.learn.receiver import Receiver
@@ -73,6 +76,8 @@ from dora.protocol import (
     Durable,
     Group,
     Hello,
+    NcclBroadcast,
+    NcclOpen,
     Refused,
     Shutdown,
     StepClosed,
@@ -129,7 +134,11 @@ class Trainer:
         )
         self._group = group
 
+        self.nccl: NcclSender | None = None
+        """Rank 0's side of each version's broadcast (`learn.weight_transport = "nccl"`)."""
         try:
+            if self.rank == 0 and self.cfg.weight_transport == "nccl":
+                self.nccl = nccl_sender(config, self.receiver.send)  # no GPU or vLLM: refused
             self._load(config, run_dir, resume=resume)
         except BaseException:
             self.receiver.close()
@@ -279,6 +288,10 @@ class Trainer:
                 continue
             if isinstance(message, Refused):
                 raise self._refused(message)
+            if isinstance(message, NcclOpen | NcclBroadcast):
+                if self.nccl is not None:  # rank 0; the others have nothing to send
+                    self.nccl.handle(message)
+                continue
             if message.step < step:
                 continue  # a late message for a step already trained (e.g. after a resume)
             if message.step > step:
@@ -482,6 +495,8 @@ class Trainer:
                     version=version, incarnation=self.incarnation, num_chunks=len(chunks)
                 )
             self.receiver.send(ready)
+            if self.nccl is not None:  # serve asks for its broadcast once it is ready
+                self.nccl.keep(version, state)
         return time.perf_counter() - started
 
     def _checkpoint(self, step: int) -> None:

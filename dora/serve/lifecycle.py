@@ -86,6 +86,9 @@ class InstanceLifecycle:
         self._load_locks: dict[str, asyncio.Lock] = {}
         self.on_newest_loaded: Callable[[int], None] = lambda version: None
         """Called when an instance now holds the queue's newest loaded version."""
+        self.fast_load: Callable[[str, int], Awaitable[bool]] | None = None
+        """Tried before the weight store: loads `(instance, version)` another way, or returns
+        False (`dora.serve.nccl`: a broadcast from trainer rank 0)."""
         placement.on_load = self.load
         placement.on_unload = self.unload
         self._router.on_failure = self.failed
@@ -252,6 +255,8 @@ class InstanceLifecycle:
     async def _send_weights(self, instance: str, version: int) -> bool:
         """Load `version` from the store onto `instance`, with `serve.weight_load_retries`
         retries after a timeout; False (and the instance counts as dead) if it did not."""
+        if self.fast_load is not None and await self.fast_load(instance, version):
+            return True
         timeout_s = self._config.weight_load_timeout_s
         weights = self._store.get(version)
         client = self._router.instances[instance].client

@@ -132,6 +132,8 @@ class Rollout:
             restored=restored,
             sample_log=sample_log,
         )
+        if config.learn.weight_transport == "nccl":
+            self._load_by_broadcast(config)
         self.dispatcher = Dispatcher(
             config,
             queue=self.queue,
@@ -165,6 +167,21 @@ class Rollout:
         )
         orchestrator = self.core.wrap(Orchestrator(mode=Mode(config.rollout.mode)))
         return Placement(orchestrator, router, metrics=self.metrics, spawn=self.spawn)
+
+    def _load_by_broadcast(self, config: DoraConfig) -> None:
+        """Versions reach the instances that switch to them by an NCCL broadcast from trainer
+        rank 0, the weight store being the fallback (`dora.serve.nccl`)."""
+        from dora.serve.nccl import wire_nccl
+
+        wire_nccl(
+            config.serve,
+            lifecycle=self.lifecycle,
+            trainer=self.trainer,
+            router=self.placement.router,
+            store=self.store,
+            stats=self.stats,
+            metrics=self.metrics,
+        )
 
     def _instance_lifecycle(self, config: DoraConfig, replace: Replace | None) -> InstanceLifecycle:
         return InstanceLifecycle(

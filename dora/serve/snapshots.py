@@ -167,6 +167,8 @@ class Snapshots:
             instance_restarts=st.instance_restarts + h.instance_restarts,
             masked_samples=st.masked_samples + h.masked_samples,
             weight_load_retries=st.weight_load_retries,
+            nccl_loads=st.nccl_loads,
+            nccl_fallbacks=st.nccl_fallbacks,
             prompts_skipped=st.prompts_skipped,
             eval_prompts_skipped=st.eval_prompts_skipped,
             # the orchestrator's own counters: loads it ignored or held back, requests it failed

@@ -31,6 +31,10 @@ class ServeStats:
     weight_loads: int = 0
     weight_load_s: float = 0.0
     weight_load_retries: int = 0
+    nccl_loads: int = 0
+    """Instance loads done by an NCCL broadcast (`learn.weight_transport = "nccl"`)."""
+    nccl_fallbacks: int = 0
+    """Instance loads that were to come by broadcast and came from the weight store instead."""
     instance_restarts: int = 0
     instances_failed: set[str] = field(default_factory=set)
     """Instances found dead (unreachable, or past their health deadline)."""

@@ -3,7 +3,8 @@
 Out: completed groups are kept (`group_done`) until the step that consumed them is durable;
 what the transfer queue assigns goes out in assignment order (`Assigned`), and `StepClosed` after
 the `B`-th group of a step. In: `WeightChunk`/`WeightsReady` fill the weight store; `StepDone`
-and `Durable` acknowledge steps; `Hello` (re)connects a trainer.
+and `Durable` acknowledge steps; `Hello` (re)connects a trainer; `NcclListening`/`NcclDone`
+answer serve's NCCL broadcasts and go to `on_nccl` (`dora.serve.nccl`).
 
 A version `v` is handed to the orchestrator (`publish`) when both `StepDone(v - 1)` arrived and its
 weights are complete in the store; instances load it as the orchestrator says (`lifecycle.py`).
@@ -27,6 +28,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Callable
 
 import msgspec
 
@@ -39,6 +41,9 @@ from dora.protocol import (
     Durable,
     Group,
     Hello,
+    LearnMessage,
+    NcclDone,
+    NcclListening,
     Refused,
     Shutdown,
     StepClosed,
@@ -125,6 +130,8 @@ class TrainerLink:
         self._budget_s = config.learn.max_minutes * 60
         self._budget_hit = False
         self.started_at = time.monotonic()
+        self.on_nccl: Callable[[LearnMessage], None] = _unexpected
+        """Trainer rank 0's answers about NCCL broadcasts (`dora.serve.nccl`)."""
 
     def start(self) -> None:
         """The run starts now (the clock of `learn.max_minutes` and of the first step's wait)."""
@@ -193,6 +200,8 @@ class TrainerLink:
                         self.durable = max(self.durable, step)
                         self.trained.set()
                     self.retain_weights()
+                case NcclListening() | NcclDone():
+                    self.on_nccl(message)
                 case Shutdown(reason=reason):
                     if not self._queue.finished or self.trained_step < self._num_steps - 1:
                         raise ProtocolError(f"the trainer shut down before the run ended: {reason}")
@@ -523,3 +532,10 @@ class TrainerLink:
                     Shutdown(reason="rollout finished"),
                     timeout_s=self._config.serve.request_timeout_s,
                 )
+
+
+def _unexpected(message: LearnMessage) -> None:
+    raise ProtocolError(
+        f"the trainer sent {type(message).__name__}, but learn.weight_transport is not 'nccl' "
+        "in dora serve's config"
+    )

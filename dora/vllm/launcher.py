@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import os
 import shutil
@@ -129,6 +130,9 @@ class VllmSpec:
     max_lora_rank: int = 0
     """0: full-weight versions. Else every version is a LoRA adapter of at most this rank: the
     servers run with `--enable-lora` and the clients are `VllmAdapterClient`s."""
+    weight_transfer: str = ""
+    """vLLM's weight-transfer backend (`--weight-transfer-config`, "nccl": the broadcast from
+    trainer rank 0, `dora.vllm.nccl`); '' starts none."""
     max_loras: int = 8
     """Adapters one batch may mix (`--max-loras`)."""
 
@@ -178,6 +182,9 @@ def server_command(spec: VllmSpec, port: int, *, bootstrap: bool = False) -> lis
     if spec.max_lora_rank:
         args += ["--enable-lora", "--max-lora-rank", str(_lora_rank(spec.max_lora_rank))]
         args += ["--max-loras", str(spec.max_loras)]
+    if spec.weight_transfer:
+        config = json.dumps({"backend": spec.weight_transfer})
+        args += ["--weight-transfer-config", config]
     return [*args, *spec.extra_args]
 
 
@@ -450,6 +457,7 @@ def spec_from_config(
         stage_dir=serve.stage_dir or None,
         max_lora_rank=config.model.lora.rank,
         max_loras=config.rollout.staleness + 2,  # the versions K leases may span, and the next
+        weight_transfer="nccl" if config.learn.weight_transport == "nccl" else "",
     )
 
 

@@ -9,7 +9,6 @@ from its name, dtype and shape, in the body's order, and receive it."""
 
 from __future__ import annotations
 
-import datetime
 import sys
 import threading
 
@@ -18,23 +17,13 @@ import torch
 import torch.distributed as dist
 
 from dora.errors import ConfigError
-from dora.learn.nccl import broadcast_weights, open_communicator
+from dora.learn.nccl import NcclSender, broadcast_weights, open_communicator
 from dora.learn.publish import inline_chunks
+from dora.protocol import LearnMessage, NcclBroadcast, NcclDone, NcclListening, NcclOpen
 from dora.weight_transfer import TransferGroup, UpdateInfo
+from tests.unit.serve.nccl_parts import GlooCommunicator, receive
 
 pytestmark = pytest.mark.timeout(60)
-
-
-class GlooCommunicator:
-    """`broadcast(tensor, src)` over one rank of a gloo group."""
-
-    def __init__(self, store: dist.Store, rank: int, world_size: int) -> None:
-        self.group = dist.ProcessGroupGloo(store, rank, world_size, datetime.timedelta(seconds=30))
-
-    def broadcast(self, tensor: torch.Tensor, src: int) -> None:
-        options = dist.BroadcastOptions()
-        options.rootRank = src
-        self.group.broadcast([tensor], options).wait()
 
 
 def _published() -> dict[str, torch.Tensor]:
@@ -46,18 +35,6 @@ def _published() -> dict[str, torch.Tensor]:
         "model.norm.weight": torch.randn(4, generator=gen),
         "model.embed_tokens.weight": torch.randn(9, 4, generator=gen).to(torch.bfloat16),
     }
-
-
-def _receive(communicator: GlooCommunicator, body: dict[str, object]) -> dict[str, torch.Tensor]:
-    """What vLLM's unpacked NCCL receive does with an `/update_weights` body."""
-    info = body["update_info"]
-    assert isinstance(info, dict) and info["packed"] is False
-    got = {}
-    for name, dtype, shape in zip(info["names"], info["dtype_names"], info["shapes"], strict=True):
-        tensor = torch.empty(shape, dtype=getattr(torch, dtype))
-        communicator.broadcast(tensor, src=0)
-        got[name] = tensor
-    return got
 
 
 def test_rank_0_broadcasts_what_serve_tells_the_instances_in_the_same_order() -> None:
@@ -75,7 +52,7 @@ def test_rank_0_broadcasts_what_serve_tells_the_instances_in_the_same_order() ->
             if r == 0:
                 results[r] = broadcast_weights(communicator, published, device="cpu")
             else:
-                results[r] = _receive(communicator, body)
+                results[r] = receive(communicator, body)
         except BaseException as exc:  # reported by the assertions below, never lost
             results[r] = exc
 
@@ -119,3 +96,70 @@ def test_without_a_gpu_or_vllm_the_transfer_is_refused_saying_which(
     monkeypatch.setitem(sys.modules, "vllm.distributed.device_communicators.pynccl", None)
     with pytest.raises(ConfigError, match=r"dora\[vllm\]"):
         open_communicator(group)
+
+
+class Recorder:
+    """A communicator that records what it broadcasts, or blocks until released."""
+
+    def __init__(self, *, block: bool = False) -> None:
+        self.sent: list[torch.Tensor] = []
+        self.release = threading.Event()
+        if not block:
+            self.release.set()
+
+    def broadcast(self, tensor: torch.Tensor, src: int) -> None:
+        self.release.wait(30)
+        self.sent.append(tensor.clone())
+
+
+def _sender(communicator: Recorder, timeout_s: float = 10) -> tuple[NcclSender, list[LearnMessage]]:
+    sent: list[LearnMessage] = []
+    sender = NcclSender(
+        send=sent.append, address="127.0.0.1", port=29555, device="cpu", timeout_s=timeout_s,
+        open=lambda group: communicator,
+    )  # fmt: skip
+    return sender, sent
+
+
+def test_nccl_sender_opens_the_group_serve_asks_for_and_broadcasts_the_kept_version() -> None:
+    communicator = Recorder()
+    sender, sent = _sender(communicator)
+    published = _published()
+    sender.keep(2, published)
+    published["model.norm.weight"].add_(1.0)  # the model trains on: the kept copy does not change
+    sender.handle(NcclOpen(generation=1, instances=2, tensor_parallel=2))
+    assert sent == [
+        NcclListening(generation=1, address="127.0.0.1", port=29555),
+        NcclDone(generation=1, version=-1),
+    ]
+    sender.handle(NcclBroadcast(generation=1, version=2))
+    assert sent[-1] == NcclDone(generation=1, version=2)
+    kept = _published()
+    assert [t.shape for t in communicator.sent] == [kept[n].shape for n in sorted(kept)]
+    pairs = zip(communicator.sent, sorted(kept), strict=True)
+    assert all(torch.equal(tensor, kept[name]) for tensor, name in pairs)
+
+
+def test_nccl_sender_refuses_another_version_or_a_group_it_did_not_open() -> None:
+    sender, sent = _sender(Recorder())
+    sender.keep(3, _published())
+    sender.handle(NcclBroadcast(generation=1, version=3))
+    assert sent[-1].error == "trainer rank 0 has no open NCCL group 1"  # type: ignore[union-attr]
+    sender.handle(NcclOpen(generation=1, instances=1, tensor_parallel=1))
+    sender.handle(NcclBroadcast(generation=1, version=2))
+    assert "keeps version 3 for broadcast, not version 2" in sent[-1].error  # type: ignore[union-attr]
+
+
+def test_nccl_broadcast_that_never_completes_is_cut_at_the_deadline_and_the_group_dropped() -> None:
+    communicator = Recorder(block=True)
+    sender, sent = _sender(communicator, timeout_s=0.5)
+    sender.keep(1, _published())
+    sender.handle(NcclOpen(generation=4, instances=1, tensor_parallel=1))
+    try:
+        sender.handle(NcclBroadcast(generation=4, version=1))
+    finally:
+        communicator.release.set()  # the stuck thread ends
+    done = sent[-1]
+    assert isinstance(done, NcclDone) and "within 0.5 s" in done.error
+    sender.handle(NcclBroadcast(generation=4, version=1))  # the group is gone: serve opens anew
+    assert "no open NCCL group 4" in sent[-1].error  # type: ignore[union-attr]
