@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from dora.config import load_config
+from dora.cpu_plan import given_keys
 from dora.errors import ConfigError
 from dora.gpu_plan import plan_gpus, visible_devices
-from dora.placement import given_keys
 
 NCCL = ["learn.weight_transport=nccl", "serve.backend=vllm", "rollout.mode=one_step_off"]
 
