@@ -42,8 +42,10 @@ from dora.serve.instances import InstanceHandle
 from dora.serve.journal import JournaledQueue
 from dora.serve.metrics import MetricsLog
 from dora.serve.placement import Placement
+from dora.serve.router import Router
 from dora.serve.spawn import Spawner
 from dora.serve.stats import ServeStats
+from dora.serve.versions import InstanceVersions
 from dora.serve.weights import WeightStore
 
 __all__ = ["InstanceLifecycle", "Replace"]
@@ -62,20 +64,22 @@ class InstanceLifecycle:
         config: ServeConfig,
         *,
         placement: Placement,
+        router: Router,
+        versions: InstanceVersions,
         queue: JournaledQueue,
         store: WeightStore,
         metrics: MetricsLog,
         stats: ServeStats,
         spawn: Spawner,
         replace: Replace | None = None,
-        multi_version: bool = False,
         in_flight: bool = False,
     ) -> None:
         self._config = config
-        self._multi_version = multi_version
+        self._multi_version = versions.multi_version
         self._in_flight = in_flight
         self._placement = placement
-        self._router = placement.router
+        self._router = router
+        self._versions = versions
         self._orchestrator = placement.orchestrator
         self._queue = queue
         self._store = store
@@ -92,9 +96,8 @@ class InstanceLifecycle:
 
     def add(self, handle: InstanceHandle) -> None:
         """A new instance (it holds version 0); the orchestrator gives it work."""
-        self._router.add_instance(
-            handle.id, handle.client, version=0, set_background=handle.set_background
-        )
+        self._router.add_instance(handle.id, handle.client, set_background=handle.set_background)
+        self._versions.add(handle.id)
         self._load_locks[handle.id] = asyncio.Lock()
         capacity = self._config.max_running
         self._placement.apply(
@@ -169,8 +172,7 @@ class InstanceLifecycle:
     def load(self, load: Load) -> None:
         """Carry out a `Load`: at once if the instance already holds the version (every instance
         starts with version 0), else in a task."""
-        inst = self._router.instances[load.instance]
-        held = load.version in inst.held if self._multi_version else inst.version == load.version
+        held = self._versions.holds(load.instance, load.version)
         if held and not self._load_locks[load.instance].locked():
             self._loaded(load)
         else:
@@ -179,9 +181,8 @@ class InstanceLifecycle:
     def unload(self, unload: Unload) -> None:
         """Carry out an `Unload`: the router stops counting the version as held at once; the
         engine drops the adapter in a task, after any load of the instance under way."""
-        inst = self._router.instances.get(unload.instance)
-        if inst is not None:
-            inst.held.discard(unload.version)
+        if unload.instance in self._router.instances:
+            self._versions.dropped(unload.instance, unload.version)
             self._spawn(self._unload(unload), name=f"unload-{unload.instance}-v{unload.version}")
 
     async def _unload(self, unload: Unload) -> None:
@@ -230,15 +231,9 @@ class InstanceLifecycle:
             if incarnation != self._queue.incarnation and not self._orchestrator.is_pending(load):
                 # A roll-back superseded the load: `version` may now name other weights. (A
                 # load it kept is of a real version, whose weights the roll-back kept too.)
-                self._router.instances[instance].version = -1
-                self._router.instances[instance].held.discard(version)
+                self._versions.spoiled(instance, version)
                 return
-            state = self._router.instances[instance]
-            if self._multi_version:
-                state.held.add(version)
-                state.version = max(state.held)
-            else:
-                state.version, state.held = version, {version}
+            self._versions.loaded(instance, version)
             self._stats.weight_loads += 1
             self._stats.weight_load_s += seconds
             self._metrics.write(WeightLoad(instance=instance, version=version, seconds=seconds))

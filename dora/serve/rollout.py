@@ -68,6 +68,7 @@ from dora.serve.snapshots import Snapshots
 from dora.serve.spawn import Spawner
 from dora.serve.stats import ServeStats
 from dora.serve.trainer_link import TrainerLink
+from dora.serve.versions import InstanceVersions
 from dora.serve.weights import WeightStore
 from dora.tracking import open_tracking
 
@@ -113,6 +114,9 @@ class Rollout:
         self.metrics = _metrics_log(config, run_dir)
         self.spawn = Spawner()
         self.placement = self._placement(config)
+        self.versions = InstanceVersions(
+            multi_version=config.model.lora.rank > 0 and self._capabilities.lora_versions
+        )
         self.store = WeightStore()
         self.store.add_path(0, model_dir)
         self.lifecycle = self._instance_lifecycle(config, replace_instance)
@@ -125,6 +129,7 @@ class Rollout:
             link=link,
             queue=self.queue,
             placement=self.placement,
+            versions=self.versions,
             store=self.store,
             metrics=self.metrics,
             stats=self.stats,
@@ -170,13 +175,14 @@ class Rollout:
         return InstanceLifecycle(
             config.serve,
             placement=self.placement,
+            router=self.placement.router,
+            versions=self.versions,
             queue=self.queue,
             store=self.store,
             metrics=self.metrics,
             stats=self.stats,
             spawn=self.spawn,
             replace=replace,
-            multi_version=config.model.lora.rank > 0 and self._capabilities.lora_versions,
             in_flight=config.rollout.mode == "inflight",
         )
 

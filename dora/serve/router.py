@@ -60,11 +60,6 @@ class InstanceState:
 
     id: str
     client: InstanceClient
-    version: int = 0
-    """The version the instance holds (as the last load reported); the newest one it holds,
-    on a multi-version instance."""
-    held: set[int] = field(default_factory=lambda: {0})
-    """Every version it holds (several on a multi-version instance: LoRA adapters)."""
     inflight: int = 0
     inflight_versions: dict[int, int] = field(default_factory=dict)
     """Calls in flight per lease version (no zero entries)."""
@@ -152,11 +147,11 @@ class Router:
         instance_id: str,
         client: InstanceClient,
         *,
-        version: int,
         set_background: SetBackground | None = None,
     ) -> None:
+        """A new instance (which versions it holds is `versions.InstanceVersions`' record)."""
         self.instances[instance_id] = InstanceState(
-            instance_id, client, version, {version}, set_background=set_background
+            instance_id, client, set_background=set_background
         )
 
     def cut(self, instance_id: str) -> int:

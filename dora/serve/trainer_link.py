@@ -55,6 +55,7 @@ from dora.serve.metrics import MetricsLog, SampleLog
 from dora.serve.placement import Placement
 from dora.serve.spawn import Spawner
 from dora.serve.stats import ServeStats
+from dora.serve.versions import InstanceVersions
 from dora.serve.weights import WeightStore, read_folder
 
 __all__ = ["TrainerLink"]
@@ -72,6 +73,7 @@ class TrainerLink:
         link: ServeLink,
         queue: JournaledQueue,
         placement: Placement,
+        versions: InstanceVersions,
         store: WeightStore,
         metrics: MetricsLog,
         stats: ServeStats,
@@ -86,6 +88,7 @@ class TrainerLink:
         self._placement = placement
         self._router = placement.router
         self._orchestrator = placement.orchestrator
+        self._versions = versions
         self._store = store
         self._metrics = metrics
         self._stats = stats
@@ -290,10 +293,7 @@ class TrainerLink:
         self.durable = max(self.durable, c)
         self.all_sent.clear()
         self.trained.set()
-        for inst in self._router.instances.values():
-            inst.held = {w for w in inst.held if w <= c + 1}  # ghost adapters serve no lease
-            if inst.version > c + 1:
-                inst.version = -1  # holds a ghost: whatever it holds must be loaded again
+        self._versions.forget_newer(c + 1)  # a ghost held must be loaded again
         self._store.set_incarnation(hello.incarnation)
         self._store.retain({v for v in self._store.versions() if v <= c + 1})
         self._metrics.write(

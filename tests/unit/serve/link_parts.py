@@ -14,14 +14,22 @@ from dora.serve.router import Router
 from dora.serve.spawn import Spawner
 from dora.serve.stats import ServeStats
 from dora.serve.trainer_link import TrainerLink
+from dora.serve.versions import InstanceVersions
 from dora.serve.weights import WeightStore
 
 
 def trainer_link(
-    config: DoraConfig, q: JournaledQueue, router: Router, run_dir: Path, link: object = None
+    config: DoraConfig,
+    q: JournaledQueue,
+    router: Router,
+    run_dir: Path,
+    link: object = None,
+    *,
+    versions: InstanceVersions | None = None,
 ) -> tuple[TrainerLink, MetricsLog]:
-    """A TrainerLink for `config`'s mode over `q` and `router`, version 0's weights stored; the
-    caller closes the metrics log it returns."""
+    """A TrainerLink for `config`'s mode over `q` and `router` (and `versions`, the record of
+    the versions instances hold), version 0's weights stored; the caller closes the metrics log
+    it returns."""
     metrics = MetricsLog(run_dir)
     spawn = Spawner()
     orchestrator = Orchestrator(mode=Mode(config.rollout.mode))
@@ -33,6 +41,7 @@ def trainer_link(
         link=link,  # type: ignore[arg-type]  # a fake, or None where nothing is sent
         queue=q,
         placement=placement,
+        versions=versions if versions is not None else InstanceVersions(multi_version=False),
         store=store,
         metrics=metrics,
         stats=ServeStats(),
