@@ -76,6 +76,14 @@ class Placement:
             self.router.open(lid, version=version, instance=where)
         return where
 
+    def drop(self, lease_id: str) -> None:
+        """Close a lease on the router alone: a roll-back's orchestrator forgets it itself."""
+        self.router.close(lease_id)
+
+    def leases_above(self, version: int) -> list[str]:
+        """The leases that sample a version newer than `version` now."""
+        return self.router.leases_above(version)
+
     def sampler(self, lease_id: str) -> LeaseSampler:
         return self.router.sampler(lease_id)
 

@@ -10,8 +10,10 @@ receives `Rollout`), and runs their loops in one `asyncio.TaskGroup`:
   action is carried out by it;
 - `InstanceLifecycle` (`lifecycle.py`): weight loads, failed and unresponsive instances, and their
   replacements;
-- `TrainerLink` (`trainer_link.py`): groups out, weights and acknowledgements in, a restarted
-  trainer's roll-back, a `learn.max_minutes` budget;
+- `TrainerLink` (`trainer_link.py`): groups out, weights and acknowledgements in, a
+  `learn.max_minutes` budget; a restarted trainer's hello goes to `Rollback` (`rollback.py`),
+  which rolls the queue, the running groups (`RunningGroups`, `running.py`), the trainer link,
+  the instances' versions, the weight store and the orchestrator back together;
 - the dispatcher (admission and episodes, `dispatcher.py`), the metrics ticker (`metrics.py`),
   and evaluation while training (`evaluate.py`), when `data.eval_source` is set;
 - `ServeStats` (`stats.py`): every counter, shared by the parts that count;
@@ -63,7 +65,9 @@ from dora.serve.journal import JournaledQueue
 from dora.serve.lifecycle import InstanceLifecycle, Replace
 from dora.serve.metrics import MetricsLog, Progress, RolloutReport, SampleLog, Ticker
 from dora.serve.placement import Placement
+from dora.serve.rollback import Rollback
 from dora.serve.router import Router
+from dora.serve.running import RunningGroups
 from dora.serve.snapshots import Snapshots
 from dora.serve.spawn import Spawner
 from dora.serve.stats import ServeStats
@@ -129,7 +133,6 @@ class Rollout:
             link=link,
             queue=self.queue,
             placement=self.placement,
-            versions=self.versions,
             store=self.store,
             metrics=self.metrics,
             stats=self.stats,
@@ -137,11 +140,18 @@ class Rollout:
             restored=restored,
             sample_log=sample_log,
         )
+        self.restored = restored
+        self.running = RunningGroups(
+            group_size=config.rollout.group_size, close_lease=self.placement.drop
+        )
+        self.trainer.on_restart = self._rollback(config)
         self.dispatcher = Dispatcher(
             config,
             queue=self.queue,
             placement=self.placement,
             trainer=self.trainer,
+            restored=restored,
+            running=self.running,
             stats=self.stats,
             spawn=self.spawn,
             tasks=tasks,
@@ -170,6 +180,20 @@ class Rollout:
         )
         orchestrator = self.core.wrap(Orchestrator(mode=Mode(config.rollout.mode)))
         return Placement(orchestrator, router, metrics=self.metrics, spawn=self.spawn)
+
+    def _rollback(self, config: DoraConfig) -> Rollback:
+        """The roll-back for a restarted trainer, over the parts it rolls back together."""
+        return Rollback(
+            group_size=config.rollout.group_size,
+            queue=self.queue,
+            trainer=self.trainer,
+            running=self.running,
+            placement=self.placement,
+            orchestrator=self.placement.orchestrator,
+            versions=self.versions,
+            store=self.store,
+            metrics=self.metrics,
+        )
 
     def _instance_lifecycle(self, config: DoraConfig, replace: Replace | None) -> InstanceLifecycle:
         return InstanceLifecycle(
@@ -233,7 +257,7 @@ class Rollout:
         return evaluator
 
     async def run(self) -> RolloutReport:
-        starts = self.trainer.restored.starts
+        starts = self.restored.starts
         self.trainer.start()
         self.metrics.write(ServeStart(serve_start=starts + 1, unix_time=time.time()))
         try:
@@ -278,7 +302,7 @@ class Rollout:
 
     def _log_restore(self) -> None:
         """Say what the journal of a `dora serve` that ran on this run directory before held."""
-        restored, q = self.trainer.restored, self.queue
+        restored, q = self.restored, self.queue
         acct = q.accounting()
         log.warning(
             "restored from the journal (start %d): step %d, %d groups held, %d to restart",
@@ -305,7 +329,7 @@ class Rollout:
         restored serve only after the trainer's roll-back: before it, the journal's newest version
         is weights no instance has."""
         assert self.evaluator is not None
-        if not self.trainer.restored.starts or self.trainer.lost_ready.is_set():
+        if not self.restored.starts or self.trainer.lost_ready.is_set():
             self.evaluator.on_loaded(version)
 
     async def _finish(self) -> None:

@@ -179,6 +179,10 @@ class Router:
     def sampler(self, lease_id: str) -> LeaseSampler:
         return LeaseSampler(self, lease_id)
 
+    def leases_above(self, version: int) -> list[str]:
+        """The leases whose version (the one that samples them now) is newer than `version`."""
+        return [lid for lid, lease in self.leases.items() if lease.version > version]
+
     # --- orchestrator actions (synchronous state changes; RPCs go to `interrupt`) -------------
 
     def move(self, lease_id: str, dst: str) -> bool:

@@ -15,7 +15,7 @@ from dora.serve.journal import JournaledQueue
 from dora.serve.lifecycle import InstanceLifecycle
 from dora.serve.router import Router
 from dora.serve.versions import InstanceVersions
-from tests.unit.serve.link_parts import trainer_link
+from tests.unit.serve.link_parts import serve_parts
 
 
 class LoadingClient:
@@ -68,8 +68,8 @@ async def test_rollback_and_lifecycle_read_one_record_of_versions(tmp_path: Path
     q = JournaledQueue(tmp_path, groups_per_step=1, max_staleness=3, num_steps=10)
     router = Router(kv_migration=True)
     versions = InstanceVersions(multi_version=False)
-    link, metrics = trainer_link(config, q, router, tmp_path, versions=versions)
-    placement, store, spawn = link._placement, link._store, link._spawn
+    parts = serve_parts(config, q, router, tmp_path, versions=versions)
+    placement, store, spawn, metrics = parts.placement, parts.store, parts.spawn, parts.metrics
     lifecycle = InstanceLifecycle(
         ServeConfig(),
         placement=placement,
@@ -78,7 +78,7 @@ async def test_rollback_and_lifecycle_read_one_record_of_versions(tmp_path: Path
         queue=q,
         store=store,
         metrics=metrics,
-        stats=link._stats,
+        stats=parts.stats,
         spawn=spawn,
     )
     placement.on_load, placement.on_unload = lifecycle.load, lifecycle.unload
@@ -95,11 +95,11 @@ async def test_rollback_and_lifecycle_read_one_record_of_versions(tmp_path: Path
         async with asyncio.TaskGroup() as tg:
             spawn.open(tg)
             lifecycle.add(Handle(client))  # type: ignore[arg-type]
-            placement.apply(link._orchestrator.publish(2))
+            placement.apply(parts.orchestrator.publish(2))
             for _ in range(5):
                 await asyncio.sleep(0)
             assert client.loaded == [2] and versions.newest("i0") == 2
-            link.rollback(Hello(role="learn", incarnation=1, step=1))
+            parts.rollback(Hello(role="learn", incarnation=1, step=1))
             assert versions.newest("i0") == -1 and not versions.holds("i0", 2)
             for _ in range(5):
                 await asyncio.sleep(0)
