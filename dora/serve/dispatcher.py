@@ -37,6 +37,7 @@ import time
 from collections.abc import Callable
 
 from dora.config import DoraConfig
+from dora.core.orchestrator import Orchestrator
 from dora.core.transfer_queue import Admitted, GroupState, RefusalReason
 from dora.env import Env, PromptStream, Task
 from dora.episode import ChatRenderer, EpisodeLimits, run_fresh_episode
@@ -48,6 +49,7 @@ from dora.serve.running import RunningGroups, group_leases
 from dora.serve.spawn import Spawner
 from dora.serve.stats import ServeStats
 from dora.serve.trainer_link import TrainerLink
+from dora.serve.turns import Turns
 
 __all__ = ["Dispatcher", "episode_limits"]
 
@@ -63,6 +65,8 @@ class Dispatcher:
         *,
         queue: JournaledQueue,
         placement: Placement,
+        orchestrator: Orchestrator,
+        turns: Turns,
         trainer: TrainerLink,
         restored: Restored,
         running: RunningGroups,
@@ -74,7 +78,8 @@ class Dispatcher:
     ) -> None:
         self._queue = queue
         self._placement = placement
-        self._orchestrator = placement.orchestrator
+        self._orchestrator = orchestrator
+        self._turns = turns
         self._trainer = trainer
         self._stats = stats
         self._spawn = spawn
@@ -221,7 +226,7 @@ class Dispatcher:
             async with asyncio.TaskGroup() as tg:
                 running = [tg.create_task(self._episode(lid, task)) for lid in leases]
             samples = [t.result() for t in running]
-            await self._placement.router.turns.take()  # packing and journaling the group
+            await self._turns.take()  # packing and journaling the group
             if self._on_error == "retry" and any(s.masked for s in samples):
                 room = self._placement.can_place(self._group_size, version=version) is not None
                 outcome = q.fail(gid, retry_allowed=room)

@@ -27,7 +27,7 @@ import time
 from collections.abc import Awaitable, Callable
 
 from dora.config import ServeConfig
-from dora.core.orchestrator import Load, Unload
+from dora.core.orchestrator import Load, Orchestrator, Unload
 from dora.errors import ServerError, ServerTimeout, ServerUnavailable
 from dora.records import (
     InstanceFailed,
@@ -64,6 +64,7 @@ class InstanceLifecycle:
         config: ServeConfig,
         *,
         placement: Placement,
+        orchestrator: Orchestrator,
         router: Router,
         versions: InstanceVersions,
         queue: JournaledQueue,
@@ -80,7 +81,7 @@ class InstanceLifecycle:
         self._placement = placement
         self._router = router
         self._versions = versions
-        self._orchestrator = placement.orchestrator
+        self._orchestrator = orchestrator
         self._queue = queue
         self._store = store
         self._metrics = metrics
@@ -90,9 +91,6 @@ class InstanceLifecycle:
         self._load_locks: dict[str, asyncio.Lock] = {}
         self.on_newest_loaded: Callable[[int], None] = lambda version: None
         """Called when an instance now holds the queue's newest loaded version."""
-        placement.on_load = self.load
-        placement.on_unload = self.unload
-        self._router.on_failure = self.failed
 
     def add(self, handle: InstanceHandle) -> None:
         """A new instance (it holds version 0); the orchestrator gives it work."""
@@ -110,8 +108,8 @@ class InstanceLifecycle:
         """The health watch of the live instances."""
         return HealthWatch(
             targets=lambda: {
-                i: s.client
-                for i, s in self._router.instances.items()
+                i: client
+                for i, client in self._router.clients().items()
                 if i not in self._stats.instances_failed
             },
             on_dead=self.unresponsive,
@@ -181,21 +179,21 @@ class InstanceLifecycle:
     def unload(self, unload: Unload) -> None:
         """Carry out an `Unload`: the router stops counting the version as held at once; the
         engine drops the adapter in a task, after any load of the instance under way."""
-        if unload.instance in self._router.instances:
+        if self._router.has(unload.instance):
             self._versions.dropped(unload.instance, unload.version)
             self._spawn(self._unload(unload), name=f"unload-{unload.instance}-v{unload.version}")
 
     async def _unload(self, unload: Unload) -> None:
-        inst = self._router.instances[unload.instance]
-        if not inst.client.capabilities.lora_versions or not inst.alive:
+        instance, client = unload.instance, self._router.client(unload.instance)
+        if not client.capabilities.lora_versions or not self._router.is_alive(instance):
             return
-        async with self._load_locks[unload.instance]:
+        async with self._load_locks[instance]:
             try:
                 timeout_s = self._config.weight_load_timeout_s
-                await inst.client.unload_weights(unload.version, timeout_s=timeout_s)
-                log.debug("instance %s dropped version %d", inst.id, unload.version)
+                await client.unload_weights(unload.version, timeout_s=timeout_s)
+                log.debug("instance %s dropped version %d", instance, unload.version)
             except (ServerError, ServerTimeout) as exc:
-                log.warning("instance %s kept version %d: %s", inst.id, unload.version, exc)
+                log.warning("instance %s kept version %d: %s", instance, unload.version, exc)
 
     def _loaded(self, load: Load) -> None:
         if not self._orchestrator.is_pending(load):
@@ -244,7 +242,7 @@ class InstanceLifecycle:
         retries after a timeout; False (and the instance counts as dead) if it did not."""
         timeout_s = self._config.weight_load_timeout_s
         weights = self._store.get(version)
-        client = self._router.instances[instance].client
+        client = self._router.client(instance)
         tensors = None
         if not weights.path:
             tensors = {

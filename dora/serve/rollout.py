@@ -56,12 +56,12 @@ from dora.link import ServeLink
 from dora.records import Restore, ServeStart
 from dora.serve.console import StepLines
 from dora.serve.coretime import CoreClock
-from dora.serve.cpu_priority import CpuPriority, Instance
+from dora.serve.cpu_priority import CpuPriority
 from dora.serve.dispatcher import Dispatcher
 from dora.serve.evaluate import Evaluator
 from dora.serve.history import History, read_history
 from dora.serve.instances import InstanceHandle
-from dora.serve.journal import JournaledQueue
+from dora.serve.journal import JournaledQueue, Restored
 from dora.serve.lifecycle import InstanceLifecycle, Replace
 from dora.serve.metrics import MetricsLog, Progress, RolloutReport, SampleLog, Ticker
 from dora.serve.placement import Placement
@@ -72,6 +72,7 @@ from dora.serve.snapshots import Snapshots
 from dora.serve.spawn import Spawner
 from dora.serve.stats import ServeStats
 from dora.serve.trainer_link import TrainerLink
+from dora.serve.turns import Turns
 from dora.serve.versions import InstanceVersions
 from dora.serve.weights import WeightStore
 from dora.tracking import open_tracking
@@ -128,19 +129,8 @@ class Rollout:
         self.stats.completed = len(restored.groups)
         self.history = read_history(self.metrics.path) if restored.starts else History()
         """What earlier serves of this run recorded (empty unless this serve is a restart)."""
-        self.trainer = TrainerLink(
-            config,
-            link=link,
-            queue=self.queue,
-            placement=self.placement,
-            store=self.store,
-            metrics=self.metrics,
-            stats=self.stats,
-            spawn=self.spawn,
-            restored=restored,
-            sample_log=sample_log,
-        )
         self.restored = restored
+        self.trainer = self._trainer_link(config, link, restored, sample_log)
         self.running = RunningGroups(
             group_size=config.rollout.group_size, close_lease=self.placement.drop
         )
@@ -149,6 +139,8 @@ class Rollout:
             config,
             queue=self.queue,
             placement=self.placement,
+            orchestrator=self.orchestrator,
+            turns=self.turns,
             trainer=self.trainer,
             restored=restored,
             running=self.running,
@@ -170,16 +162,36 @@ class Rollout:
         self._cpu_priority = _cpu_priority(config.serve, self._instances)
 
     def _placement(self, config: DoraConfig) -> Placement:
-        """The orchestrator and the router; requests move with their KV cache where the config
+        """The router and the orchestrator (the parts that need one get it from here), and the
+        placement that keeps them in step; requests move with their KV cache where the config
         asks for it and every instance can."""
-        router = Router(
+        self.turns = Turns()
+        self.router = Router(
+            turns=self.turns,
             kv_migration=config.serve.kv_migration and self._capabilities.kv_migration,
             control_timeout_s=config.serve.weight_load_timeout_s,
             stats=self.stats,
             pin_versions=config.rollout.mode != "inflight",
         )
-        orchestrator = self.core.wrap(Orchestrator(mode=Mode(config.rollout.mode)))
-        return Placement(orchestrator, router, metrics=self.metrics, spawn=self.spawn)
+        self.orchestrator = self.core.wrap(Orchestrator(mode=Mode(config.rollout.mode)))
+        return Placement(self.orchestrator, self.router, metrics=self.metrics, spawn=self.spawn)
+
+    def _trainer_link(
+        self, config: DoraConfig, link: ServeLink, restored: Restored, sample_log: SampleLog | None
+    ) -> TrainerLink:
+        return TrainerLink(
+            config,
+            link=link,
+            queue=self.queue,
+            placement=self.placement,
+            orchestrator=self.orchestrator,
+            store=self.store,
+            metrics=self.metrics,
+            stats=self.stats,
+            spawn=self.spawn,
+            restored=restored,
+            sample_log=sample_log,
+        )
 
     def _rollback(self, config: DoraConfig) -> Rollback:
         """The roll-back for a restarted trainer, over the parts it rolls back together."""
@@ -189,17 +201,20 @@ class Rollout:
             trainer=self.trainer,
             running=self.running,
             placement=self.placement,
-            orchestrator=self.placement.orchestrator,
+            orchestrator=self.orchestrator,
             versions=self.versions,
             store=self.store,
             metrics=self.metrics,
         )
 
     def _instance_lifecycle(self, config: DoraConfig, replace: Replace | None) -> InstanceLifecycle:
-        return InstanceLifecycle(
+        """The instance lifecycle, wired as the one that carries out loads and unloads and hears
+        of unreachable instances."""
+        lifecycle = InstanceLifecycle(
             config.serve,
             placement=self.placement,
-            router=self.placement.router,
+            orchestrator=self.orchestrator,
+            router=self.router,
             versions=self.versions,
             queue=self.queue,
             store=self.store,
@@ -209,6 +224,10 @@ class Rollout:
             replace=replace,
             in_flight=config.rollout.mode == "inflight",
         )
+        self.placement.on_load = lifecycle.load
+        self.placement.on_unload = lifecycle.unload
+        self.router.on_failure = lifecycle.failed
+        return lifecycle
 
     def _metrics_ticker(self, config: DoraConfig, link: ServeLink) -> tuple[Snapshots, Ticker]:
         """What a metrics line reads (`Snapshots`) and the loop that writes one every
@@ -216,7 +235,8 @@ class Rollout:
         snapshots = Snapshots(
             mode=config.rollout.mode,
             queue=self.queue,
-            placement=self.placement,
+            orchestrator=self.orchestrator,
+            router=self.router,
             trainer=self.trainer,
             store=self.store,
             stats=self.stats,
@@ -272,7 +292,9 @@ class Rollout:
                 if self.config.serve.health_timeout_s > 0:
                     tg.create_task(self.lifecycle.health().run(), name="health")
                 if self._cpu_priority is not None:
-                    tg.create_task(self._cpu_priority.run(self._local), name="cpu-priority")
+                    tg.create_task(
+                        self._cpu_priority.run(self.router.background), name="cpu-priority"
+                    )
                 tg.create_task(self._finish(), name="finish")
         except* _RunComplete:
             pass
@@ -291,14 +313,6 @@ class Rollout:
             self.metrics.close()
             self.queue.close()
         return report
-
-    def _local(self) -> list[Instance]:
-        """The live instances as `CpuPriority` sees them."""
-        return [
-            (state.id, state.set_background, state.inflight_versions)
-            for state in self.placement.router.instances.values()
-            if state.alive
-        ]
 
     def _log_restore(self) -> None:
         """Say what the journal of a `dora serve` that ran on this run directory before held."""

@@ -32,6 +32,7 @@ from collections.abc import Callable
 import msgspec
 
 from dora.config import DoraConfig
+from dora.core.orchestrator import Orchestrator
 from dora.core.transfer_queue import Assigned
 from dora.errors import ProtocolError, ServerTimeout, ServerUnavailable
 from dora.link import ServeLink
@@ -72,6 +73,7 @@ class TrainerLink:
         link: ServeLink,
         queue: JournaledQueue,
         placement: Placement,
+        orchestrator: Orchestrator,
         store: WeightStore,
         metrics: MetricsLog,
         stats: ServeStats,
@@ -84,7 +86,7 @@ class TrainerLink:
         self.link = link
         self._queue = queue
         self._placement = placement
-        self._orchestrator = placement.orchestrator
+        self._orchestrator = orchestrator
         self._store = store
         self._metrics = metrics
         self._stats = stats

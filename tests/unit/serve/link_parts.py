@@ -57,6 +57,7 @@ def serve_parts(
         link=link,  # type: ignore[arg-type]  # a fake, or None where nothing is sent
         queue=q,
         placement=placement,
+        orchestrator=orchestrator,
         store=store,
         metrics=metrics,
         stats=stats,

@@ -68,15 +68,15 @@ async def test_unload_asks_only_an_instance_that_can_drop_versions(
 ) -> None:
     metrics = MetricsLog(tmp_path)
     spawn = Spawner()
-    placement = Placement(
-        Orchestrator(mode=Mode("dora")), Router(kv_migration=True), metrics=metrics, spawn=spawn
-    )
+    orchestrator, router = Orchestrator(mode=Mode("dora")), Router(kv_migration=True)
+    placement = Placement(orchestrator, router, metrics=metrics, spawn=spawn)
     queue = JournaledQueue(tmp_path, groups_per_step=1, max_staleness=1, num_steps=1)
     versions = InstanceVersions(multi_version=True)
     lifecycle = InstanceLifecycle(
         ServeConfig(),
         placement=placement,
-        router=placement.router,
+        orchestrator=orchestrator,
+        router=router,
         versions=versions,
         queue=queue,
         store=WeightStore(),
@@ -85,7 +85,7 @@ async def test_unload_asks_only_an_instance_that_can_drop_versions(
         spawn=spawn,
     )
     client = Client(Capabilities(kv_migration=True, lora_versions=lora_versions))
-    placement.router.add_instance("i0", client)  # type: ignore[arg-type]
+    router.add_instance("i0", client)  # type: ignore[arg-type]
     lifecycle._load_locks["i0"] = asyncio.Lock()
     versions.add("i0")
     versions.loaded("i0", 3)

@@ -73,6 +73,7 @@ async def test_rollback_and_lifecycle_read_one_record_of_versions(tmp_path: Path
     lifecycle = InstanceLifecycle(
         ServeConfig(),
         placement=placement,
+        orchestrator=parts.orchestrator,
         router=router,
         versions=versions,
         queue=q,
