@@ -36,7 +36,7 @@ import logging
 import time
 from collections.abc import Callable
 
-from dora.config import DoraConfig
+from dora.config import DoraConfig, RolloutConfig
 from dora.core.orchestrator import Orchestrator
 from dora.core.transfer_queue import Admitted, GroupState, RefusalReason
 from dora.env import Env, PromptStream, Task
@@ -61,8 +61,10 @@ class Dispatcher:
 
     def __init__(
         self,
-        cfg: DoraConfig,
+        rollout: RolloutConfig,
         *,
+        limits: EpisodeLimits,
+        trainer_timeout_s: float,
         queue: JournaledQueue,
         placement: Placement,
         orchestrator: Orchestrator,
@@ -83,18 +85,19 @@ class Dispatcher:
         self._trainer = trainer
         self._stats = stats
         self._spawn = spawn
-        self._group_size = cfg.rollout.group_size
+        self._group_size = rollout.group_size
         self._tasks = tasks
         self._env_factory = env_factory
         self._renderer = renderer
         self._params = SamplingParams(
-            max_tokens=turn_max_tokens(cfg),
-            temperature=cfg.rollout.temperature,
-            top_p=cfg.rollout.top_p,
+            max_tokens=turn_max_tokens(rollout),
+            temperature=rollout.temperature,
+            top_p=rollout.top_p,
         )
-        self._limits = episode_limits(cfg)
-        self._on_error = cfg.rollout.on_env_error
-        self._trainer_timeout_s = cfg.serve.request_timeout_s
+        self._limits = limits
+        self._on_error = rollout.on_env_error
+        self._trainer_timeout_s = trainer_timeout_s
+        """How long admission waits for the trainer's weights (`serve.request_timeout_s`)."""
         self._running = running
         self._lost = list(restored.lost)
         """Groups lost with a previous serve, to restart (the trainer's roll-back first)."""
@@ -266,10 +269,10 @@ class Dispatcher:
             self._placement.end(lease_id)  # the lease ends with the episode, also on error
 
 
-def turn_max_tokens(cfg: DoraConfig) -> int:
+def turn_max_tokens(rollout: RolloutConfig) -> int:
     """The sampling cap of one LLM call: `rollout.max_tokens_per_turn`, or with 0 the whole
     episode's `rollout.max_tokens` (which also bounds every turn together, in `EpisodeLimits`)."""
-    return cfg.rollout.max_tokens_per_turn or cfg.rollout.max_tokens
+    return rollout.max_tokens_per_turn or rollout.max_tokens
 
 
 def episode_limits(cfg: DoraConfig) -> EpisodeLimits:

@@ -57,7 +57,7 @@ from dora.records import Restore, ServeStart
 from dora.serve.console import StepLines
 from dora.serve.coretime import CoreClock
 from dora.serve.cpu_priority import CpuPriority
-from dora.serve.dispatcher import Dispatcher
+from dora.serve.dispatcher import Dispatcher, episode_limits, turn_max_tokens
 from dora.serve.evaluate import Evaluator
 from dora.serve.history import History, read_history
 from dora.serve.instances import InstanceHandle
@@ -136,7 +136,9 @@ class Rollout:
         )
         self.trainer.on_restart = self._rollback(config)
         self.dispatcher = Dispatcher(
-            config,
+            config.rollout,
+            limits=episode_limits(config),
+            trainer_timeout_s=config.serve.request_timeout_s,
             queue=self.queue,
             placement=self.placement,
             orchestrator=self.orchestrator,
@@ -180,7 +182,10 @@ class Rollout:
         self, config: DoraConfig, link: ServeLink, restored: Restored, sample_log: SampleLog | None
     ) -> TrainerLink:
         return TrainerLink(
-            config,
+            config.rollout,
+            config.learn,
+            request_timeout_s=config.serve.request_timeout_s,
+            env_name=config.env.cls,
             link=link,
             queue=self.queue,
             placement=self.placement,
@@ -262,7 +267,10 @@ class Rollout:
     ) -> Evaluator:
         """The evaluator, woken by placement changes and by each newest version that loads."""
         evaluator = Evaluator(
-            config,
+            config.data,
+            max_tokens=turn_max_tokens(config.rollout),
+            limits=episode_limits(config),
+            max_running=config.serve.max_running,
             placement=self.placement,
             newest_loaded=lambda: self.queue.newest_version,
             trained_at=self.trainer.version_trained_at,

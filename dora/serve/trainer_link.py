@@ -31,7 +31,7 @@ from collections.abc import Callable
 
 import msgspec
 
-from dora.config import DoraConfig
+from dora.config import LearnConfig, RolloutConfig
 from dora.core.orchestrator import Orchestrator
 from dora.core.transfer_queue import Assigned
 from dora.errors import ProtocolError, ServerTimeout, ServerUnavailable
@@ -68,8 +68,11 @@ class TrainerLink:
 
     def __init__(
         self,
-        config: DoraConfig,
+        rollout: RolloutConfig,
+        learn: LearnConfig,
         *,
+        request_timeout_s: float,
+        env_name: str,
         link: ServeLink,
         queue: JournaledQueue,
         placement: Placement,
@@ -81,8 +84,12 @@ class TrainerLink:
         restored: Restored,
         sample_log: SampleLog | None = None,
     ) -> None:
-        r = config.rollout
-        self._config = config
+        r = rollout
+        self._legacy_filling = r.legacy_filling
+        self._timeout_s = request_timeout_s
+        """Every wait on the trainer that blocks progress (`serve.request_timeout_s`)."""
+        self._env_name = env_name
+        """The environment (`env.cls`), named when a step's every sample is masked."""
         self.link = link
         self._queue = queue
         self._placement = placement
@@ -95,7 +102,8 @@ class TrainerLink:
         """This serve continues a run from its journal."""
         self._sample_log = sample_log
         self._batch_size = r.batch_size
-        self._num_steps = config.learn.steps
+        self._num_steps = learn.steps
+        self._max_minutes = learn.max_minutes
         self.groups: dict[str, Group] = dict(restored.groups)
         """Completed groups by id, kept until the step that consumed them is durable."""
         self.trained_step = restored.trained_step if restored.starts else -1
@@ -120,7 +128,7 @@ class TrainerLink:
         """The newest step whose `StepClosed` went out: the trainer will train it."""
         self.end_step: int | None = None
         """The last step of a run cut short by `learn.max_minutes` (None: `learn.steps - 1`)."""
-        self._budget_s = config.learn.max_minutes * 60
+        self._budget_s = learn.max_minutes * 60
         self._budget_hit = False
         self.started_at = time.monotonic()
         self.on_restart: Callable[[Hello], None] = _no_rollback
@@ -293,7 +301,7 @@ class TrainerLink:
         keep |= set(self._queue.version_counts())
         keep |= set(self._orchestrator.live())
         keep |= {i.version for i in self._orchestrator.instances() if i.version is not None}
-        if self._config.rollout.legacy_filling:
+        if self._legacy_filling:
             q = self._queue
             keep |= set(range(max(0, q.step - q.max_staleness), max(keep, default=0) + 1))
         self._store.retain(keep)
@@ -335,7 +343,7 @@ class TrainerLink:
         `StepClosed` slips in between the choice of the last step and the `Shutdown`."""
         async with self._send_lock:
             self.end_step = max(self._closed_step, self.trained_step)
-            minutes = self._config.learn.max_minutes
+            minutes = self._max_minutes
             log.info(
                 "learn.max_minutes = %g reached: the run ends with step %d (checkpointed, then the "
                 "final evaluation)",
@@ -344,9 +352,7 @@ class TrainerLink:
             self._metrics.write(Budget(max_minutes=minutes, last_step=self.end_step))
             with contextlib.suppress(ServerUnavailable):
                 reason = f"learn.max_minutes = {minutes:g} reached after step {self.end_step}"
-                await self.link.send(
-                    Shutdown(reason=reason), timeout_s=self._config.serve.request_timeout_s
-                )
+                await self.link.send(Shutdown(reason=reason), timeout_s=self._timeout_s)
             self.all_sent.set()
 
     async def send(self) -> None:
@@ -382,7 +388,7 @@ class TrainerLink:
         """Send to the trainer. If it is gone, wait (bounded) for a trainer to say hello again:
         the same incarnation (it reconnected) gets the message; a new one (restarted) does not,
         its roll-back re-offers what it needs. False if the message was dropped."""
-        timeout_s = self._config.serve.request_timeout_s
+        timeout_s = self._timeout_s
         while True:
             if incarnation != self._queue.incarnation:
                 return False
@@ -409,7 +415,7 @@ class TrainerLink:
             self._stats.trainer_wait_s += max(0.0, now - ready_at)
         groups = self._step_versions.pop(step)
         samples = [s for gid, _ in groups for s in self.groups[gid].samples]
-        check_not_all_masked(step, samples, env=self._config.env.cls)
+        check_not_all_masked(step, samples, env=self._env_name)
         self._queue.sync()
         self._metrics.write(
             StepRecord(
@@ -430,7 +436,7 @@ class TrainerLink:
         """Wait until the last step is durable (the trainer checkpoints it before it stops: a
         trainer that dies before that resumes and needs the groups serve still holds); bounded by
         `serve.request_timeout_s` per wait. Returns the last step."""
-        timeout_s = self._config.serve.request_timeout_s
+        timeout_s = self._timeout_s
         last = self.last_step
         while self.durable < last:
             await self.all_sent.wait()
@@ -463,7 +469,7 @@ class TrainerLink:
             with contextlib.suppress(ServerUnavailable):
                 await self.link.send(
                     Shutdown(reason="rollout finished"),
-                    timeout_s=self._config.serve.request_timeout_s,
+                    timeout_s=self._timeout_s,
                 )
 
 

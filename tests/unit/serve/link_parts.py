@@ -53,7 +53,10 @@ def serve_parts(
     store.add_path(0, str(run_dir))
     stats = ServeStats()
     r = TrainerLink(
-        config,
+        config.rollout,
+        config.learn,
+        request_timeout_s=config.serve.request_timeout_s,
+        env_name=config.env.cls,
         link=link,  # type: ignore[arg-type]  # a fake, or None where nothing is sent
         queue=q,
         placement=placement,

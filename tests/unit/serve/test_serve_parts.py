@@ -6,6 +6,7 @@ itself into others when it is built (the composition root does)."""
 from __future__ import annotations
 
 import ast
+import inspect
 from pathlib import Path
 
 import dora.serve
@@ -92,3 +93,15 @@ def test_the_lifecycle_does_not_wire_itself_into_other_parts(tmp_path: Path) -> 
         assert router.on_failure is None
     finally:
         metrics.close()
+
+
+def test_parts_get_the_settings_they_use_not_the_whole_config() -> None:
+    """Only the composition root reads the whole config; a part gets its sections."""
+    from dora.serve.dispatcher import Dispatcher
+    from dora.serve.evaluate import Evaluator
+    from dora.serve.trainer_link import TrainerLink
+
+    for part in (Dispatcher, TrainerLink, Evaluator, InstanceLifecycle):
+        hints = inspect.signature(part).parameters.values()
+        whole = [p.name for p in hints if "DoraConfig" in str(p.annotation)]
+        assert not whole, f"{part.__name__} takes the whole config as {whole}"
