@@ -177,8 +177,9 @@ class InstanceLifecycle:
             self._spawn(self._load(load), name=f"load-{load.instance}-v{load.version}")
 
     def unload(self, unload: Unload) -> None:
-        """Carry out an `Unload`: the router stops counting the version as held at once; the
-        engine drops the adapter in a task, after any load of the instance under way."""
+        """Carry out an `Unload`: the instance stops counting as holding the version at once
+        (`InstanceVersions`); the engine drops the adapter in a task, after any load of the
+        instance under way."""
         if self._router.has(unload.instance):
             self._versions.dropped(unload.instance, unload.version)
             self._spawn(self._unload(unload), name=f"unload-{unload.instance}-v{unload.version}")
