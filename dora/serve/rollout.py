@@ -1,7 +1,8 @@
 """The rollout side of a run: serve's parts, wired together and run in one event loop.
 
-`Rollout` is the composition root. It builds the parts, hands each the others it needs (no part
-receives `Rollout`), and runs their loops in one `asyncio.TaskGroup`:
+`Rollout` is the composition root. It builds the parts, hands each the others it needs and the
+settings it reads (no part receives `Rollout` or the whole config), sets every callback between
+them, and runs their loops in one `asyncio.TaskGroup`:
 - the transfer queue (`dora.core.transfer_queue`, the staleness gate, journaled: `journal.py`)
   and the orchestrator (`dora.core.orchestrator`, versions -> instances), both driven unchanged
   and timed (`coretime.py`);
@@ -9,7 +10,7 @@ receives `Rollout`), and runs their loops in one `asyncio.TaskGroup`:
   step; the dispatcher and the evaluator open and end leases through it, and every orchestrator
   action is carried out by it;
 - `InstanceLifecycle` (`lifecycle.py`): weight loads, failed and unresponsive instances, and their
-  replacements;
+  replacements; what each instance holds is recorded in `InstanceVersions` (`versions.py`);
 - `TrainerLink` (`trainer_link.py`): groups out, weights and acknowledgements in, a
   `learn.max_minutes` budget; a restarted trainer's hello goes to `Rollback` (`rollback.py`),
   which rolls the queue, the running groups (`RunningGroups`, `running.py`), the trainer link,
