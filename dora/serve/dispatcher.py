@@ -24,7 +24,9 @@ The prompt stream is `PromptStream` (cycles, reshuffled each epoch) over the tas
 `dora.data.load_tasks` reads from `data.source`; each admitted group's stream position is
 journaled. A `dora serve` restored from its journal continues the stream where it stopped, and
 restarts the groups whose episodes died with the previous process (same id, same task) at the
-newest version, before it admits new groups (`TrainerLink.lost_groups`, `TransferQueue.restart`).
+newest version, before it admits new groups (`TransferQueue.restart`), once the trainer has said
+hello and serve rolled back to it. The dispatcher keeps that list; the running groups' tasks are
+in `RunningGroups`, where a roll-back stops those it removes.
 """
 
 from __future__ import annotations
@@ -34,17 +36,20 @@ import logging
 import time
 from collections.abc import Callable
 
-from dora.config import DoraConfig
-from dora.core.transfer_queue import Admitted, RefusalReason
+from dora.config import DoraConfig, RolloutConfig
+from dora.core.orchestrator import Orchestrator
+from dora.core.transfer_queue import Admitted, GroupState, RefusalReason
 from dora.env import Env, PromptStream, Task
 from dora.episode import ChatRenderer, EpisodeLimits, run_fresh_episode
 from dora.errors import ServerTimeout
 from dora.protocol import Group, Sample, SamplingParams
-from dora.serve.journal import JournaledQueue
+from dora.serve.journal import JournaledQueue, Restored
 from dora.serve.placement import Placement
+from dora.serve.running import RunningGroups, group_leases
 from dora.serve.spawn import Spawner
 from dora.serve.stats import ServeStats
 from dora.serve.trainer_link import TrainerLink
+from dora.serve.turns import Turns
 
 __all__ = ["Dispatcher", "episode_limits"]
 
@@ -56,11 +61,17 @@ class Dispatcher:
 
     def __init__(
         self,
-        cfg: DoraConfig,
+        rollout: RolloutConfig,
         *,
+        limits: EpisodeLimits,
+        trainer_timeout_s: float,
         queue: JournaledQueue,
         placement: Placement,
+        orchestrator: Orchestrator,
+        turns: Turns,
         trainer: TrainerLink,
+        restored: Restored,
+        running: RunningGroups,
         stats: ServeStats,
         spawn: Spawner,
         tasks: PromptStream,
@@ -69,23 +80,27 @@ class Dispatcher:
     ) -> None:
         self._queue = queue
         self._placement = placement
-        self._orchestrator = placement.orchestrator
+        self._orchestrator = orchestrator
+        self._turns = turns
         self._trainer = trainer
         self._stats = stats
         self._spawn = spawn
-        self._group_size = cfg.rollout.group_size
+        self._group_size = rollout.group_size
         self._tasks = tasks
         self._env_factory = env_factory
         self._renderer = renderer
         self._params = SamplingParams(
-            max_tokens=turn_max_tokens(cfg),
-            temperature=cfg.rollout.temperature,
-            top_p=cfg.rollout.top_p,
+            max_tokens=turn_max_tokens(rollout),
+            temperature=rollout.temperature,
+            top_p=rollout.top_p,
         )
-        self._limits = episode_limits(cfg)
-        self._on_error = cfg.rollout.on_env_error
-        self._trainer_timeout_s = cfg.serve.request_timeout_s
-        restored = trainer.restored
+        self._limits = limits
+        self._on_error = rollout.on_env_error
+        self._trainer_timeout_s = trainer_timeout_s
+        """How long admission waits for the trainer's weights (`serve.request_timeout_s`)."""
+        self._running = running
+        self._lost = list(restored.lost)
+        """Groups lost with a previous serve, to restart (the trainer's roll-back first)."""
         self._next = restored.next_group
         self._positions = restored.task_positions
         if restored.starts:
@@ -124,7 +139,7 @@ class Dispatcher:
         """Restart one group lost with a previous `dora serve`, at `version` (the newest), if an
         instance has room; True if one was restarted."""
         q = self._queue
-        for gid in self._trainer.lost_groups():
+        for gid in self._lost_groups():
             if q.group_version(gid) > version or q.admission_blocker(version) in (
                 RefusalReason.WEIGHTS_NOT_LOADED,
                 RefusalReason.NOT_NEWEST,
@@ -143,11 +158,26 @@ class Dispatcher:
                 position=position,
             ).next()
             log.info("restarting group %s (lost with the previous serve) at v%d", gid, version)
-            self._trainer.restored.lost.remove(gid)
+            self._lost.remove(gid)
             self._trainer.assigned(q.restart(gid, version=version))
             self._start(gid, task, version)
             return True
         return False
+
+    def _lost_groups(self) -> list[str]:
+        """Groups of a previous serve to restart now: none until the trainer said hello (its
+        roll-back removes the ghosts among them); then those the queue still holds unassigned
+        and not kept complete."""
+        if not self._trainer.lost_ready.is_set():
+            return []
+        q = self._queue
+        self._lost = [
+            gid
+            for gid in self._lost
+            if q.state(gid) in (GroupState.ADMITTED, GroupState.STARTED)
+            or (q.state(gid) is GroupState.COMPLETED and not self._trainer.holds(gid))
+        ]
+        return self._lost
 
     async def _wait(self, reason: RefusalReason) -> None:
         """Wait for a state change; only a wait for the trainer's weights has a deadline (it is
@@ -178,27 +208,28 @@ class Dispatcher:
 
     def _start(self, gid: str, task: Task, version: int) -> None:
         self._place(gid, version)
-        running = self._trainer.group_tasks
-        running[gid] = self._spawn(self._run_group(gid, task, version), name=f"group-{gid}")
+        self._running.started(
+            gid, self._spawn(self._run_group(gid, task, version), name=f"group-{gid}")
+        )
 
     def _place(self, gid: str, version: int) -> None:
-        self._placement.place([f"{gid}/{i}" for i in range(self._group_size)], version=version)
+        self._placement.place(group_leases(gid, self._group_size), version=version)
         self._queue.start(gid)
 
     async def _run_group(self, gid: str, task: Task, version: int) -> None:
         try:
             await self._run_group_once(gid, task, version)
         finally:
-            self._trainer.group_tasks.pop(gid, None)
+            self._running.ended(gid)
 
     async def _run_group_once(self, gid: str, task: Task, version: int) -> None:
         q, trainer = self._queue, self._trainer
-        leases = [f"{gid}/{i}" for i in range(self._group_size)]
+        leases = group_leases(gid, self._group_size)
         while True:
             async with asyncio.TaskGroup() as tg:
                 running = [tg.create_task(self._episode(lid, task)) for lid in leases]
             samples = [t.result() for t in running]
-            await self._placement.router.turns.take()  # packing and journaling the group
+            await self._turns.take()  # packing and journaling the group
             if self._on_error == "retry" and any(s.masked for s in samples):
                 room = self._placement.can_place(self._group_size, version=version) is not None
                 outcome = q.fail(gid, retry_allowed=room)
@@ -238,10 +269,10 @@ class Dispatcher:
             self._placement.end(lease_id)  # the lease ends with the episode, also on error
 
 
-def turn_max_tokens(cfg: DoraConfig) -> int:
+def turn_max_tokens(rollout: RolloutConfig) -> int:
     """The sampling cap of one LLM call: `rollout.max_tokens_per_turn`, or with 0 the whole
     episode's `rollout.max_tokens` (which also bounds every turn together, in `EpisodeLimits`)."""
-    return cfg.rollout.max_tokens_per_turn or cfg.rollout.max_tokens
+    return rollout.max_tokens_per_turn or rollout.max_tokens
 
 
 def episode_limits(cfg: DoraConfig) -> EpisodeLimits:

@@ -48,12 +48,11 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from dora.config import DoraConfig
+from dora.config import DataConfig
 from dora.env import Env, Task
-from dora.episode import ChatRenderer, run_fresh_episode
+from dora.episode import ChatRenderer, EpisodeLimits, run_fresh_episode
 from dora.protocol import Sample, SamplingParams
 from dora.records import Eval
-from dora.serve.dispatcher import episode_limits, turn_max_tokens
 from dora.serve.metrics import MetricsLog
 from dora.serve.placement import Placement
 from dora.serve.spawn import Spawner
@@ -84,8 +83,11 @@ class Evaluator:
 
     def __init__(
         self,
-        cfg: DoraConfig,
+        data: DataConfig,
         *,
+        max_tokens: int,
+        limits: EpisodeLimits,
+        max_running: int,
         placement: Placement,
         newest_loaded: Callable[[], int | None],
         trained_at: Callable[[int], float | None],
@@ -105,12 +107,13 @@ class Evaluator:
         self._tasks = tasks
         self._env_factory = env_factory
         self._renderer = renderer
-        self._every = cfg.data.eval_every
-        self._every_s = cfg.data.eval_every_s
-        self._success_at = cfg.data.eval_success_at
-        self._params = SamplingParams(max_tokens=turn_max_tokens(cfg), temperature=0.0, top_p=1.0)
-        self._limits = episode_limits(cfg)
-        self._workers = max(1, min(len(tasks), cfg.serve.max_running // 2))
+        self._every = data.eval_every
+        self._every_s = data.eval_every_s
+        self._success_at = data.eval_success_at
+        self._params = SamplingParams(max_tokens=max_tokens, temperature=0.0, top_p=1.0)
+        self._limits = limits
+        self._workers = max(1, min(len(tasks), max_running // 2))
+        """Leases at once: half an instance's `serve.max_running` at most."""
         self._next_due: float = 0
         """The smallest version the next periodic evaluation waits for (by steps)."""
         self._next_due_s = math.inf if not self._every_s else self._every_s

@@ -27,7 +27,7 @@ import time
 from collections.abc import Awaitable, Callable
 
 from dora.config import ServeConfig
-from dora.core.orchestrator import Load, Unload
+from dora.core.orchestrator import Load, Orchestrator, Unload
 from dora.errors import ServerError, ServerTimeout, ServerUnavailable
 from dora.records import (
     InstanceFailed,
@@ -42,8 +42,10 @@ from dora.serve.instances import InstanceHandle
 from dora.serve.journal import JournaledQueue
 from dora.serve.metrics import MetricsLog
 from dora.serve.placement import Placement
+from dora.serve.router import Router
 from dora.serve.spawn import Spawner
 from dora.serve.stats import ServeStats
+from dora.serve.versions import InstanceVersions
 from dora.serve.weights import WeightStore
 
 __all__ = ["InstanceLifecycle", "Replace"]
@@ -62,21 +64,24 @@ class InstanceLifecycle:
         config: ServeConfig,
         *,
         placement: Placement,
+        orchestrator: Orchestrator,
+        router: Router,
+        versions: InstanceVersions,
         queue: JournaledQueue,
         store: WeightStore,
         metrics: MetricsLog,
         stats: ServeStats,
         spawn: Spawner,
         replace: Replace | None = None,
-        multi_version: bool = False,
         in_flight: bool = False,
     ) -> None:
         self._config = config
-        self._multi_version = multi_version
+        self._multi_version = versions.multi_version
         self._in_flight = in_flight
         self._placement = placement
-        self._router = placement.router
-        self._orchestrator = placement.orchestrator
+        self._router = router
+        self._versions = versions
+        self._orchestrator = orchestrator
         self._queue = queue
         self._store = store
         self._metrics = metrics
@@ -89,15 +94,11 @@ class InstanceLifecycle:
         self.fast_load: Callable[[str, int], Awaitable[bool]] | None = None
         """Tried before the weight store: loads `(instance, version)` another way, or returns
         False (`dora.serve.nccl`: a broadcast from trainer rank 0)."""
-        placement.on_load = self.load
-        placement.on_unload = self.unload
-        self._router.on_failure = self.failed
 
     def add(self, handle: InstanceHandle) -> None:
         """A new instance (it holds version 0); the orchestrator gives it work."""
-        self._router.add_instance(
-            handle.id, handle.client, version=0, set_background=handle.set_background
-        )
+        self._router.add_instance(handle.id, handle.client, set_background=handle.set_background)
+        self._versions.add(handle.id)
         self._load_locks[handle.id] = asyncio.Lock()
         capacity = self._config.max_running
         self._placement.apply(
@@ -110,8 +111,8 @@ class InstanceLifecycle:
         """The health watch of the live instances."""
         return HealthWatch(
             targets=lambda: {
-                i: s.client
-                for i, s in self._router.instances.items()
+                i: client
+                for i, client in self._router.clients().items()
                 if i not in self._stats.instances_failed
             },
             on_dead=self.unresponsive,
@@ -172,32 +173,31 @@ class InstanceLifecycle:
     def load(self, load: Load) -> None:
         """Carry out a `Load`: at once if the instance already holds the version (every instance
         starts with version 0), else in a task."""
-        inst = self._router.instances[load.instance]
-        held = load.version in inst.held if self._multi_version else inst.version == load.version
+        held = self._versions.holds(load.instance, load.version)
         if held and not self._load_locks[load.instance].locked():
             self._loaded(load)
         else:
             self._spawn(self._load(load), name=f"load-{load.instance}-v{load.version}")
 
     def unload(self, unload: Unload) -> None:
-        """Carry out an `Unload`: the router stops counting the version as held at once; the
-        engine drops the adapter in a task, after any load of the instance under way."""
-        inst = self._router.instances.get(unload.instance)
-        if inst is not None:
-            inst.held.discard(unload.version)
+        """Carry out an `Unload`: the instance stops counting as holding the version at once
+        (`InstanceVersions`); the engine drops the adapter in a task, after any load of the
+        instance under way."""
+        if self._router.has(unload.instance):
+            self._versions.dropped(unload.instance, unload.version)
             self._spawn(self._unload(unload), name=f"unload-{unload.instance}-v{unload.version}")
 
     async def _unload(self, unload: Unload) -> None:
-        inst = self._router.instances[unload.instance]
-        if not inst.client.capabilities.lora_versions or not inst.alive:
+        instance, client = unload.instance, self._router.client(unload.instance)
+        if not client.capabilities.lora_versions or not self._router.is_alive(instance):
             return
-        async with self._load_locks[unload.instance]:
+        async with self._load_locks[instance]:
             try:
                 timeout_s = self._config.weight_load_timeout_s
-                await inst.client.unload_weights(unload.version, timeout_s=timeout_s)
-                log.debug("instance %s dropped version %d", inst.id, unload.version)
+                await client.unload_weights(unload.version, timeout_s=timeout_s)
+                log.debug("instance %s dropped version %d", instance, unload.version)
             except (ServerError, ServerTimeout) as exc:
-                log.warning("instance %s kept version %d: %s", inst.id, unload.version, exc)
+                log.warning("instance %s kept version %d: %s", instance, unload.version, exc)
 
     def _loaded(self, load: Load) -> None:
         if not self._orchestrator.is_pending(load):
@@ -227,22 +227,16 @@ class InstanceLifecycle:
                 return  # superseded while we waited (the store may have dropped `version` since)
             started = time.monotonic()
             incarnation = self._queue.incarnation
-            under_calls = self._router.instances[instance].inflight if self._in_flight else 0
+            under_calls = self._router.calls_in_flight(instance) if self._in_flight else 0
             if not await self._send_weights(instance, version):
                 return
             seconds = time.monotonic() - started
             if incarnation != self._queue.incarnation and not self._orchestrator.is_pending(load):
                 # A roll-back superseded the load: `version` may now name other weights. (A
                 # load it kept is of a real version, whose weights the roll-back kept too.)
-                self._router.instances[instance].version = -1
-                self._router.instances[instance].held.discard(version)
+                self._versions.spoiled(instance, version)
                 return
-            state = self._router.instances[instance]
-            if self._multi_version:
-                state.held.add(version)
-                state.version = max(state.held)
-            else:
-                state.version, state.held = version, {version}
+            self._versions.loaded(instance, version)
             self._stats.weight_loads += 1
             self._stats.weight_load_s += seconds
             self._metrics.write(
@@ -259,7 +253,7 @@ class InstanceLifecycle:
             return True
         timeout_s = self._config.weight_load_timeout_s
         weights = self._store.get(version)
-        client = self._router.instances[instance].client
+        client = self._router.client(instance)
         tensors = None
         if not weights.path:
             tensors = {

@@ -284,7 +284,7 @@ def wire_nccl(
     """Loads by broadcast for serve's live instances: the lifecycle tries them first, and the
     trainer link hands them rank 0's answers."""
     loads = NcclLoads(
-        clients=lambda: {i: s.client for i, s in router.instances.items() if s.alive},
+        clients=lambda: {i: c for i, c in router.clients().items() if router.is_alive(i)},
         store=store,
         send=trainer.link.send,
         trainer_up=lambda: not trainer.trainer_stopped,

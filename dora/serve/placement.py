@@ -51,8 +51,8 @@ class Placement:
         metrics: MetricsLog,
         spawn: Spawner,
     ) -> None:
-        self.orchestrator = orchestrator
-        self.router = router
+        self._orchestrator = orchestrator
+        self._router = router
         self._metrics = metrics
         self._spawn = spawn
         self.changed = asyncio.Event()
@@ -66,28 +66,36 @@ class Placement:
 
     def can_place(self, n: int, *, version: int) -> str | None:
         """An accepting instance of `version` with room for `n` more leases, if any."""
-        return self.orchestrator.can_place(n, version=version)
+        return self._orchestrator.can_place(n, version=version)
 
     def place(self, leases: Sequence[str], *, version: int) -> str:
         """Open `leases` on one instance of `version` (the caller checked `can_place`)."""
-        where = self.orchestrator.place(leases, version=version)
+        where = self._orchestrator.place(leases, version=version)
         assert where is not None, "can_place said there was room"
         for lid in leases:
-            self.router.open(lid, version=version, instance=where)
+            self._router.open(lid, version=version, instance=where)
         return where
 
+    def drop(self, lease_id: str) -> None:
+        """Close a lease on the router alone: a roll-back's orchestrator forgets it itself."""
+        self._router.close(lease_id)
+
+    def leases_above(self, version: int) -> list[str]:
+        """The leases that sample a version newer than `version` now."""
+        return self._router.leases_above(version)
+
     def sampler(self, lease_id: str) -> LeaseSampler:
-        return self.router.sampler(lease_id)
+        return self._router.sampler(lease_id)
 
     def end(self, lease_id: str, *, forgotten_ok: bool = False) -> None:
         """The lease's episode ended (also on error or cancellation): its slot is free. With
         `forgotten_ok`, a lease the orchestrator no longer knows (a roll-back forgot it) is not an
         error. No actions are carried out from a task being cancelled (no new tasks while the run
         stops)."""
-        if not self.router.close(lease_id):
+        if not self._router.close(lease_id):
             return  # a roll-back removed it everywhere already
         try:
-            actions = self.orchestrator.finish(lease_id)
+            actions = self._orchestrator.finish(lease_id)
         except SchedulingError:
             if not forgotten_ok:
                 raise
@@ -101,8 +109,8 @@ class Placement:
         for action in actions:
             match action:
                 case Load():
-                    if self.orchestrator.mode is Mode.INFLIGHT:
-                        self.router.retag(action.instance, action.version)
+                    if self._orchestrator.mode is Mode.INFLIGHT:
+                        self._router.retag(action.instance, action.version)
                     self.on_load(action)
                 case Unload():
                     self.on_unload(action)
@@ -113,16 +121,16 @@ class Placement:
                 ):  # placement asks the orchestrator; this is for the log
                     self._metrics.write(Undrain(instance=i))
                 case Migrate(request=rid, dst=dst):
-                    if self.router.move(rid, dst):
-                        self._spawn(self.router.interrupt(rid, export=True), name=f"move-{rid}")
+                    if self._router.move(rid, dst):
+                        self._spawn(self._router.interrupt(rid, export=True), name=f"move-{rid}")
                 case Park(request=rid):
-                    if self.router.park(rid):
-                        self._spawn(self.router.interrupt(rid, export=False), name=f"park-{rid}")
+                    if self._router.park(rid):
+                        self._spawn(self._router.interrupt(rid, export=False), name=f"park-{rid}")
                 case Resume(request=rid, instance=i, version=v):
-                    self.router.resume(rid, i, v)
+                    self._router.resume(rid, i, v)
                 case Fail(request=rid, reason=reason):
                     self._metrics.write(RequestFailed(lease=rid, reason=reason.value))
-                    self.router.fail(rid, reason.value)
+                    self._router.fail(rid, reason.value)
         self.changed.set()
         for listener in self.listeners:
             listener()

@@ -1,7 +1,8 @@
 """The rollout side of a run: serve's parts, wired together and run in one event loop.
 
-`Rollout` is the composition root. It builds the parts, hands each the others it needs (no part
-receives `Rollout`), and runs their loops in one `asyncio.TaskGroup`:
+`Rollout` is the composition root. It builds the parts, hands each the others it needs and the
+settings it reads (no part receives `Rollout` or the whole config), sets every callback between
+them, and runs their loops in one `asyncio.TaskGroup`:
 - the transfer queue (`dora.core.transfer_queue`, the staleness gate, journaled: `journal.py`)
   and the orchestrator (`dora.core.orchestrator`, versions -> instances), both driven unchanged
   and timed (`coretime.py`);
@@ -9,9 +10,11 @@ receives `Rollout`), and runs their loops in one `asyncio.TaskGroup`:
   step; the dispatcher and the evaluator open and end leases through it, and every orchestrator
   action is carried out by it;
 - `InstanceLifecycle` (`lifecycle.py`): weight loads, failed and unresponsive instances, and their
-  replacements;
-- `TrainerLink` (`trainer_link.py`): groups out, weights and acknowledgements in, a restarted
-  trainer's roll-back, a `learn.max_minutes` budget;
+  replacements; what each instance holds is recorded in `InstanceVersions` (`versions.py`);
+- `TrainerLink` (`trainer_link.py`): groups out, weights and acknowledgements in, a
+  `learn.max_minutes` budget; a restarted trainer's hello goes to `Rollback` (`rollback.py`),
+  which rolls the queue, the running groups (`RunningGroups`, `running.py`), the trainer link,
+  the instances' versions, the weight store and the orchestrator back together;
 - the dispatcher (admission and episodes, `dispatcher.py`), the metrics ticker (`metrics.py`),
   and evaluation while training (`evaluate.py`), when `data.eval_source` is set;
 - `ServeStats` (`stats.py`): every counter, shared by the parts that count;
@@ -54,20 +57,24 @@ from dora.link import ServeLink
 from dora.records import Restore, ServeStart
 from dora.serve.console import StepLines
 from dora.serve.coretime import CoreClock
-from dora.serve.cpu_priority import CpuPriority, Instance
-from dora.serve.dispatcher import Dispatcher
+from dora.serve.cpu_priority import CpuPriority
+from dora.serve.dispatcher import Dispatcher, episode_limits, turn_max_tokens
 from dora.serve.evaluate import Evaluator
 from dora.serve.history import History, read_history
 from dora.serve.instances import InstanceHandle
-from dora.serve.journal import JournaledQueue
+from dora.serve.journal import JournaledQueue, Restored
 from dora.serve.lifecycle import InstanceLifecycle, Replace
 from dora.serve.metrics import MetricsLog, Progress, RolloutReport, SampleLog, Ticker
 from dora.serve.placement import Placement
+from dora.serve.rollback import Rollback
 from dora.serve.router import Router
+from dora.serve.running import RunningGroups
 from dora.serve.snapshots import Snapshots
 from dora.serve.spawn import Spawner
 from dora.serve.stats import ServeStats
 from dora.serve.trainer_link import TrainerLink
+from dora.serve.turns import Turns
+from dora.serve.versions import InstanceVersions
 from dora.serve.weights import WeightStore
 from dora.tracking import open_tracking
 
@@ -113,6 +120,9 @@ class Rollout:
         self.metrics = _metrics_log(config, run_dir)
         self.spawn = Spawner()
         self.placement = self._placement(config)
+        self.versions = InstanceVersions(
+            multi_version=config.model.lora.rank > 0 and self._capabilities.lora_versions
+        )
         self.store = WeightStore()
         self.store.add_path(0, model_dir)
         self.lifecycle = self._instance_lifecycle(config, replace_instance)
@@ -120,25 +130,25 @@ class Rollout:
         self.stats.completed = len(restored.groups)
         self.history = read_history(self.metrics.path) if restored.starts else History()
         """What earlier serves of this run recorded (empty unless this serve is a restart)."""
-        self.trainer = TrainerLink(
-            config,
-            link=link,
-            queue=self.queue,
-            placement=self.placement,
-            store=self.store,
-            metrics=self.metrics,
-            stats=self.stats,
-            spawn=self.spawn,
-            restored=restored,
-            sample_log=sample_log,
+        self.restored = restored
+        self.trainer = self._trainer_link(config, link, restored, sample_log)
+        self.running = RunningGroups(
+            group_size=config.rollout.group_size, close_lease=self.placement.drop
         )
+        self.trainer.on_restart = self._rollback(config)
         if config.learn.weight_transport == "nccl":
             self._load_by_broadcast(config)
         self.dispatcher = Dispatcher(
-            config,
+            config.rollout,
+            limits=episode_limits(config),
+            trainer_timeout_s=config.serve.request_timeout_s,
             queue=self.queue,
             placement=self.placement,
+            orchestrator=self.orchestrator,
+            turns=self.turns,
             trainer=self.trainer,
+            restored=restored,
+            running=self.running,
             stats=self.stats,
             spawn=self.spawn,
             tasks=tasks,
@@ -157,16 +167,53 @@ class Rollout:
         self._cpu_priority = _cpu_priority(config.serve, self._instances)
 
     def _placement(self, config: DoraConfig) -> Placement:
-        """The orchestrator and the router; requests move with their KV cache where the config
+        """The router and the orchestrator (the parts that need one get it from here), and the
+        placement that keeps them in step; requests move with their KV cache where the config
         asks for it and every instance can."""
-        router = Router(
+        self.turns = Turns()
+        self.router = Router(
+            turns=self.turns,
             kv_migration=config.serve.kv_migration and self._capabilities.kv_migration,
             control_timeout_s=config.serve.weight_load_timeout_s,
             stats=self.stats,
             pin_versions=config.rollout.mode != "inflight",
         )
-        orchestrator = self.core.wrap(Orchestrator(mode=Mode(config.rollout.mode)))
-        return Placement(orchestrator, router, metrics=self.metrics, spawn=self.spawn)
+        self.orchestrator = self.core.wrap(Orchestrator(mode=Mode(config.rollout.mode)))
+        return Placement(self.orchestrator, self.router, metrics=self.metrics, spawn=self.spawn)
+
+    def _trainer_link(
+        self, config: DoraConfig, link: ServeLink, restored: Restored, sample_log: SampleLog | None
+    ) -> TrainerLink:
+        return TrainerLink(
+            config.rollout,
+            config.learn,
+            request_timeout_s=config.serve.request_timeout_s,
+            env_name=config.env.cls,
+            link=link,
+            queue=self.queue,
+            placement=self.placement,
+            orchestrator=self.orchestrator,
+            store=self.store,
+            metrics=self.metrics,
+            stats=self.stats,
+            spawn=self.spawn,
+            restored=restored,
+            sample_log=sample_log,
+        )
+
+    def _rollback(self, config: DoraConfig) -> Rollback:
+        """The roll-back for a restarted trainer, over the parts it rolls back together."""
+        return Rollback(
+            group_size=config.rollout.group_size,
+            queue=self.queue,
+            trainer=self.trainer,
+            running=self.running,
+            placement=self.placement,
+            orchestrator=self.orchestrator,
+            versions=self.versions,
+            store=self.store,
+            metrics=self.metrics,
+        )
 
     def _load_by_broadcast(self, config: DoraConfig) -> None:
         """Versions reach the instances that switch to them by an NCCL broadcast from trainer
@@ -177,25 +224,33 @@ class Rollout:
             config.serve,
             lifecycle=self.lifecycle,
             trainer=self.trainer,
-            router=self.placement.router,
+            router=self.router,
             store=self.store,
             stats=self.stats,
             metrics=self.metrics,
         )
 
     def _instance_lifecycle(self, config: DoraConfig, replace: Replace | None) -> InstanceLifecycle:
-        return InstanceLifecycle(
+        """The instance lifecycle, wired as the one that carries out loads and unloads and hears
+        of unreachable instances."""
+        lifecycle = InstanceLifecycle(
             config.serve,
             placement=self.placement,
+            orchestrator=self.orchestrator,
+            router=self.router,
+            versions=self.versions,
             queue=self.queue,
             store=self.store,
             metrics=self.metrics,
             stats=self.stats,
             spawn=self.spawn,
             replace=replace,
-            multi_version=config.model.lora.rank > 0 and self._capabilities.lora_versions,
             in_flight=config.rollout.mode == "inflight",
         )
+        self.placement.on_load = lifecycle.load
+        self.placement.on_unload = lifecycle.unload
+        self.router.on_failure = lifecycle.failed
+        return lifecycle
 
     def _metrics_ticker(self, config: DoraConfig, link: ServeLink) -> tuple[Snapshots, Ticker]:
         """What a metrics line reads (`Snapshots`) and the loop that writes one every
@@ -203,7 +258,8 @@ class Rollout:
         snapshots = Snapshots(
             mode=config.rollout.mode,
             queue=self.queue,
-            placement=self.placement,
+            orchestrator=self.orchestrator,
+            router=self.router,
             trainer=self.trainer,
             store=self.store,
             stats=self.stats,
@@ -229,7 +285,10 @@ class Rollout:
     ) -> Evaluator:
         """The evaluator, woken by placement changes and by each newest version that loads."""
         evaluator = Evaluator(
-            config,
+            config.data,
+            max_tokens=turn_max_tokens(config.rollout),
+            limits=episode_limits(config),
+            max_running=config.serve.max_running,
             placement=self.placement,
             newest_loaded=lambda: self.queue.newest_version,
             trained_at=self.trainer.version_trained_at,
@@ -244,7 +303,7 @@ class Rollout:
         return evaluator
 
     async def run(self) -> RolloutReport:
-        starts = self.trainer.restored.starts
+        starts = self.restored.starts
         self.trainer.start()
         self.metrics.write(ServeStart(serve_start=starts + 1, unix_time=time.time()))
         try:
@@ -259,7 +318,9 @@ class Rollout:
                 if self.config.serve.health_timeout_s > 0:
                     tg.create_task(self.lifecycle.health().run(), name="health")
                 if self._cpu_priority is not None:
-                    tg.create_task(self._cpu_priority.run(self._local), name="cpu-priority")
+                    tg.create_task(
+                        self._cpu_priority.run(self.router.background), name="cpu-priority"
+                    )
                 tg.create_task(self._finish(), name="finish")
         except* _RunComplete:
             pass
@@ -279,17 +340,9 @@ class Rollout:
             self.queue.close()
         return report
 
-    def _local(self) -> list[Instance]:
-        """The live instances as `CpuPriority` sees them."""
-        return [
-            (state.id, state.set_background, state.inflight_versions)
-            for state in self.placement.router.instances.values()
-            if state.alive
-        ]
-
     def _log_restore(self) -> None:
         """Say what the journal of a `dora serve` that ran on this run directory before held."""
-        restored, q = self.trainer.restored, self.queue
+        restored, q = self.restored, self.queue
         acct = q.accounting()
         log.warning(
             "restored from the journal (start %d): step %d, %d groups held, %d to restart",
@@ -316,7 +369,7 @@ class Rollout:
         restored serve only after the trainer's roll-back: before it, the journal's newest version
         is weights no instance has."""
         assert self.evaluator is not None
-        if not self.trainer.restored.starts or self.trainer.lost_ready.is_set():
+        if not self.restored.starts or self.trainer.lost_ready.is_set():
             self.evaluator.on_loaded(version)
 
     async def _finish(self) -> None:

@@ -40,6 +40,7 @@ import time
 from array import array
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import msgspec
 
@@ -49,7 +50,7 @@ from dora.protocol import Completion, FinishReason, SamplingParams, as_array, ex
 from dora.serve.stats import ServeStats
 from dora.serve.turns import Turns
 
-__all__ = ["InstanceState", "Lease", "LeaseSampler", "Router"]
+__all__ = ["InstanceState", "InstanceUsage", "Lease", "LeaseSampler", "Router"]
 
 log = logging.getLogger("dora.serve")
 
@@ -60,11 +61,6 @@ class InstanceState:
 
     id: str
     client: InstanceClient
-    version: int = 0
-    """The version the instance holds (as the last load reported); the newest one it holds,
-    on a multi-version instance."""
-    held: set[int] = field(default_factory=lambda: {0})
-    """Every version it holds (several on a multi-version instance: LoRA adapters)."""
     inflight: int = 0
     inflight_versions: dict[int, int] = field(default_factory=dict)
     """Calls in flight per lease version (no zero entries)."""
@@ -87,6 +83,15 @@ class InstanceState:
     def busy_until(self, now: float) -> float:
         """`busy_s` including the current busy stretch, up to `now`."""
         return self.busy_s + (now - self.busy_since if self.busy_since is not None else 0.0)
+
+
+class InstanceUsage(NamedTuple):
+    """How much one instance has been used (for the ticks and the summary)."""
+
+    busy_s: float
+    """Seconds with at least one call in flight, up to now."""
+    inflight: int
+    tokens: int
 
 
 @dataclass(eq=False)
@@ -129,6 +134,7 @@ class Router:
         stats: ServeStats | None = None,
         max_interrupts: int = MAX_INTERRUPTS,
         pin_versions: bool = True,
+        turns: Turns | None = None,
     ) -> None:
         self.kv_migration = kv_migration
         self.pin_versions = pin_versions
@@ -144,7 +150,7 @@ class Router:
         self.on_failure: Callable[[str], None] | None = None
         """Called with an instance id when a call finds it unreachable; without it the error
         propagates."""
-        self.turns = Turns()
+        self.turns = turns if turns is not None else Turns()
         """Serve's loop turns: an episode takes one before each call and after each answer."""
 
     def add_instance(
@@ -152,12 +158,46 @@ class Router:
         instance_id: str,
         client: InstanceClient,
         *,
-        version: int,
         set_background: SetBackground | None = None,
     ) -> None:
+        """A new instance (which versions it holds is `versions.InstanceVersions`' record)."""
         self.instances[instance_id] = InstanceState(
-            instance_id, client, version, {version}, set_background=set_background
+            instance_id, client, set_background=set_background
         )
+
+    def has(self, instance_id: str) -> bool:
+        return instance_id in self.instances
+
+    def client(self, instance_id: str) -> InstanceClient:
+        return self.instances[instance_id].client
+
+    def is_alive(self, instance_id: str) -> bool:
+        """False once the instance was `cut`."""
+        return self.instances[instance_id].alive
+
+    def calls_in_flight(self, instance_id: str) -> int:
+        """Calls running on the instance now."""
+        return self.instances[instance_id].inflight
+
+    def clients(self) -> dict[str, InstanceClient]:
+        """Every instance's client, by id (the dead ones too)."""
+        return {i: s.client for i, s in self.instances.items()}
+
+    def usage(self, now: float) -> dict[str, InstanceUsage]:
+        """Every instance's use up to `now` (`time.monotonic()`), by id."""
+        return {
+            i: InstanceUsage(s.busy_until(now), s.inflight, s.tokens)
+            for i, s in self.instances.items()
+        }
+
+    def background(self) -> list[tuple[str, SetBackground | None, dict[int, int]]]:
+        """The live instances as CPU priority sees them: id, how to set its role, and its calls
+        in flight per version."""
+        return [
+            (s.id, s.set_background, s.inflight_versions)
+            for s in self.instances.values()
+            if s.alive
+        ]
 
     def cut(self, instance_id: str) -> int:
         """The instance is dead although its calls have not failed (it hangs): end every call in
@@ -183,6 +223,20 @@ class Router:
 
     def sampler(self, lease_id: str) -> LeaseSampler:
         return LeaseSampler(self, lease_id)
+
+    def episodes_per_version(self) -> dict[int, dict[str, int]]:
+        """The leases of each version, by where their episode is: in an LLM call (`calling`),
+        between calls (`env`: an env step, a tool, the reward) or `parked`."""
+        episodes: dict[int, dict[str, int]] = {}
+        for lease in self.leases.values():
+            where = "parked" if lease.instance is None else "calling" if lease.call_id else "env"
+            counts = episodes.setdefault(lease.version, {"calling": 0, "env": 0, "parked": 0})
+            counts[where] += 1
+        return dict(sorted(episodes.items()))
+
+    def leases_above(self, version: int) -> list[str]:
+        """The leases whose version (the one that samples them now) is newer than `version`."""
+        return [lid for lid, lease in self.leases.items() if lease.version > version]
 
     # --- orchestrator actions (synchronous state changes; RPCs go to `interrupt`) -------------
 

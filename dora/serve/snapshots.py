@@ -7,6 +7,7 @@ import dataclasses
 import time
 from collections.abc import Callable
 
+from dora.core.orchestrator import Orchestrator
 from dora.heap import peak_rss_mb
 from dora.instance.callcpu import CALL_CPU
 from dora.link import ServeLink
@@ -15,7 +16,7 @@ from dora.serve.coretime import CoreClock
 from dora.serve.history import History, masked_by_source
 from dora.serve.journal import JournaledQueue
 from dora.serve.metrics import RolloutReport
-from dora.serve.placement import Placement
+from dora.serve.router import Router
 from dora.serve.stats import ServeStats
 from dora.serve.trainer_link import TrainerLink
 from dora.serve.weights import WeightStore
@@ -31,7 +32,8 @@ class Snapshots:
         *,
         mode: str,
         queue: JournaledQueue,
-        placement: Placement,
+        orchestrator: Orchestrator,
+        router: Router,
         trainer: TrainerLink,
         store: WeightStore,
         stats: ServeStats,
@@ -42,8 +44,8 @@ class Snapshots:
     ) -> None:
         self._mode = mode
         self._queue = queue
-        self._orchestrator = placement.orchestrator
-        self._router = placement.router
+        self._orchestrator = orchestrator
+        self._router = router
         self._trainer = trainer
         self._store = store
         self._stats = stats
@@ -58,9 +60,10 @@ class Snapshots:
         q, st = self._queue, self._stats
         now = time.monotonic()
         instances = []
+        usage = self._router.usage(now)
         for view in self._orchestrator.instances():
-            state = self._router.instances[view.id]
-            busy = state.busy_until(now)
+            state = usage[view.id]
+            busy = state.busy_s
             last_t, last_busy = self._last_busy.get(view.id, (self._trainer.started_at, 0.0))
             util = (busy - last_busy) / (now - last_t) if now > last_t else 0.0
             self._last_busy[view.id] = (now, busy)
@@ -79,12 +82,6 @@ class Snapshots:
             )
         serving = self._router.versions_serving()
         self._tick_versions_serving = max(self._tick_versions_serving, len(serving))
-        # Episodes per version: in an LLM call, between calls (env step, tool, reward), parked.
-        episodes: dict[int, dict[str, int]] = {}
-        for lease in self._router.leases.values():
-            where = "parked" if lease.instance is None else "calling" if lease.call_id else "env"
-            counts = episodes.setdefault(lease.version, {"calling": 0, "env": 0, "parked": 0})
-            counts[where] += 1
         acct = q.accounting()
         evals = self._evals()
         link = self._link
@@ -96,7 +93,7 @@ class Snapshots:
             instances=instances,
             live_per_version=self._orchestrator.live(),
             serving_versions=serving,
-            episodes_per_version=dict(sorted(episodes.items())),
+            episodes_per_version=self._router.episodes_per_version(),
             queue_per_version={w: dataclasses.asdict(c) for w, c in q.version_counts().items()},
             staleness_histogram=q.staleness_histogram(),
             admitted=acct.admitted,
@@ -139,8 +136,8 @@ class Snapshots:
         now = time.monotonic()
         wall = now - self._trainer.started_at
         util = {
-            i.id: round(i.busy_until(now) / wall, 4) if wall > 0 else 0.0
-            for i in self._router.instances.values()
+            i: round(u.busy_s / wall, 4) if wall > 0 else 0.0
+            for i, u in self._router.usage(now).items()
         }
         evals = self._evals()
         extra: dict[str, float] = {}

@@ -10,10 +10,10 @@ A version `v` is handed to the orchestrator (`publish`) when both `StepDone(v - 
 weights are complete in the store; instances load it as the orchestrator says (`lifecycle.py`).
 
 A trainer restarted from its checkpoint says `Hello` with a new incarnation and the step it resumes
-at: the queue rolls back (`TransferQueue.rollback`), running groups of ghost versions are stopped
-and removed, unsent assignments of the lost run are dropped, instances holding ghosts load the real
-version, and filling resumes. The store keeps every version newer than the last durable step for
-this. A trainer that goes away is waited for (bounded) before anything more is sent.
+at: once `refusal` admits it, `on_restart` rolls serve back (`rollback.py`), and this link forgets
+what it kept and queued for the lost run (`rewind`). The store keeps every version newer than the
+last durable step for this. A trainer that goes away is waited for (bounded) before anything more
+is sent.
 
 With `learn.max_minutes`, the first `StepDone` after the budget (on serve's clock) ends the run
 early: under the send lock, the newest step already closed becomes the last one, `Shutdown` goes
@@ -32,8 +32,9 @@ from collections.abc import Callable
 
 import msgspec
 
-from dora.config import DoraConfig
-from dora.core.transfer_queue import Assigned, GroupState
+from dora.config import LearnConfig, RolloutConfig
+from dora.core.orchestrator import Orchestrator
+from dora.core.transfer_queue import Assigned
 from dora.errors import ProtocolError, ServerTimeout, ServerUnavailable
 from dora.link import ServeLink
 from dora.protocol import Assigned as AssignedMessage
@@ -52,7 +53,6 @@ from dora.protocol import (
     WeightsReady,
 )
 from dora.records import Budget, Masked, Trained
-from dora.records import Rollback as RollbackRecord
 from dora.records import Step as StepRecord
 from dora.serve.history import check_not_all_masked, masked_reasons
 from dora.serve.journal import JournaledQueue, Restored
@@ -72,11 +72,15 @@ class TrainerLink:
 
     def __init__(
         self,
-        config: DoraConfig,
+        rollout: RolloutConfig,
+        learn: LearnConfig,
         *,
+        request_timeout_s: float,
+        env_name: str,
         link: ServeLink,
         queue: JournaledQueue,
         placement: Placement,
+        orchestrator: Orchestrator,
         store: WeightStore,
         metrics: MetricsLog,
         stats: ServeStats,
@@ -84,27 +88,28 @@ class TrainerLink:
         restored: Restored,
         sample_log: SampleLog | None = None,
     ) -> None:
-        r = config.rollout
-        self._config = config
+        r = rollout
+        self._admit_old_versions = r.admit_old_versions
+        self._timeout_s = request_timeout_s
+        """Every wait on the trainer that blocks progress (`serve.request_timeout_s`)."""
+        self._env_name = env_name
+        """The environment (`env.cls`), named when a step's every sample is masked."""
         self.link = link
         self._queue = queue
         self._placement = placement
-        self._router = placement.router
-        self._orchestrator = placement.orchestrator
+        self._orchestrator = orchestrator
         self._store = store
         self._metrics = metrics
         self._stats = stats
         self._spawn = spawn
-        self.restored = restored
-        """What the journal held at start (`restored.starts > 0`: this serve is a restart)."""
+        self._serve_restarted = restored.starts > 0
+        """This serve continues a run from its journal."""
         self._sample_log = sample_log
-        self._group_size = r.group_size
         self._batch_size = r.batch_size
-        self._num_steps = config.learn.steps
+        self._num_steps = learn.steps
+        self._max_minutes = learn.max_minutes
         self.groups: dict[str, Group] = dict(restored.groups)
         """Completed groups by id, kept until the step that consumed them is durable."""
-        self.group_tasks: dict[str, asyncio.Task[None]] = {}
-        """Running groups (to stop them when a roll-back removes them)."""
         self.trained_step = restored.trained_step if restored.starts else -1
         self.durable = restored.durable_step if restored.starts else -1
         self.sent_per_step: dict[int, int] = {}
@@ -127,11 +132,13 @@ class TrainerLink:
         """The newest step whose `StepClosed` went out: the trainer will train it."""
         self.end_step: int | None = None
         """The last step of a run cut short by `learn.max_minutes` (None: `learn.steps - 1`)."""
-        self._budget_s = config.learn.max_minutes * 60
+        self._budget_s = learn.max_minutes * 60
         self._budget_hit = False
         self.started_at = time.monotonic()
         self.on_nccl: Callable[[LearnMessage], None] = _unexpected
         """Trainer rank 0's answers about NCCL broadcasts (`dora.serve.nccl`)."""
+        self.on_restart: Callable[[Hello], None] = _no_rollback
+        """Rolls serve back for a restarted trainer's hello (the composition root sets it)."""
 
     def start(self) -> None:
         """The run starts now (the clock of `learn.max_minutes` and of the first step's wait)."""
@@ -140,21 +147,6 @@ class TrainerLink:
     @property
     def last_step(self) -> int:
         return self._num_steps - 1 if self.end_step is None else self.end_step
-
-    def lost_groups(self) -> list[str]:
-        """Groups of a previous serve to restart now: empty until the trainer said hello (its
-        roll-back removes the ghosts among them); those still unassigned after it."""
-        if not self.lost_ready.is_set():
-            return []
-        q = self._queue
-        lost = [
-            gid
-            for gid in self.restored.lost
-            if q.state(gid) in (GroupState.ADMITTED, GroupState.STARTED)
-            or (q.state(gid) is GroupState.COMPLETED and gid not in self.groups)
-        ]
-        self.restored.lost = lost
-        return lost
 
     def version_trained_at(self, version: int) -> float | None:
         """When `version` was trained (its `StepDone` arrived), in seconds on the clock of the
@@ -216,7 +208,7 @@ class TrainerLink:
         trainer that is not the run's, and must not move the run."""
         q, inc = self._queue, hello.incarnation
         if inc == q.incarnation:
-            if self.restored.starts and not self.lost_ready.is_set():
+            if self._serve_restarted and not self.lost_ready.is_set():
                 return (
                     f"serve restarted from its journal at incarnation {inc}: a trainer that "
                     "continues this run is restarted with `dora learn --resume`, which takes the "
@@ -248,7 +240,7 @@ class TrainerLink:
         """A hello the link admitted (`refusal`): a restart rolls back, then serve answers."""
         q = self._queue
         if hello.incarnation > q.incarnation:
-            self.rollback(hello)
+            self.on_restart(hello)
         self.lost_ready.set()
         log.info("trainer connected (incarnation %d, step %d)", hello.incarnation, hello.step)
         self._hello_seen.set()
@@ -260,76 +252,33 @@ class TrainerLink:
             # hello (`_deliver`), and a finished run needs none.
             log.info("the trainer left before serve answered its hello")
 
-    def rollback(self, hello: Hello) -> None:
-        """A restarted trainer resumes at `hello.step` from the checkpoint of the step before
-        (docs/reliability.md): groups of versions it will not reproduce ("ghosts", newer than
-        `hello.step`) are stopped and removed, the others are offered again, instances holding
-        ghosts load the real version, and filling resumes at `hello.step`."""
-        q, c = self._queue, hello.step - 1
-        if self.refusal(hello) is not None or hello.incarnation != q.incarnation + 1:
-            raise ProtocolError(f"not a restart serve admits: {hello}")
-        log.warning(
-            "trainer restarted (incarnation %d) from the checkpoint of step %d; rolling back",
-            hello.incarnation,
-            c,
-        )
-        # The checkpoint holds step c, so the trainer trained it: StepDones it sent just before
-        # it died may have been lost with it.
-        for step in range(q.trained_step + 1, c + 1):
-            q.on_step_done(step)
-        rolled_back: list[str] = []
-        assigned: list[Assigned] = []
-        tainted = self._ghost_tainted(c + 1)
-        report = q.rollback(c, tainted=tainted)
-        rolled_back += report.rolled_back
-        assigned = list(report.assigned)
+    def rewind(self, step: int, rolled_back: list[str]) -> None:
+        """A roll-back to the checkpoint of `step`: the groups it removed are forgotten, the
+        assignments of the lost run not sent yet are dropped, and the steps after `step` go out
+        again."""
         for gid in rolled_back:
             self.groups.pop(gid, None)
-            task = self.group_tasks.pop(gid, None)
-            if task is not None:  # still running: stop its episodes, their leases go first
-                for i in range(self._group_size):
-                    self._router.close(f"{gid}/{i}")
-                task.cancel()
-        while not self._outbox.empty():  # assignments of the lost run that were not sent yet
+        while not self._outbox.empty():
             self._outbox.get_nowait()
-        self.sent_per_step = {s: n for s, n in self.sent_per_step.items() if s <= c}
-        self._closed_step = min(self._closed_step, c)
-        self._step_versions = {s: v for s, v in self._step_versions.items() if s <= c}
-        self.trained_step = c
-        self.durable = max(self.durable, c)
+        self.sent_per_step = {s: n for s, n in self.sent_per_step.items() if s <= step}
+        self._closed_step = min(self._closed_step, step)
+        self._step_versions = {s: v for s, v in self._step_versions.items() if s <= step}
+        self.trained_step = step
+        self.durable = max(self.durable, step)
         self.all_sent.clear()
         self.trained.set()
-        for inst in self._router.instances.values():
-            inst.held = {w for w in inst.held if w <= c + 1}  # ghost adapters serve no lease
-            if inst.version > c + 1:
-                inst.version = -1  # holds a ghost: whatever it holds must be loaded again
-        self._store.set_incarnation(hello.incarnation)
-        self._store.retain({v for v in self._store.versions() if v <= c + 1})
-        self._metrics.write(
-            RollbackRecord(incarnation=q.incarnation, step=c, rolled_back=len(rolled_back))
-        )
-        # A serve restored from its journal holds only version 0 until the trainer publishes its
-        # starting version again: the orchestrator must not plan loads of weights not here yet.
-        held = [v for v in self._store.versions() if v <= c + 1]
-        leases = [f"{gid}/{i}" for gid in rolled_back for i in range(self._group_size)]
-        newest = c + 1 if c + 1 in held else max(held, default=0)
-        # Right after the queue's roll-back, as `dora.core.rollback` does: nothing in between.
-        self._placement.apply(self._orchestrator.rollback(newest, forget=leases))
-        self.assigned(assigned)
 
-    def _ghost_tainted(self, newest: int) -> set[str]:
-        """Groups holding a token of a version newer than `newest` (partial and inflight modes:
-        a request resumed on, or moved under, a ghost version): their running leases follow the
-        version that samples them now, and a completed group keeps each token's version."""
-        tainted = {
+    def holds(self, gid: str) -> bool:
+        """Whether the completed group `gid` is kept here (until its step is durable)."""
+        return gid in self.groups
+
+    def groups_sampled_above(self, newest: int) -> set[str]:
+        """The completed groups holding a token of a version newer than `newest`."""
+        return {
             gid
-            for lid, lease in self._router.leases.items()
-            if lease.version > newest and (gid := lid.rpartition("/")[0]) in self.group_tasks
+            for gid, group in self.groups.items()
+            if any(s.token_versions().max(initial=-1) > newest for s in group.samples)
         }
-        for gid, group in self.groups.items():
-            if any(s.token_versions().max(initial=-1) > newest for s in group.samples):
-                tainted.add(gid)
-        return tainted
 
     def maybe_publish(self) -> None:
         """Hand the newest published version whose weights are complete to the orchestrator."""
@@ -360,7 +309,7 @@ class TrainerLink:
         keep |= set(self._queue.version_counts())
         keep |= set(self._orchestrator.live())
         keep |= {i.version for i in self._orchestrator.instances() if i.version is not None}
-        if self._config.rollout.admit_old_versions:
+        if self._admit_old_versions:
             q = self._queue
             keep |= set(range(max(0, q.step - q.max_staleness), max(keep, default=0) + 1))
         self._store.retain(keep)
@@ -402,7 +351,7 @@ class TrainerLink:
         `StepClosed` slips in between the choice of the last step and the `Shutdown`."""
         async with self._send_lock:
             self.end_step = max(self._closed_step, self.trained_step)
-            minutes = self._config.learn.max_minutes
+            minutes = self._max_minutes
             log.info(
                 "learn.max_minutes = %g reached: the run ends with step %d (checkpointed, then the "
                 "final evaluation)",
@@ -411,9 +360,7 @@ class TrainerLink:
             self._metrics.write(Budget(max_minutes=minutes, last_step=self.end_step))
             with contextlib.suppress(ServerUnavailable):
                 reason = f"learn.max_minutes = {minutes:g} reached after step {self.end_step}"
-                await self.link.send(
-                    Shutdown(reason=reason), timeout_s=self._config.serve.request_timeout_s
-                )
+                await self.link.send(Shutdown(reason=reason), timeout_s=self._timeout_s)
             self.all_sent.set()
 
     async def send(self) -> None:
@@ -449,7 +396,7 @@ class TrainerLink:
         """Send to the trainer. If it is gone, wait (bounded) for a trainer to say hello again:
         the same incarnation (it reconnected) gets the message; a new one (restarted) does not,
         its roll-back re-offers what it needs. False if the message was dropped."""
-        timeout_s = self._config.serve.request_timeout_s
+        timeout_s = self._timeout_s
         while True:
             if incarnation != self._queue.incarnation:
                 return False
@@ -476,7 +423,7 @@ class TrainerLink:
             self._stats.trainer_wait_s += max(0.0, now - ready_at)
         groups = self._step_versions.pop(step)
         samples = [s for gid, _ in groups for s in self.groups[gid].samples]
-        check_not_all_masked(step, samples, env=self._config.env.cls)
+        check_not_all_masked(step, samples, env=self._env_name)
         self._queue.sync()
         self._metrics.write(
             StepRecord(
@@ -497,7 +444,7 @@ class TrainerLink:
         """Wait until the last step is durable (the trainer checkpoints it before it stops: a
         trainer that dies before that resumes and needs the groups serve still holds); bounded by
         `serve.request_timeout_s` per wait. Returns the last step."""
-        timeout_s = self._config.serve.request_timeout_s
+        timeout_s = self._timeout_s
         last = self.last_step
         while self.durable < last:
             await self.all_sent.wait()
@@ -530,7 +477,7 @@ class TrainerLink:
             with contextlib.suppress(ServerUnavailable):
                 await self.link.send(
                     Shutdown(reason="rollout finished"),
-                    timeout_s=self._config.serve.request_timeout_s,
+                    timeout_s=self._timeout_s,
                 )
 
 
@@ -539,3 +486,7 @@ def _unexpected(message: LearnMessage) -> None:
         f"the trainer sent {type(message).__name__}, but learn.weight_transport is not 'nccl' "
         "in dora serve's config"
     )
+
+
+def _no_rollback(hello: Hello) -> None:
+    raise AssertionError(f"no roll-back wired to take {hello}")

@@ -381,7 +381,7 @@ async def test_serve_caps_each_turn_with_rollout_max_tokens_per_turn(tokenizer, 
             tokenizer=tokenizer,
             env=CalcEnv(),
             task=TASK,
-            params=SamplingParams(max_tokens=turn_max_tokens(cfg)),
+            params=SamplingParams(max_tokens=turn_max_tokens(cfg.rollout)),
             limits=episode_limits(cfg),
         )
         return sample, sampler

@@ -21,6 +21,7 @@ from dora.serve.placement import Placement
 from dora.serve.router import Router
 from dora.serve.spawn import Spawner
 from dora.serve.stats import ServeStats
+from dora.serve.versions import InstanceVersions
 from dora.serve.weights import WeightStore
 from dora.vllm.adapters import VllmAdapterClient
 from dora.vllm.client import VllmClient
@@ -67,30 +68,33 @@ async def test_unload_asks_only_an_instance_that_can_drop_versions(
 ) -> None:
     metrics = MetricsLog(tmp_path)
     spawn = Spawner()
-    placement = Placement(
-        Orchestrator(mode=Mode("dora")), Router(kv_migration=True), metrics=metrics, spawn=spawn
-    )
+    orchestrator, router = Orchestrator(mode=Mode("dora")), Router(kv_migration=True)
+    placement = Placement(orchestrator, router, metrics=metrics, spawn=spawn)
     queue = JournaledQueue(tmp_path, groups_per_step=1, max_staleness=1, num_steps=1)
+    versions = InstanceVersions(multi_version=True)
     lifecycle = InstanceLifecycle(
         ServeConfig(),
         placement=placement,
+        orchestrator=orchestrator,
+        router=router,
+        versions=versions,
         queue=queue,
         store=WeightStore(),
         metrics=metrics,
         stats=ServeStats(),
         spawn=spawn,
-        multi_version=True,
     )
     client = Client(Capabilities(kv_migration=True, lora_versions=lora_versions))
-    placement.router.add_instance("i0", client, version=0)  # type: ignore[arg-type]
+    router.add_instance("i0", client)  # type: ignore[arg-type]
     lifecycle._load_locks["i0"] = asyncio.Lock()
-    placement.router.instances["i0"].held.add(3)
+    versions.add("i0")
+    versions.loaded("i0", 3)
     try:
         async with asyncio.TaskGroup() as tg:
             spawn.open(tg)
             lifecycle.unload(Unload(instance="i0", version=3))
         spawn.open(None)
         assert client.unloaded == ([3] if lora_versions else [])
-        assert 3 not in placement.router.instances["i0"].held
+        assert not versions.holds("i0", 3)
     finally:
         metrics.close()

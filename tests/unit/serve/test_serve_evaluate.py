@@ -21,6 +21,7 @@ from dora.episode import ChatRenderer
 from dora.models.tiny import char_tokenizer
 from dora.protocol import Completion, SamplingParams
 from dora.records import Record
+from dora.serve.dispatcher import episode_limits, turn_max_tokens
 from dora.serve.evaluate import Evaluator
 from dora.serve.placement import Placement
 
@@ -147,7 +148,10 @@ def _evaluator(rollout: FakeRollout, n: int) -> Evaluator:
     tasks = [Task(f"e{i}", {"question": "2+2?"}) for i in range(n)]
     renderer = ChatRenderer(rollout.tokenizer)  # type: ignore[arg-type]
     evaluator = Evaluator(
-        rollout.config,
+        rollout.config.data,
+        max_tokens=turn_max_tokens(rollout.config.rollout),
+        limits=episode_limits(rollout.config),
+        max_running=rollout.config.serve.max_running,
         placement=rollout.placement,
         newest_loaded=lambda: rollout.queue.newest_version,
         trained_at=rollout.version_trained_at,

@@ -45,6 +45,7 @@ from dora.serve.router import Router
 from dora.serve.spawn import Spawner
 from dora.serve.stats import ServeStats
 from dora.serve.trainer_link import TrainerLink
+from dora.serve.versions import InstanceVersions
 from dora.serve.weights import WeightStore
 from dora.vllm.client import VllmClient
 from tests.unit.serve.nccl_parts import GlooVllm, gloo_servers, gloo_trainer
@@ -70,6 +71,7 @@ class Serve:
 
     queue: JournaledQueue
     router: Router
+    versions: InstanceVersions
     lifecycle: InstanceLifecycle
     trainer: TrainerLink
     stats: ServeStats
@@ -92,25 +94,30 @@ def _serve(config: DoraConfig, run_dir: Path, link: ServeLink, spawn: Spawner) -
     metrics = MetricsLog(run_dir)
     stats = ServeStats()
     router = Router(kv_migration=False, stats=stats)
-    placement = Placement(
-        Orchestrator(mode=Mode(config.rollout.mode)), router, metrics=metrics, spawn=spawn
-    )
+    orchestrator = Orchestrator(mode=Mode(config.rollout.mode))
+    placement = Placement(orchestrator, router, metrics=metrics, spawn=spawn)
+    versions = InstanceVersions(multi_version=False)
     queue = JournaledQueue(run_dir, groups_per_step=1, max_staleness=1, num_steps=STEPS)
     store = WeightStore()
     store.add_path(0, str(run_dir))
     lifecycle = InstanceLifecycle(
-        config.serve, placement=placement, queue=queue, store=store, metrics=metrics,
-        stats=stats, spawn=spawn,
+        config.serve, placement=placement, orchestrator=orchestrator, router=router,
+        versions=versions, queue=queue, store=store, metrics=metrics, stats=stats, spawn=spawn,
     )  # fmt: skip
+    placement.on_load = lifecycle.load
+    placement.on_unload = lifecycle.unload
+    router.on_failure = lifecycle.failed
     trainer = TrainerLink(
-        config, link=link, queue=queue, placement=placement, store=store, metrics=metrics,
-        stats=stats, spawn=spawn, restored=queue.restore(),
+        config.rollout, config.learn, request_timeout_s=config.serve.request_timeout_s,
+        env_name=config.env.cls, link=link, queue=queue, placement=placement,
+        orchestrator=orchestrator, store=store, metrics=metrics, stats=stats, spawn=spawn,
+        restored=queue.restore(),
     )  # fmt: skip
     wire_nccl(
         config.serve, lifecycle=lifecycle, trainer=trainer, router=router, store=store,
         stats=stats, metrics=metrics,
     )  # fmt: skip
-    return Serve(queue, router, lifecycle, trainer, stats, metrics)
+    return Serve(queue, router, versions, lifecycle, trainer, stats, metrics)
 
 
 @dataclass
@@ -220,7 +227,7 @@ def _config(timeout_s: float) -> DoraConfig:
 
 
 def _holds(serve: Serve, servers: list[tuple[GlooVllm, VllmClient]], version: int) -> bool:
-    return all(serve.router.instances[d.name].version == version for d, _ in servers)
+    return all(serve.versions.newest(d.name) == version for d, _ in servers)
 
 
 async def test_nccl_versions_reach_every_instance_by_broadcast_through_serve_and_the_trainer(

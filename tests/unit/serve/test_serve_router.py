@@ -116,7 +116,7 @@ PARAMS = SamplingParams(max_tokens=10)
 def _router(kv: bool, **instances: FakeInstance) -> Router:
     router = Router(kv_migration=kv, control_timeout_s=5)
     for name, inst in instances.items():
-        router.add_instance(name, inst, version=inst.version)
+        router.add_instance(name, inst)
     return router
 
 
@@ -176,8 +176,8 @@ async def test_a_plan_moving_many_requests_interrupts_a_few_at_a_time() -> None:
     a, b = Counting("a", 0), FakeInstance("b", 0)
     b.release.set()
     router = Router(kv_migration=True, control_timeout_s=5, max_interrupts=3)
-    router.add_instance("a", a, version=0)
-    router.add_instance("b", b, version=0)
+    router.add_instance("a", a)
+    router.add_instance("b", b)
     leases = [f"g0/{i}" for i in range(10)]
     calls = []
     for lid in leases:

@@ -93,7 +93,7 @@ class Answers:
 async def test_a_burst_of_answers_leaves_the_loop_free_for_a_timer_between_episodes() -> None:
     router = Router(kv_migration=True)
     instance = Answers(BURST)
-    router.add_instance("i0", instance, version=0)  # type: ignore[arg-type]
+    router.add_instance("i0", instance)  # type: ignore[arg-type]
     order: list[object] = []
 
     async def episode(i: int) -> None:
