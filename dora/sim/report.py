@@ -65,15 +65,29 @@ def bound_s(setup: Setup, run: Run, tokens_per_step: float) -> tuple[float, floa
 
 
 def chain_bound_s(run: Run) -> float:
-    """The chain bound per step over the measured steps: each step's longest least-time chain
-    among its groups plus the training that must follow its last group, over K + 1
-    (docs/simulator.md, "A bound for chains of turns")."""
+    """The chain bound per step over the measured steps (docs/simulator.md, "A bound for chains
+    of turns"): the earliest the last step could end, given when the window began, over the
+    number of measured steps. Step i ends no earlier than the trainer allows (step i - 1's end,
+    then step i's training and overhead), nor than its longest least-time chain allows: started
+    once step i - K - 1 published its version and an instance loaded it, followed by the
+    training that must come after the step's last group. Steps before the window enter with
+    their measured ends (time 0 before the first)."""
     s, plan = run.setup, run.plan
-    w = s.warmup_steps
-    total = 0.0
-    for i in range(w, len(run.step_end_s)):
-        total += run.step_chain_s[i] + _train_after_last_group(run, i)
-    return total / (plan.staleness + 1) / max(1, len(run.step_end_s) - w)
+    k, w, ends = plan.staleness, s.warmup_steps, run.step_end_s
+    if len(ends) <= w:
+        return 0.0
+    earliest: list[float] = []
+
+    def end(j: int) -> float:
+        return earliest[j - w] if j >= w else ends[j] if j >= 0 else 0.0
+
+    for i in range(w, len(ends)):
+        src = i - k - 1
+        load = s.weight_sync_s if src >= 0 else 0.0
+        chain = end(src) + load + run.step_chain_s[i] + _train_after_last_group(run, i)
+        train = s.train_s(run.step_tokens[i], plan.train_gpus) + s.train_step_overhead_s
+        earliest.append(max(chain, end(i - 1) + train))
+    return (earliest[-1] - end(w - 1)) / (len(ends) - w)
 
 
 def _train_after_last_group(run: Run, step: int) -> float:
