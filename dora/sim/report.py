@@ -99,6 +99,20 @@ def _train_after_last_group(run: Run, step: int) -> float:
     return s.train_step_overhead_s
 
 
+def longest_chains(run: Run) -> tuple[float, float]:
+    """Over the measured steps, the group with each step's longest chain: on average how long
+    after its version was published it was admitted (s), and its time from admission to
+    completion over its least time (`workload.chain_s`)."""
+    w, ends = run.setup.warmup_steps, run.step_end_s
+    lags, stretch = [], []
+    for i in range(w, len(ends)):
+        version, admitted, done = run.step_chain_group[i]
+        lags.append(admitted - (ends[version - 1] if version else 0.0))
+        stretch.append((done - admitted) / max(run.step_chain_s[i], 1e-9))
+    n = max(1, len(lags))
+    return sum(lags) / n, sum(stretch) / n
+
+
 def versions_per_step(run: Run) -> list[int]:
     """For each step, the most versions instances held at once while it was being produced."""
     ends = run.step_end_s
@@ -135,6 +149,7 @@ def summarize(run: Run) -> dict[str, Any]:
     inst = run.plan.instances
     bound, train, gen = bound_s(s, run, tokens / n_steps)
     chain = chain_bound_s(run)
+    lag, stretch = longest_chains(run)
     hist = [0] * (run.plan.staleness + 1)
     for x in run.staleness:
         hist[x] += 1
@@ -172,6 +187,8 @@ def summarize(run: Run) -> dict[str, Any]:
         "chain_bound_min": chain / 60.0,
         "tight_bound_min": max(bound, chain) / 60.0,
         "tight_efficiency": max(bound, chain) / step_s,
+        "longest_chain_admit_lag_s": lag,
+        "longest_chain_stretch": stretch,
         "migrations": run.migrations,
         "migrated_gb": run.migrated_gb,
         "preemptions": run.preemptions,
@@ -248,6 +265,12 @@ def _rows(m: dict[str, Any]) -> list[tuple[str, str, str]]:
             "",
         ),
         ("efficiency vs tight bound", f"{m['tight_efficiency']:.0%}", ""),
+        (
+            "longest chain of a step",
+            f"admitted {m['longest_chain_admit_lag_s']:.0f} s after its version,"
+            f" took {m['longest_chain_stretch']:.2f}x its least time",
+            "mean over measured steps",
+        ),
         (
             "migrations / preemptions / parks",
             f"{m['migrations']} / {m['preemptions']} / {m['parks']}",

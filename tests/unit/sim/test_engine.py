@@ -213,3 +213,32 @@ def test_the_chain_bound_is_tight_when_one_chain_is_the_whole_step(mode: str, k:
     m = summarize(run)
     assert m["tight_bound_min"] == m["chain_bound_min"]
     assert 0.98 <= m["tight_efficiency"] <= 1.0 + 1e-9
+
+
+def test_a_new_version_frees_the_instances_its_groups_need_at_once() -> None:
+    """The gate's whole step of work for a new version waits for instances the old versions fill
+    (their episodes hold slots while tools run): the driver reports all of it as demand, so the
+    orchestrator frees as many instances as it needs in one plan and they load side by side.
+    Every step's longest-chain group starts one weight load after its version is published."""
+    setup = small(
+        gpus=48,
+        rollout_gpus=32,  # 8 instances of 8 slots: (K + 1) * B * G = 64 fills them all
+        groups_per_step=4,
+        group_size=4,
+        max_seqs=8,
+        steps=10,
+        warmup_steps=4,
+        turns=3.0,
+        tool_latency_s=60.0,
+        tool_tokens=50,
+        response_median=300,
+        response_max=4000,
+        train_step_overhead_s=5.0,  # steps far shorter than chains, as on agentic work
+    )
+    run = simulate(setup, plan("dora", setup), seed=0)
+    check_run(run, setup)
+    lags = [
+        admitted - run.step_end_s[version - 1]
+        for version, admitted, _ in run.step_chain_group[setup.warmup_steps :]
+    ]
+    assert lags == pytest.approx([setup.weight_sync_s] * len(lags))
