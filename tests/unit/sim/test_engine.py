@@ -213,6 +213,10 @@ def test_the_chain_bound_is_tight_when_one_chain_is_the_whole_step(mode: str, k:
     m = summarize(run)
     assert m["tight_bound_min"] == m["chain_bound_min"]
     assert 0.98 <= m["tight_efficiency"] <= 1.0 + 1e-9
+    # what it waits for: the last step's chain, back to a step before the window
+    path = m["chain_bound_path"].split(" <- ")
+    assert path[0] == f"chain {setup.steps - 1}"
+    assert path[-1] in ("time 0", *(f"end of step {j}" for j in range(setup.warmup_steps)))
 
 
 def test_a_new_version_frees_the_instances_its_groups_need_at_once() -> None:
