@@ -79,7 +79,8 @@ def chain_bound_s(run: Run) -> float:
 def chain_bound_path(run: Run) -> str:
     """What the chain bound waits for, from the window's last step back to a step before it:
     `chain i` where step i waits for its longest chain (started once step i - K - 1 published
-    its version), `train i` where it waits for the trainer to finish step i - 1."""
+    its version), `train i` where it waits for the trainer to finish step i - 1 (`train i..j`
+    for steps i down to j in a row)."""
     w, n = run.setup.warmup_steps, len(run.step_end_s)
     if n <= w:
         return ""
@@ -88,7 +89,10 @@ def chain_bound_path(run: Run) -> str:
     i = n - 1
     while i >= w:
         src, kind = via[i - w]
-        parts.append(f"{kind} {i}")
+        if kind == "train" and parts and parts[-1].startswith("train"):
+            parts[-1] = f"{parts[-1].split('..')[0]}..{i}"
+        else:
+            parts.append(f"{kind} {i}")
         i = src
     parts.append("time 0" if i < 0 else f"end of step {i}")
     return " <- ".join(parts)

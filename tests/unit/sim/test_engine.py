@@ -246,3 +246,13 @@ def test_a_new_version_frees_the_instances_its_groups_need_at_once() -> None:
         for version, admitted, _ in run.step_chain_group[setup.warmup_steps :]
     ]
     assert lags == pytest.approx([setup.weight_sync_s] * len(lags))
+
+
+def test_the_report_names_what_the_chain_bound_waits_for() -> None:
+    """sync waits for every step's longest chain in turn; dora on the small paper setup waits
+    only for its trainer, step after step, from the window's start."""
+    setup = small()
+    sync = summarize(simulate(setup, plan("sync", setup), seed=1))["chain_bound_path"]
+    assert sync == " <- ".join([*(f"chain {i}" for i in range(7, 1, -1)), "end of step 1"])
+    dora = summarize(simulate(setup, plan("dora", setup), seed=1))["chain_bound_path"]
+    assert dora == "train 7..2 <- end of step 1"
