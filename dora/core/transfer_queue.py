@@ -237,6 +237,17 @@ class TransferQueue(GroupBook):
             return RefusalReason.INVARIANT
         return None
 
+    def admissible(self, version: int) -> int:
+        """How many groups at `version` the gate would admit now, one after another, once an
+        instance holds it: 0 when the run is over, the version is too old or older than the
+        newest loaded one, or the invariant leaves no room. A driver reports that many groups'
+        samples as its demand while they wait for an instance (`Orchestrator.set_demand`)."""
+        if self.finished or version + self._k < self._t:
+            return 0
+        if not self._legacy and self._newest is not None and version < self._newest:
+            return 0
+        return max(0, self._slack_min(self._deadline_of(version) - self._t, self._k))
+
     def try_admit(self, group_id: str, *, version: int | None = None) -> Admitted | Refused:
         """Admit `group_id` at `version` (default: the newest loaded) if both rules allow it.
         Call it when an instance of that version has room for the whole group (bind late)."""

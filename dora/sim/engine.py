@@ -16,9 +16,9 @@ The driver follows the sans-IO contract (docs/scheduling.md):
   room for all `G` samples (bind late; docs/scheduling.md, "Admission"); the group starts at once,
   so its version is frozen;
 - the driver mirrors which instances accept groups from the actions alone (`Drain` stops one,
-  `Undrain` or a `Load` ends it), and reports its backlog to the orchestrator (`set_demand`: one
-  group's samples while admissible work waits for an instance of the newest version, else 0), so
-  an old version is consolidated only when the newest version needs the room;
+  `Undrain` or a `Load` ends it), and reports its backlog to the orchestrator (`set_demand`: the
+  samples of every group the queue would admit, while they wait for an instance of the newest
+  version), so old versions are consolidated only as far as the newest version needs the room;
 - every instance has a KV-cache capacity in tokens, and the driver reports each live request's
   context length (`set_size`) at each publish and at each turn end, so consolidation never packs
   an old version's long survivors beyond it (between two reports the sizes are an underestimate);
@@ -89,14 +89,12 @@ class _Sim:
         self.done = False
         self.step_count = [0] * setup.steps
         self.step_tokens = [0] * setup.steps
-        self.step_chain = [0.0] * setup.steps
+        self.step_chain: list[Group | None] = [None] * setup.steps  # each step's longest chain
         self.step_version: list[Counter[int]] = [Counter() for _ in range(setup.steps)]
         self.trainer_until = 0.0
         self.trainer_gpus = plan.train_gpus
-        # integrals over time
-        self.last = 0.0
-        self.n_busy = 0
-        self.n_running = 0
+        self.last = 0.0  # integrals over time since `last`
+        self.n_busy = self.n_running = 0
         self.acc_busy = self.acc_running = self.acc_train = self.acc_rollout = 0.0
 
     # --- plumbing ------------------------------------------------------------------------------
@@ -302,6 +300,7 @@ class _Sim:
         g = req.group
         g.left -= 1
         if g.left == 0:
+            g.done_s = self.now
             self.assigned(self.q.complete(g.gid))
 
     def on_tool(self, req: Req) -> None:
@@ -413,14 +412,10 @@ class _Sim:
                     inst.waiting.append(req)
                 self.update_room(inst)
                 self.kick(inst)
-            elif isinstance(a, Undrain):
-                inst = self.insts[a.instance]
-                inst.draining = False
-                self.update_room(inst)
             else:
-                assert isinstance(a, Drain)
+                assert isinstance(a, (Drain, Undrain))
                 inst = self.insts[a.instance]
-                inst.draining = True
+                inst.draining = isinstance(a, Drain)
                 self.update_room(inst)
 
     def on_loaded(self, inst: Inst, load: Load) -> None:
@@ -444,9 +439,10 @@ class _Sim:
             shards = self.roomy.get(v)
             if blocker is not None or not shards:
                 # Admissible work waits for an instance of the newest version (none holds it or
-                # has room yet): tell the orchestrators, which consolidate old versions for it.
+                # has room yet): tell the orchestrators all of it, so that they free in one plan
+                # as many old-version instances as it needs, loading them side by side.
                 waiting = blocker in (None, RefusalReason.WEIGHTS_NOT_LOADED)
-                self.report_demand(s.group_size if waiting else 0)
+                self.report_demand(s.group_size * q.admissible(v) if waiting else 0)
                 return
             shard = next(iter(shards))
             gid = f"g{self.n_groups + 1}"
@@ -463,7 +459,7 @@ class _Sim:
             self.sync(inst)
             eps = self.workload.group()
             chain = max(chain_s(s, e) for e in eps)
-            group = Group(gid, v, len(eps), sum(e.tokens for e in eps), chain)
+            group = Group(gid, v, len(eps), sum(e.tokens for e in eps), chain, self.now)
             self.groups[gid] = group
             for rid, ep in zip(rids, eps, strict=True):
                 req = Req(rid, group, ep, v)
@@ -483,8 +479,7 @@ class _Sim:
                 self.apply(o.set_demand(requests))
 
     def report_sizes(self) -> None:
-        """Tell the orchestrators every live request's context length (before a publish, when
-        old versions are consolidated)."""
+        """Tell the orchestrators every live request's context length (before a publish)."""
         for inst in self.insts.values():
             self.sync(inst)
         for req in self.reqs.values():
@@ -508,7 +503,9 @@ class _Sim:
 
     def take(self, a: Assigned, group: Group) -> None:
         s, k, tokens = self.s, self.p.staleness, group.tokens
-        self.step_chain[a.step] = max(self.step_chain[a.step], group.chain_s)
+        top = self.step_chain[a.step]
+        if top is None or group.chain_s > top.chain_s:
+            self.step_chain[a.step] = group
         stale = a.step - a.version
         if not 0 <= stale <= k:
             raise SchedulingError(f"staleness {stale} outside [0, {k}] for {a}")
@@ -558,7 +555,10 @@ class _Sim:
         run = self.run
         run.step_end_s.append(self.now)
         run.step_tokens.append(self.step_tokens[step])
-        run.step_chain_s.append(self.step_chain[step])
+        top = self.step_chain[step]
+        assert top is not None
+        run.step_chain_s.append(top.chain_s)
+        run.step_chain_group.append((top.version, top.admitted_s, top.done_s))
         run.step_groups.append(self.step_count[step])
         run.step_versions.append(dict(self.step_version[step]))
         run.snapshots.append(

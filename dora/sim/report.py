@@ -65,15 +65,63 @@ def bound_s(setup: Setup, run: Run, tokens_per_step: float) -> tuple[float, floa
 
 
 def chain_bound_s(run: Run) -> float:
-    """The chain bound per step over the measured steps: each step's longest least-time chain
-    among its groups plus the training that must follow its last group, over K + 1
-    (docs/simulator.md, "A bound for chains of turns")."""
+    """The chain bound per step over the measured steps (docs/simulator.md, "A bound for chains
+    of turns"): the earliest the last step could end, given when the window began, over the
+    number of measured steps."""
+    w, n = run.setup.warmup_steps, len(run.step_end_s)
+    if n <= w:
+        return 0.0
+    earliest, _ = _earliest_ends(run)
+    start = run.step_end_s[w - 1] if w >= 1 else 0.0
+    return (earliest[-1] - start) / (n - w)
+
+
+def chain_bound_path(run: Run) -> str:
+    """What the chain bound waits for, from the window's last step back to a step before it:
+    `chain i` where step i waits for its longest chain (started once step i - K - 1 published
+    its version), `train i` where it waits for the trainer to finish step i - 1 (`train i..j`
+    for steps i down to j in a row)."""
+    w, n = run.setup.warmup_steps, len(run.step_end_s)
+    if n <= w:
+        return ""
+    _, via = _earliest_ends(run)
+    parts: list[str] = []
+    i = n - 1
+    while i >= w:
+        src, kind = via[i - w]
+        if kind == "train" and parts and parts[-1].startswith("train"):
+            parts[-1] = f"{parts[-1].split('..')[0]}..{i}"
+        else:
+            parts.append(f"{kind} {i}")
+        i = src
+    parts.append("time 0" if i < 0 else f"end of step {i}")
+    return " <- ".join(parts)
+
+
+def _earliest_ends(run: Run) -> tuple[list[float], list[tuple[int, str]]]:
+    """The earliest end of every measured step, and which of its predecessors set it. Step i
+    ends no earlier than the trainer allows (step i - 1's end, then step i's training and
+    overhead), nor than its longest least-time chain allows: started once step i - K - 1
+    published its version and an instance loaded it, followed by the training that must come
+    after the step's last group. Steps before the window enter with their measured ends (time
+    0 before the first)."""
     s, plan = run.setup, run.plan
-    w = s.warmup_steps
-    total = 0.0
-    for i in range(w, len(run.step_end_s)):
-        total += run.step_chain_s[i] + _train_after_last_group(run, i)
-    return total / (plan.staleness + 1) / max(1, len(run.step_end_s) - w)
+    k, w, ends = plan.staleness, s.warmup_steps, run.step_end_s
+    earliest: list[float] = []
+    via: list[tuple[int, str]] = []
+
+    def end(j: int) -> float:
+        return earliest[j - w] if j >= w else ends[j] if j >= 0 else 0.0
+
+    for i in range(w, len(ends)):
+        src = max(-1, i - k - 1)
+        load = s.weight_sync_s if src >= 0 else 0.0
+        chain = end(src) + load + run.step_chain_s[i] + _train_after_last_group(run, i)
+        train = end(i - 1) + s.train_s(run.step_tokens[i], plan.train_gpus)
+        train += s.train_step_overhead_s
+        earliest.append(max(chain, train))
+        via.append((src, "chain") if chain >= train else (i - 1, "train"))
+    return earliest, via
 
 
 def _train_after_last_group(run: Run, step: int) -> float:
@@ -83,6 +131,20 @@ def _train_after_last_group(run: Run, step: int) -> float:
     if plan.colocated or not s.stream_training:
         return s.train_s(run.step_tokens[step], plan.train_gpus) + s.train_step_overhead_s
     return s.train_step_overhead_s
+
+
+def longest_chains(run: Run) -> tuple[float, float]:
+    """Over the measured steps, the group with each step's longest chain: on average how long
+    after its version was published it was admitted (s), and its time from admission to
+    completion over its least time (`workload.chain_s`)."""
+    w, ends = run.setup.warmup_steps, run.step_end_s
+    lags, stretch = [], []
+    for i in range(w, len(ends)):
+        version, admitted, done = run.step_chain_group[i]
+        lags.append(admitted - (ends[version - 1] if version else 0.0))
+        stretch.append((done - admitted) / max(run.step_chain_s[i], 1e-9))
+    n = max(1, len(lags))
+    return sum(lags) / n, sum(stretch) / n
 
 
 def versions_per_step(run: Run) -> list[int]:
@@ -121,6 +183,8 @@ def summarize(run: Run) -> dict[str, Any]:
     inst = run.plan.instances
     bound, train, gen = bound_s(s, run, tokens / n_steps)
     chain = chain_bound_s(run)
+    lag, stretch = longest_chains(run)
+    path = chain_bound_path(run)
     hist = [0] * (run.plan.staleness + 1)
     for x in run.staleness:
         hist[x] += 1
@@ -158,6 +222,9 @@ def summarize(run: Run) -> dict[str, Any]:
         "chain_bound_min": chain / 60.0,
         "tight_bound_min": max(bound, chain) / 60.0,
         "tight_efficiency": max(bound, chain) / step_s,
+        "chain_bound_path": path,
+        "longest_chain_admit_lag_s": lag,
+        "longest_chain_stretch": stretch,
         "migrations": run.migrations,
         "migrated_gb": run.migrated_gb,
         "preemptions": run.preemptions,
@@ -234,6 +301,13 @@ def _rows(m: dict[str, Any]) -> list[tuple[str, str, str]]:
             "",
         ),
         ("efficiency vs tight bound", f"{m['tight_efficiency']:.0%}", ""),
+        ("chain bound waits for", m["chain_bound_path"], "last step first"),
+        (
+            "longest chain of a step",
+            f"admitted {m['longest_chain_admit_lag_s']:.0f} s after its version,"
+            f" took {m['longest_chain_stretch']:.2f}x its least time",
+            "mean over measured steps",
+        ),
         (
             "migrations / preemptions / parks",
             f"{m['migrations']} / {m['preemptions']} / {m['parks']}",

@@ -64,6 +64,9 @@ class Group:
     tokens: int
     chain_s: float = 0.0
     """The least time its slowest episode takes (`workload.chain_s`)."""
+    admitted_s: float = 0.0
+    done_s: float = 0.0
+    """When it was admitted, and when its last episode ended."""
 
 
 class Inst:
@@ -125,6 +128,8 @@ class Run:
     step_groups: list[int] = field(default_factory=list)
     step_chain_s: list[float] = field(default_factory=list)
     """Per step: the longest least-time chain (`workload.chain_s`) among its groups."""
+    step_chain_group: list[tuple[int, float, float]] = field(default_factory=list)
+    """Per step: that group's version, when it was admitted and when it completed."""
     step_versions: list[dict[int, int]] = field(default_factory=list)
     """Per step: groups consumed per version (sync must be all version t)."""
     snapshots: list[tuple[float, float, float, float, float]] = field(default_factory=list)

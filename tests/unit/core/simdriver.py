@@ -162,7 +162,8 @@ class Sim:
     def pump(self) -> None:
         """Admit groups at the newest published version, while the queue allows it and an
         instance holding that version has room (docs/scheduling.md, "Admission"). With an odd
-        seed the driver also reports its backlog (`set_demand`)."""
+        seed the driver also reports its backlog (`set_demand`: the samples of every group the queue
+        would admit)."""
         w = self.o.newest
         while (blocker := self.q.admission_blocker(version=w)) is None:
             self.n_groups += 1
@@ -170,7 +171,7 @@ class Sim:
             rids = [f"{gid}/{j}" for j in range(self.p.g)]
             if self.o.place(rids, version=w) is None:
                 self.q.record_admission_wait(RefusalReason.NO_CAPACITY)
-                self.report_demand(self.p.g)
+                self.report_demand(self.p.g * self.q.admissible(w))
                 return
             out = self.q.try_admit(gid, version=w)
             assert isinstance(out, Admitted) and out.version == w
@@ -179,7 +180,8 @@ class Sim:
             self.admitted.add(gid)
             self.group_version[gid] = w
             self.start_requests(gid, rids, w)
-        self.report_demand(self.p.g if blocker is RefusalReason.WEIGHTS_NOT_LOADED else 0)
+        waiting = blocker is RefusalReason.WEIGHTS_NOT_LOADED
+        self.report_demand(self.p.g * self.q.admissible(w) if waiting else 0)
 
     def report_demand(self, requests: int) -> None:
         if self.p.seed % 2 and self.o.demand != requests:

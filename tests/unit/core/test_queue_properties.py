@@ -4,6 +4,7 @@ C2 and C3 must keep whatever the order of events."""
 
 from __future__ import annotations
 
+import pickle
 import random
 from dataclasses import dataclass, field
 
@@ -128,9 +129,23 @@ def drive(params: tuple[int, int, int, int, int, float, float, float, int]) -> R
         if p_restart and run.trainer_step > 0 and rng.random() < p_restart:
             restart(run)
         q.check_invariant()
+        if action in ("admit", "train", "load"):
+            check_admissible(q)
         acc = q.accounting()
         assert acc.admitted == acc.consumed + acc.filtered + acc.rolled_back + acc.unassigned
     return run
+
+
+def check_admissible(q: TransferQueue) -> None:
+    """`admissible(v)` at the newest published version is the number of groups the gate admits
+    one after another once an instance holds it (what a driver reports as its demand)."""
+    v = q.published_version
+    copy = pickle.loads(pickle.dumps(q))
+    copy.on_version_loaded(v)
+    n = 0
+    while isinstance(copy.try_admit(f"probe{n}", version=v), Admitted):
+        n += 1
+    assert q.admissible(v) == n, (v, q.step, n)
 
 
 def restart(run: Run) -> None:
