@@ -244,7 +244,7 @@ class TransferQueue(GroupBook):
         samples as its demand while they wait for an instance (`Orchestrator.set_demand`)."""
         if self.finished or version + self._k < self._t:
             return 0
-        if not self._legacy and self._newest is not None and version < self._newest:
+        if not self._admit_old and self._newest is not None and version < self._newest:
             return 0
         return max(0, self._slack_min(self._deadline_of(version) - self._t, self._k))
 

@@ -4,8 +4,10 @@ Admission binds late (docs/scheduling.md, "Admission"): a group is admitted only
 newest version published to the orchestrator, once an instance holds it (while it loads, admission
 waits), when the transfer queue allows one more group *and* an instance holding that version has
 room for all `G` samples. While admissible groups wait for such an instance, the dispatcher reports
-one group's samples as the orchestrator's demand (`set_demand`; 0 while the queue is what blocks),
-so old versions are consolidated only when the newest version needs the room. A group is placed
+the samples of every group the gate would admit as the orchestrator's demand (`set_demand`,
+`TransferQueue.admissible`; 0 while the queue is what blocks), so old versions are consolidated
+only when the newest version needs the room, and a new version gets all the instances its
+groups need in one plan rather than one per weight load. A group is placed
 on the least loaded such instance (by the orchestrator), started at once, and its `G` episodes run
 concurrently, each with a `LeaseSampler` pinned to the group's version. When admission is refused
 the dispatcher waits on the placement's `changed` event (set by every completion, lease end, version
@@ -120,8 +122,9 @@ class Dispatcher:
                 reason = RefusalReason.NO_CAPACITY
             if reason is not None:
                 waiting = reason in (RefusalReason.NO_CAPACITY, RefusalReason.WEIGHTS_NOT_LOADED)
-                if orch.demand != (g if waiting else 0):
-                    p.apply(orch.set_demand(g if waiting else 0))
+                demand = g * q.admissible(version) if waiting else 0
+                if orch.demand != demand:
+                    p.apply(orch.set_demand(demand))
                 await self._wait(reason)
                 continue
             gid = f"g{self._next}"
