@@ -24,6 +24,7 @@ from aiohttp import web
 
 from dora.emulated.engine import EmulatedInstance, Sequence
 from dora.engine import api, wire
+from dora.engine.sessions import SessionStore, UnknownSession
 from dora.protocol import MSGPACK, Completion, SamplingParams
 
 __all__ = ["EmulatedServer"]
@@ -39,6 +40,7 @@ class EmulatedServer:
         self.instance = instance
         self.model_name = model_name
         self.recent = wire.RecentCompletions(256)  # an abort racing the end needs only the latest
+        self.sessions = SessionStore()
         self.app = web.Application(client_max_size=_MAX_BODY)
         self.app.add_routes(
             [
@@ -60,8 +62,9 @@ class EmulatedServer:
             headers={"X-Dora-Version": str(self.instance.version)},
         )
 
-    def _error(self, status: int, message: str) -> web.Response:
-        return self._json(wire.error_body(status, message, self.instance.version), status)
+    def _error(self, status: int, message: str, *, kind: str | None = None) -> web.Response:
+        body = wire.error_body(status, message, self.instance.version, kind=kind)
+        return self._json(body, status)
 
     async def _control(self, request: web.Request, cls: type[api.S]) -> api.S | web.Response:
         if not wire.loopback_caller(request):
@@ -92,8 +95,17 @@ class EmulatedServer:
                 raise ValueError("an emulated instance has no tokenizer: send the prompt as ids")
             if req.n != 1:
                 raise ValueError(f"an emulated instance samples n = 1 per request, not {req.n}")
-            if not req.prompt:
+            self.sessions.release(req.release_sessions or ())
+            req.check_session()
+            prompt = (
+                self.sessions.prompt(req.session_id, req.session_extends, req.prompt)
+                if req.session_id is not None
+                else req.prompt
+            )
+            if not prompt:
                 raise ValueError("prompt is empty: give at least one token")
+        except UnknownSession as exc:
+            return self._error(404, str(exc), kind=wire.UNKNOWN_SESSION)
         except ValueError as exc:
             return self._error(400, str(exc))
         if req.version is not None and req.version != inst.version:
@@ -103,12 +115,12 @@ class EmulatedServer:
         request_id = req.request_id or f"cmpl-{id(req):x}"
         if inst.find(request_id) is not None:
             return self._error(400, f"request_id {request_id!r} is already in flight")
-        plan = inst.model.plan(request_id, req.prompt)
+        plan = inst.model.plan(request_id, prompt)
         left = plan.length - plan.offset
         max_tokens = req.max_tokens or 16
         seq = Sequence(
             id=request_id,
-            prompt_ids=list(req.prompt),
+            prompt_ids=list(prompt),
             plan=plan,
             target=min(left, max_tokens),
             finish="stop" if left <= max_tokens else "length",
@@ -117,6 +129,8 @@ class EmulatedServer:
         )
         inst.submit(seq)
         out = await self._wait(seq)
+        if req.session_id is not None:
+            self.sessions.keep(req.session_id, prompt, out.token_ids)
         choice = {
             "index": 0,
             "text": "",

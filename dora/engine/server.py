@@ -38,6 +38,7 @@ from dora.engine import api, render, wire
 from dora.engine.batcher import Batcher, BatcherConfig
 from dora.engine.control import ControlRoutes
 from dora.engine.sequence import Sequence
+from dora.engine.sessions import SessionStore, UnknownSession
 from dora.engine.worker import EngineWorker
 from dora.errors import ConfigError
 from dora.instance.client import SERVER_KEEPALIVE_S
@@ -115,6 +116,7 @@ class EngineServer:
         self._renderer = render.Renderer(tokenizer, worker.batcher.eos_token_ids)
         self.inflight: dict[str, list[Sequence]] = {}
         self.recent = wire.RecentCompletions(4096)
+        self.sessions = SessionStore()
         self.request_log = os.environ.get(REQUEST_LOG_ENV) or None
         """A file that every finished request is appended to, as a JSON line (an audit of what
         the engine was prompted with and sampled; off unless the variable is set)."""
@@ -217,8 +219,10 @@ class EngineServer:
             response.headers.setdefault("X-Dora-Version", str(self.version))
         return response
 
-    def error(self, status: int, message: str) -> web.Response:
-        return web.json_response(wire.error_body(status, message, self.version), status=status)
+    def error(self, status: int, message: str, *, kind: str | None = None) -> web.Response:
+        return web.json_response(
+            wire.error_body(status, message, self.version, kind=kind), status=status
+        )
 
     async def read_body(
         self, request: web.Request, limit: int, *, timeout_s: float | None = None
@@ -301,6 +305,15 @@ class EngineServer:
                     }
                     f.write(msgspec.json.encode(line) + b"\n")
 
+    def _completion_prompt(self, req: api.CompletionRequest) -> list[int]:
+        """The prompt's ids; a session call's follow the session's context (sessions.py)."""
+        self.sessions.release(req.release_sessions or ())
+        req.check_session()
+        if req.session_id is None:
+            return self._prompt_ids(req.prompt)
+        assert not isinstance(req.prompt, str)  # check_session
+        return self.sessions.prompt(req.session_id, req.session_extends, req.prompt).tolist()
+
     def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
             return list(self.tokenizer(prompt).input_ids)  # type: ignore[operator]
@@ -327,7 +340,7 @@ class EngineServer:
                 )
             else:
                 req = api.decode_strict(body, api.CompletionRequest)
-                prompt_ids = self._prompt_ids(req.prompt)
+                prompt_ids = self._completion_prompt(req)
             context, vocab = self.worker.batcher.max_model_len, self.worker.batcher.vocab_size
             api.check_prompt(prompt_ids, vocab, context)
             default_max = context - len(prompt_ids) if chat else 16
@@ -338,6 +351,8 @@ class EngineServer:
             watches = await self._submit(
                 request_id, prompt_ids, params, n=req.n, version=req.version, stream=req.stream
             )
+        except UnknownSession as exc:
+            return self.error(404, str(exc), kind=wire.UNKNOWN_SESSION)
         except ValueError as exc:
             return self.error(400, str(exc))
         meta = render.Meta(
@@ -353,6 +368,8 @@ class EngineServer:
         if failed is not None:
             return self.error(failed.error_status, failed.error or "")
         seqs = [w.seq for w in watches]
+        if isinstance(req, api.CompletionRequest) and req.session_id is not None:
+            self.sessions.keep(req.session_id, prompt_ids, seqs[0].token_ids)
         out = (
             self._renderer.chat_response(meta, req, seqs)
             if isinstance(req, api.ChatRequest)

@@ -18,6 +18,7 @@ import msgspec
 from aiohttp import web
 
 from dora.engine import api
+from dora.instance.session import UNKNOWN_SESSION
 from dora.net import is_loopback
 from dora.protocol import (
     MSGPACK,
@@ -29,6 +30,7 @@ from dora.protocol import (
 )
 
 __all__ = [
+    "UNKNOWN_SESSION",
     "ControlHandlers",
     "RecentCompletions",
     "answer",
@@ -90,9 +92,10 @@ def decode_control(body: bytes, content_type: str, cls: type[api.S]) -> api.S:
         raise ValueError("body is nested too deeply to decode") from None
 
 
-def error_body(status: int, message: str, version: int) -> Json:
-    """The JSON of an error answer: OpenAI's `error` object and the version the instance holds."""
-    kind = _KINDS.get(status, "error")
+def error_body(status: int, message: str, version: int, *, kind: str | None = None) -> Json:
+    """The JSON of an error answer: OpenAI's `error` object (its `type` is `kind`, by default
+    named for the status) and the version the instance holds."""
+    kind = kind or _KINDS.get(status, "error")
     return {"error": {"message": message, "type": kind, "code": status}, "version": version}
 
 

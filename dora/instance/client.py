@@ -31,6 +31,7 @@ from dora.errors import (
 )
 from dora.instance.callcpu import CALL_CPU
 from dora.instance.interface import Capabilities, ExportedRequest
+from dora.instance.session import UNKNOWN_SESSION, ClientSessions, SessionPlan, SessionUnknown
 from dora.protocol import (
     MSGPACK,
     Completion,
@@ -137,9 +138,10 @@ class ClientOptions(TypedDict, total=False):
 class EngineClient:
     """Talks to one engine instance at `base_url` (e.g. `http://127.0.0.1:8000`)."""
 
-    capabilities = Capabilities(kv_migration=True, lora_versions=True)
-    """The embedded engine's: it moves requests with their KV cache and holds LoRA versions as
-    adapters. A server of the same API that can do less says so with `capabilities=`."""
+    capabilities = Capabilities(kv_migration=True, lora_versions=True, sessions=True)
+    """The embedded engine's: it moves requests with their KV cache, holds LoRA versions as
+    adapters and keeps sessions. A server of the same API that can do less says so with
+    `capabilities=`."""
 
     def __init__(
         self,
@@ -159,6 +161,8 @@ class EngineClient:
         self._headers = {"Authorization": f"Bearer {token}"} if token else {}
         self._session = session
         self._own_session = session is None
+        self.sessions = ClientSessions()
+        """The episodes' contexts this client's instance holds (`dora.instance.session`)."""
 
     async def __aenter__(self) -> EngineClient:
         return self
@@ -186,13 +190,56 @@ class EngineClient:
         request_id: str,
         version: int | None = None,
         timeout_s: float | None = None,
+        session: str | None = None,
     ) -> Completion:
-        """Sample one completion of `prompt_ids`; `version` pins it (else VersionMismatch)."""
-        started = time.thread_time()
+        """Sample one completion of `prompt_ids`; `version` pins it (else VersionMismatch).
+        `session` names the episode's session: only the ids new since its last call travel
+        (where `capabilities.sessions`; `dora.instance.session`)."""
         CALL_CPU.calls += 1
-        body = generate_body(prompt_ids, params, request_id)
+        plan = (
+            self.sessions.plan(session, prompt_ids)
+            if session is not None and self.capabilities.sessions
+            else None
+        )
+        try:
+            completion = await self._generate(
+                prompt_ids, params, request_id, version, timeout_s, plan
+            )
+        except SessionUnknown:
+            assert plan is not None
+            plan = self.sessions.whole(plan, prompt_ids)
+            completion = await self._generate(
+                prompt_ids, params, request_id, version, timeout_s, plan
+            )
+        if plan is not None:
+            self.sessions.keep(plan, completion.token_ids)
+        return completion
+
+    def release_session(self, session: str) -> None:
+        """The episode is done with this instance (ended, moved or failed): its session is
+        dropped here and, with the next call, there."""
+        self.sessions.release(session)
+
+    async def _generate(
+        self,
+        prompt_ids: Sequence[int],
+        params: SamplingParams,
+        request_id: str,
+        version: int | None,
+        timeout_s: float | None,
+        plan: SessionPlan | None,
+    ) -> Completion:
+        started = time.thread_time()
+        body = generate_body(prompt_ids if plan is None else plan.new_ids, params, request_id)
         if version is not None:
             body["version"] = version
+        if plan is not None:
+            body["session_id"] = plan.session
+            if plan.extends:
+                body["session_extends"] = plan.extends
+        released = self.sessions.take_released()
+        if released:
+            body["release_sessions"] = released
         data = encode_json(body)
         CALL_CPU.add("request", started)
         raw, kind = await self._call(
@@ -422,6 +469,8 @@ class EngineClient:
         if status < 400:
             return raw, kind
         message = _error_message(raw)
+        if status == 404 and _error_type(raw) == UNKNOWN_SESSION:
+            raise SessionUnknown(f"{what}: {message}")
         if status == 409:
             raise VersionMismatch(f"{what}: {message}")
         if status in (502, 503, 504):
@@ -448,6 +497,13 @@ def _json_object(raw: bytes) -> Json:
     if not isinstance(out, dict):
         raise msgspec.DecodeError(f"expected a JSON object, got {type(out).__name__}")
     return out
+
+
+def _error_type(raw: bytes) -> str:
+    try:
+        return str(msgspec.json.decode(raw)["error"]["type"])
+    except (msgspec.DecodeError, KeyError, TypeError):
+        return ""
 
 
 def _error_message(raw: bytes) -> str:

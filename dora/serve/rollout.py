@@ -162,6 +162,7 @@ class Rollout:
             control_timeout_s=config.serve.weight_load_timeout_s,
             stats=self.stats,
             pin_versions=config.rollout.mode != "inflight",
+            sessions=self._capabilities.sessions,
         )
         orchestrator = self.core.wrap(Orchestrator(mode=Mode(config.rollout.mode)))
         return Placement(orchestrator, router, metrics=self.metrics, spawn=self.spawn)
