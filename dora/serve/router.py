@@ -410,9 +410,9 @@ class LeaseSampler:
     def lease(self) -> Lease:
         return self._router.leases[self._lease_id]
 
-    async def generate(self, prompt_ids: list[int], params: SamplingParams) -> Completion:
-        # The prompt as a typed array from here on: the list given is freed now instead of being
-        # walked by every collection while the call is in flight.
+    async def generate(self, prompt_ids: Sequence[int], params: SamplingParams) -> Completion:
+        # The prompt as a typed array from here on (the episode runner's already is): a list given
+        # is freed now instead of being walked by every collection while the call is in flight.
         prompt = as_array("i", prompt_ids)
         del prompt_ids
         lease = self.lease
