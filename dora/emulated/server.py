@@ -18,12 +18,13 @@ msgpack when the caller asks for it (`Accept`), as the engine does (`wire.answer
 from __future__ import annotations
 
 import asyncio
+from typing import cast
 
 import msgspec
 from aiohttp import web
 
 from dora.emulated.engine import EmulatedInstance, Sequence
-from dora.engine import api, wire
+from dora.engine import api, mux, wire
 from dora.engine.sessions import SessionStore, UnknownSession
 from dora.protocol import MSGPACK, Completion, SamplingParams
 
@@ -48,6 +49,7 @@ class EmulatedServer:
                 web.get("/v1/models", self._models),
                 web.get("/health", self._health),
                 web.get("/metrics", self._metrics),
+                web.get("/v1/mux", self._mux),
                 *wire.control_routes(self),
             ]
         )
@@ -88,9 +90,29 @@ class EmulatedServer:
     # --- the OpenAI route --------------------------------------------------------------------
 
     async def _completions(self, request: web.Request) -> web.Response:
+        out = await self._complete(await request.read())
+        if isinstance(out, web.Response):
+            return out
+        return wire.answer(out, request, version=self.instance.version)
+
+    async def _mux(self, request: web.Request) -> web.StreamResponse:
+        """`GET /v1/mux`: completions over one multiplexed connection (`dora.engine.mux`)."""
+        denied = None
+        if not wire.loopback_caller(request):
+            denied = self._error(403, "the multiplexed connection answers loopback callers only")
+        return await mux.serve_mux(request, self._complete_frame, denied)
+
+    async def _complete_frame(self, body: bytes) -> tuple[int, bytes]:
+        out = await self._complete(body)
+        if isinstance(out, web.Response):
+            return out.status, bytes(cast(bytes, out.body))
+        return 200, wire.encode_answer(out)
+
+    async def _complete(self, body: bytes) -> dict[str, object] | web.Response:
+        """One completion: its answer, or the error response."""
         inst = self.instance
         try:
-            req = api.decode_strict(await request.read(), api.CompletionRequest)
+            req = api.decode_strict(body, api.CompletionRequest)
             if isinstance(req.prompt, str):
                 raise ValueError("an emulated instance has no tokenizer: send the prompt as ids")
             if req.n != 1:
@@ -139,21 +161,17 @@ class EmulatedServer:
             "token_ids": out.token_ids,
             "versions": out.versions,
         }
-        return wire.answer(
-            {
-                "id": request_id,
-                "object": "text_completion",
-                "model": self.model_name,
-                "choices": [choice],
-                "usage": {
-                    "prompt_tokens": len(seq.prompt_ids),
-                    "completion_tokens": len(out.token_ids),
-                },
-                "version": out.version,
+        return {
+            "id": request_id,
+            "object": "text_completion",
+            "model": self.model_name,
+            "choices": [choice],
+            "usage": {
+                "prompt_tokens": len(seq.prompt_ids),
+                "completion_tokens": len(out.token_ids),
             },
-            request,
-            version=inst.version,
-        )
+            "version": out.version,
+        }
 
     async def _models(self, request: web.Request) -> web.Response:
         card = {"id": self.model_name, "object": "model", "owned_by": "dora-emulated"}

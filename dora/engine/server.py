@@ -27,14 +27,15 @@ import os
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import msgspec
 import torch
 from aiohttp import web
 
-from dora.engine import api, render, wire
+from dora.engine import api, mux, render, wire
 from dora.engine.batcher import Batcher, BatcherConfig
 from dora.engine.control import ControlRoutes
 from dora.engine.sequence import Sequence
@@ -88,6 +89,16 @@ class Watch:
         self._changed.set()
 
 
+@dataclass(frozen=True)
+class _Started:
+    """A generate request whose sequences the engine thread has: what answering it needs."""
+
+    req: api.CompletionRequest | api.ChatRequest
+    meta: render.Meta
+    watches: list[Watch]
+    prompt_ids: list[int]
+
+
 class EngineServer:
     """One engine instance: model, engine thread and HTTP app. Use `EngineServer.start(...)`."""
 
@@ -120,6 +131,7 @@ class EngineServer:
         self.request_log = os.environ.get(REQUEST_LOG_ENV) or None
         """A file that every finished request is appended to, as a JSON line (an audit of what
         the engine was prompted with and sampled; off unless the variable is set)."""
+        self.controls = ControlRoutes(self)
         # read_body enforces each route's limit while the body streams in; this is the backstop
         self.app = web.Application(
             client_max_size=max(max_request_bytes, max_control_bytes),
@@ -132,7 +144,8 @@ class EngineServer:
                 web.get("/v1/models", self._models),
                 web.get("/health", self._health),
                 web.get("/metrics", self._metrics),
-                *ControlRoutes(self).routes(),
+                web.get("/v1/mux", self._mux),
+                *self.controls.routes(),
             ]
         )
 
@@ -331,6 +344,30 @@ class EngineServer:
         body = await self.read_body(request, self.max_request_bytes)
         if isinstance(body, web.Response):
             return body
+        started = await self._start(body, chat=chat, streamable=True)
+        if isinstance(started, web.Response):
+            return started
+        if started.req.stream:
+            return await self._stream(request, started.req, started.meta, started.watches)
+        out = await self._finish(started)
+        if isinstance(out, web.Response):
+            return out
+        return wire.answer(out, request, version=out["version"])
+
+    async def _mux(self, request: web.Request) -> web.StreamResponse:
+        """`GET /v1/mux`: completions over one multiplexed connection (mux.py)."""
+        return await mux.serve_mux(request, self._complete_frame, self.controls.allowed(request))
+
+    async def _complete_frame(self, body: bytes) -> tuple[int, bytes]:
+        """One call of a multiplexed connection: a completion, answered in msgpack."""
+        started = await self._start(body, chat=False, streamable=False)
+        out = started if isinstance(started, web.Response) else await self._finish(started)
+        if isinstance(out, web.Response):
+            return out.status, bytes(cast(bytes, out.body))
+        return 200, wire.encode_answer(out)
+
+    async def _start(self, body: bytes, *, chat: bool, streamable: bool) -> _Started | web.Response:
+        """Decode and check a generate body, then submit its sequences."""
         req: api.CompletionRequest | api.ChatRequest
         try:
             if chat:
@@ -341,6 +378,8 @@ class EngineServer:
             else:
                 req = api.decode_strict(body, api.CompletionRequest)
                 prompt_ids = self._completion_prompt(req)
+            if req.stream and not streamable:
+                raise ValueError("the multiplexed connection does not stream: POST the request")
             context, vocab = self.worker.batcher.max_model_len, self.worker.batcher.vocab_size
             api.check_prompt(prompt_ids, vocab, context)
             default_max = context - len(prompt_ids) if chat else 16
@@ -361,21 +400,23 @@ class EngineServer:
             created=int(time.time()),
             prompt_tokens=len(prompt_ids),
         )
-        if req.stream:
-            return await self._stream(request, req, meta, watches)
-        await self.wait(request_id, watches)
+        return _Started(req, meta, watches, prompt_ids)
+
+    async def _finish(self, started: _Started) -> dict[str, Any] | web.Response:
+        """Wait for a non-streamed request's sequences; its answer (or error)."""
+        req, meta, watches = started.req, started.meta, started.watches
+        await self.wait(meta.id, watches)
         failed = next((w.seq for w in watches if w.seq.error), None)
         if failed is not None:
             return self.error(failed.error_status, failed.error or "")
         seqs = [w.seq for w in watches]
         if isinstance(req, api.CompletionRequest) and req.session_id is not None:
-            self.sessions.keep(req.session_id, prompt_ids, seqs[0].token_ids)
-        out = (
+            self.sessions.keep(req.session_id, started.prompt_ids, seqs[0].token_ids)
+        return (
             self._renderer.chat_response(meta, req, seqs)
             if isinstance(req, api.ChatRequest)
             else (self._renderer.completion_response(meta, req, seqs))
         )
-        return wire.answer(out, request, version=out["version"])
 
     async def _stream(
         self,

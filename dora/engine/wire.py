@@ -37,6 +37,7 @@ __all__ = [
     "completion_dict",
     "control_routes",
     "decode_control",
+    "encode_answer",
     "error_body",
     "loopback_caller",
 ]
@@ -101,6 +102,11 @@ def error_body(status: int, message: str, version: int, *, kind: str | None = No
 
 _msgpack_encode = msgspec.msgpack.Encoder(enc_hook=encode_arrays).encode
 _json_encode = encode_json
+
+
+def encode_answer(body: object) -> bytes:
+    """A successful answer in msgpack, its typed arrays as raw bytes (as `answer` sends it)."""
+    return _msgpack_encode(body)
 
 
 def answer(body: object, request: web.Request, *, version: object) -> web.Response:

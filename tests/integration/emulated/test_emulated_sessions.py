@@ -39,14 +39,13 @@ async def instance() -> AsyncIterator[tuple[EmulatedServer, EngineClient, list[d
         EmulatedInstance(name="i0", setup=SETUP, clock=clock, model=model, version=0)
     )
     bodies: list[dict[str, object]] = []
+    complete = server._complete  # what both transports (HTTP, the multiplexed one) call
 
-    @web.middleware
-    async def record(request: web.Request, handler: object) -> web.StreamResponse:
-        if request.path == "/v1/completions":
-            bodies.append(msgspec.json.decode(await request.read()))
-        return await handler(request)  # type: ignore[operator]
+    async def record(body: bytes) -> object:
+        bodies.append(msgspec.json.decode(body))
+        return await complete(body)
 
-    server.app.middlewares.append(record)
+    server._complete = record  # type: ignore[method-assign,assignment]
     runner = web.AppRunner(server.app, access_log=None)
     await runner.setup()
     try:
