@@ -4,12 +4,14 @@
 to an embedded engine: `POST /v1/completions` (token ids in; token ids, behaviour logprobs and
 per-token versions out; `version` pins the request, another version answers 409), `GET /health`,
 `GET /metrics`, `GET /v1/models`, and `/control/load_weights`, `pause`, `resume`, `abort`,
-`export`, `import`. Request bodies are decoded by the engine's own strict schemas
-(`dora.engine.api`), so a field the engine would refuse is refused here too. What differs: the
-prompt must be token ids (there is no tokenizer), `n` must be 1 (dora's router sends one sample
-per call), a weight load accepts the tensors or the path and ignores their values (there is no
-model; the load takes the modelled time), and an exported request carries no KV bytes: its
-`kv_shape` is `[context tokens]` and the importer spends the modelled transfer time.
+`export`, `import`; completions also over one multiplexed connection (`GET /v1/mux`,
+`dora.engine.mux`), with the engine's sessions (`dora.engine.sessions`). Request bodies are
+decoded by the engine's own strict schemas (`dora.engine.api`), so a field the engine would
+refuse is refused here too. What differs: the prompt must be token ids (there is no tokenizer),
+`n` must be 1 (dora's router sends one sample per call), a weight load accepts the tensors or
+the path and ignores their values (there is no model; the load takes the modelled time), and an
+exported request carries no KV bytes: its `kv_shape` is `[context tokens]` and the importer
+spends the modelled transfer time.
 
 Responses are encoded with msgspec in the engine's shapes; completions (generate and import) in
 msgpack when the caller asks for it (`Accept`), as the engine does (`wire.answer`).

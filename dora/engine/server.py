@@ -6,7 +6,9 @@ on torch. Every response carries the weight version that produced it: a `"versio
 an `X-Dora-Version` header (the version of the first sampled token for completions; the current one
 for everything else).
 
-The control endpoints (`/control/...`, control.py) share this app and its plumbing.
+The control endpoints (`/control/...`, control.py) share this app and its plumbing, and so does
+`GET /v1/mux`: completions as frames over one long-lived connection per client (mux.py),
+authenticated as control is. Completions may continue a session (sessions.py).
 
 Bad input is a 4xx with a message that names the problem, never a crash: a body over the route's
 limit (`max_request_bytes` for the OpenAI routes, `max_control_bytes` for control, which carries
