@@ -93,12 +93,14 @@ ErrorPolicy = Literal["mask", "retry"]
 class Sampler(Protocol):
     """An LLM pinned to one weight version: token ids in, sampled tokens with log-probs out.
 
-    `generate` samples one completion continuing `prompt_ids` (the whole conversation so far). The
-    returned `Completion.token_ids` are the new tokens only; `finish_reason` "abort" means the
-    request could not finish (the episode is then masked). Errors such as `ServerError` propagate.
+    `generate` samples one completion continuing `prompt_ids` (the whole conversation so far: the
+    episode runner passes its own copy as a typed int32 array, which the instance clients take
+    as is, where a list would cost a conversion each way every turn). The returned
+    `Completion.token_ids` are the new tokens only; `finish_reason` "abort" means the request
+    could not finish (the episode is then masked). Errors such as `ServerError` propagate.
     """
 
-    async def generate(self, prompt_ids: list[int], params: SamplingParams) -> Completion: ...
+    async def generate(self, prompt_ids: Sequence[int], params: SamplingParams) -> Completion: ...
 
 
 class PinnedSampler:
@@ -113,7 +115,7 @@ class PinnedSampler:
         self.version = version
         self.request_prefix = request_prefix
 
-    async def generate(self, prompt_ids: list[int], params: SamplingParams) -> Completion:
+    async def generate(self, prompt_ids: Sequence[int], params: SamplingParams) -> Completion:
         request_id = f"{self.request_prefix}-{uuid.uuid4().hex[:16]}"
         return await self.client.generate(
             prompt_ids, params, request_id=request_id, version=self.version
@@ -367,7 +369,7 @@ async def _loop(
             finish = "context" if context_budget <= token_budget else "length"
             break
         completion = await sampler.generate(
-            traj.ids.tolist(), msgspec.structs.replace(params, max_tokens=budget)
+            traj.ids[:], msgspec.structs.replace(params, max_tokens=budget)
         )
         if completion.finish_reason in ("abort", "error"):
             raise EnvFailure(f"{SAMPLER_ENDED} with {completion.finish_reason!r}", "abort")

@@ -4,12 +4,14 @@
 to an embedded engine: `POST /v1/completions` (token ids in; token ids, behaviour logprobs and
 per-token versions out; `version` pins the request, another version answers 409), `GET /health`,
 `GET /metrics`, `GET /v1/models`, and `/control/load_weights`, `pause`, `resume`, `abort`,
-`export`, `import`. Request bodies are decoded by the engine's own strict schemas
-(`dora.engine.api`), so a field the engine would refuse is refused here too. What differs: the
-prompt must be token ids (there is no tokenizer), `n` must be 1 (dora's router sends one sample
-per call), a weight load accepts the tensors or the path and ignores their values (there is no
-model; the load takes the modelled time), and an exported request carries no KV bytes: its
-`kv_shape` is `[context tokens]` and the importer spends the modelled transfer time.
+`export`, `import`; completions also over one multiplexed connection (`GET /v1/mux`,
+`dora.engine.mux`), with the engine's sessions (`dora.engine.sessions`). Request bodies are
+decoded by the engine's own strict schemas (`dora.engine.api`), so a field the engine would
+refuse is refused here too. What differs: the prompt must be token ids (there is no tokenizer),
+`n` must be 1 (dora's router sends one sample per call), a weight load accepts the tensors or
+the path and ignores their values (there is no model; the load takes the modelled time), and an
+exported request carries no KV bytes: its `kv_shape` is `[context tokens]` and the importer
+spends the modelled transfer time.
 
 Responses are encoded with msgspec in the engine's shapes; completions (generate and import) in
 msgpack when the caller asks for it (`Accept`), as the engine does (`wire.answer`).
@@ -18,12 +20,14 @@ msgpack when the caller asks for it (`Accept`), as the engine does (`wire.answer
 from __future__ import annotations
 
 import asyncio
+from typing import cast
 
 import msgspec
 from aiohttp import web
 
 from dora.emulated.engine import EmulatedInstance, Sequence
-from dora.engine import api, wire
+from dora.engine import api, mux, wire
+from dora.engine.sessions import SessionStore, UnknownSession
 from dora.protocol import MSGPACK, Completion, SamplingParams
 
 __all__ = ["EmulatedServer"]
@@ -39,6 +43,7 @@ class EmulatedServer:
         self.instance = instance
         self.model_name = model_name
         self.recent = wire.RecentCompletions(256)  # an abort racing the end needs only the latest
+        self.sessions = SessionStore()
         self.app = web.Application(client_max_size=_MAX_BODY)
         self.app.add_routes(
             [
@@ -46,6 +51,7 @@ class EmulatedServer:
                 web.get("/v1/models", self._models),
                 web.get("/health", self._health),
                 web.get("/metrics", self._metrics),
+                web.get("/v1/mux", self._mux),
                 *wire.control_routes(self),
             ]
         )
@@ -60,8 +66,9 @@ class EmulatedServer:
             headers={"X-Dora-Version": str(self.instance.version)},
         )
 
-    def _error(self, status: int, message: str) -> web.Response:
-        return self._json(wire.error_body(status, message, self.instance.version), status)
+    def _error(self, status: int, message: str, *, kind: str | None = None) -> web.Response:
+        body = wire.error_body(status, message, self.instance.version, kind=kind)
+        return self._json(body, status)
 
     async def _control(self, request: web.Request, cls: type[api.S]) -> api.S | web.Response:
         if not wire.loopback_caller(request):
@@ -85,15 +92,44 @@ class EmulatedServer:
     # --- the OpenAI route --------------------------------------------------------------------
 
     async def _completions(self, request: web.Request) -> web.Response:
+        out = await self._complete(await request.read())
+        if isinstance(out, web.Response):
+            return out
+        return wire.answer(out, request, version=self.instance.version)
+
+    async def _mux(self, request: web.Request) -> web.StreamResponse:
+        """`GET /v1/mux`: completions over one multiplexed connection (`dora.engine.mux`)."""
+        denied = None
+        if not wire.loopback_caller(request):
+            denied = self._error(403, "the multiplexed connection answers loopback callers only")
+        return await mux.serve_mux(request, self._complete_frame, denied)
+
+    async def _complete_frame(self, body: bytes) -> tuple[int, bytes]:
+        out = await self._complete(body)
+        if isinstance(out, web.Response):
+            return out.status, bytes(cast(bytes, out.body))
+        return 200, wire.encode_answer(out)
+
+    async def _complete(self, body: bytes) -> dict[str, object] | web.Response:
+        """One completion: its answer, or the error response."""
         inst = self.instance
         try:
-            req = api.decode_strict(await request.read(), api.CompletionRequest)
+            req = api.decode_strict(body, api.CompletionRequest)
             if isinstance(req.prompt, str):
                 raise ValueError("an emulated instance has no tokenizer: send the prompt as ids")
             if req.n != 1:
                 raise ValueError(f"an emulated instance samples n = 1 per request, not {req.n}")
-            if not req.prompt:
+            self.sessions.release(req.release_sessions or ())
+            req.check_session()
+            prompt = (
+                self.sessions.prompt(req.session_id, req.session_extends, req.prompt)
+                if req.session_id is not None
+                else req.prompt
+            )
+            if not prompt:
                 raise ValueError("prompt is empty: give at least one token")
+        except UnknownSession as exc:
+            return self._error(404, str(exc), kind=wire.UNKNOWN_SESSION)
         except ValueError as exc:
             return self._error(400, str(exc))
         if req.version is not None and req.version != inst.version:
@@ -103,12 +139,12 @@ class EmulatedServer:
         request_id = req.request_id or f"cmpl-{id(req):x}"
         if inst.find(request_id) is not None:
             return self._error(400, f"request_id {request_id!r} is already in flight")
-        plan = inst.model.plan(request_id, req.prompt)
+        plan = inst.model.plan(request_id, prompt)
         left = plan.length - plan.offset
         max_tokens = req.max_tokens or 16
         seq = Sequence(
             id=request_id,
-            prompt_ids=list(req.prompt),
+            prompt_ids=list(prompt),
             plan=plan,
             target=min(left, max_tokens),
             finish="stop" if left <= max_tokens else "length",
@@ -117,6 +153,8 @@ class EmulatedServer:
         )
         inst.submit(seq)
         out = await self._wait(seq)
+        if req.session_id is not None:
+            self.sessions.keep(req.session_id, prompt, out.token_ids)
         choice = {
             "index": 0,
             "text": "",
@@ -125,21 +163,17 @@ class EmulatedServer:
             "token_ids": out.token_ids,
             "versions": out.versions,
         }
-        return wire.answer(
-            {
-                "id": request_id,
-                "object": "text_completion",
-                "model": self.model_name,
-                "choices": [choice],
-                "usage": {
-                    "prompt_tokens": len(seq.prompt_ids),
-                    "completion_tokens": len(out.token_ids),
-                },
-                "version": out.version,
+        return {
+            "id": request_id,
+            "object": "text_completion",
+            "model": self.model_name,
+            "choices": [choice],
+            "usage": {
+                "prompt_tokens": len(seq.prompt_ids),
+                "completion_tokens": len(out.token_ids),
             },
-            request,
-            version=inst.version,
-        )
+            "version": out.version,
+        }
 
     async def _models(self, request: web.Request) -> web.Response:
         card = {"id": self.model_name, "object": "model", "owned_by": "dora-emulated"}

@@ -10,7 +10,10 @@ asked would skew the behaviour logprobs. dora's own clients send only fields lis
 wrong type or out of bounds is an error naming the field (checked by msgspec at decode time); a
 body that is not UTF-8 JSON is an error too. dora's extension fields:
 - `version`: pin the request to a weight version; an instance holding another one answers 409;
-- `request_id`: the id that abort and export name (default: a fresh one).
+- `request_id`: the id that abort and export name (default: a fresh one);
+- `session_id`, `session_extends`, `release_sessions` (completions with token ids, n = 1): the
+  call continues a session, its `prompt` the ids after the session's first `session_extends`
+  tokens (dora/engine/sessions.py).
 
 Control bodies travel as JSON, except the two that carry raw bytes (weights, exported requests),
 which are msgpack.
@@ -85,6 +88,25 @@ class CompletionRequest(_Sampling, kw_only=True, forbid_unknown_fields=True):
     logprobs: NonNegInt | None = None
     echo: Literal[False] = False
     skip_special_tokens: bool = True
+    session_id: str | None = None
+    """The session this call continues (its context is kept for the next call)."""
+    session_extends: NonNegInt = 0
+    """How many tokens of the session's context `prompt` follows; 0 starts the session."""
+    release_sessions: list[str] | None = None
+    """Sessions the client is done with: dropped before this call runs."""
+
+    def check_session(self) -> None:
+        """Raise ValueError unless the session fields fit the request."""
+        if self.session_id is None:
+            if self.session_extends:
+                raise ValueError("session_extends needs a session_id")
+            return
+        if isinstance(self.prompt, str):
+            raise ValueError("a session call sends its prompt as token ids")
+        if self.n != 1 or self.stream:
+            raise ValueError("a session call samples n = 1 and does not stream")
+        if not self.prompt and not self.session_extends:
+            raise ValueError("prompt is empty: give at least one token")
 
 
 ROLES = ("system", "developer", "user", "assistant", "tool")

@@ -48,7 +48,9 @@ class ControlRoutes:
     def routes(self) -> list[web.RouteDef]:
         return wire.control_routes(self)
 
-    def _allowed(self, request: web.Request) -> web.Response | None:
+    def allowed(self, request: web.Request) -> web.Response | None:
+        """None where `request` may use the control routes (and the multiplexed connection);
+        else the refusal."""
         if self.server.control_token:
             given = request.headers.get("Authorization", "")
             if hmac.compare_digest(given.encode(), f"Bearer {self.server.control_token}".encode()):
@@ -59,7 +61,7 @@ class ControlRoutes:
         return self.server.error(403, "control endpoints answer loopback callers only")
 
     async def _control_body(self, request: web.Request, cls: type[api.S]) -> api.S | web.Response:
-        denied = self._allowed(request)
+        denied = self.allowed(request)
         if denied is not None:
             return denied
         body = await self.server.read_body(
@@ -109,7 +111,7 @@ class ControlRoutes:
         return await self._set_paused(request, False)
 
     async def _set_paused(self, request: web.Request, paused: bool) -> web.Response:
-        denied = self._allowed(request)
+        denied = self.allowed(request)
         if denied is not None:
             return denied
         await asyncio.wrap_future(self.server.worker.set_paused(paused))

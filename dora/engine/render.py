@@ -89,10 +89,10 @@ class Renderer:
             }
             if req.return_token_ids:
                 choice.update(
-                    token_ids=array("i", seq.token_ids),
-                    prompt_token_ids=seq.prompt_ids,
-                    versions=array("i", seq.versions),
+                    token_ids=array("i", seq.token_ids), versions=array("i", seq.versions)
                 )
+                if req.session_id is None:  # a session's caller holds its context already
+                    choice["prompt_token_ids"] = seq.prompt_ids
             choices.append(choice)
         return self._envelope(meta, "text_completion", choices, seqs)
 

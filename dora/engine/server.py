@@ -6,7 +6,9 @@ on torch. Every response carries the weight version that produced it: a `"versio
 an `X-Dora-Version` header (the version of the first sampled token for completions; the current one
 for everything else).
 
-The control endpoints (`/control/...`, control.py) share this app and its plumbing.
+The control endpoints (`/control/...`, control.py) share this app and its plumbing, and so does
+`GET /v1/mux`: completions as frames over one long-lived connection per client (mux.py),
+authenticated as control is. Completions may continue a session (sessions.py).
 
 Bad input is a 4xx with a message that names the problem, never a crash: a body over the route's
 limit (`max_request_bytes` for the OpenAI routes, `max_control_bytes` for control, which carries
@@ -27,17 +29,19 @@ import os
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import msgspec
 import torch
 from aiohttp import web
 
-from dora.engine import api, render, wire
+from dora.engine import api, mux, render, wire
 from dora.engine.batcher import Batcher, BatcherConfig
 from dora.engine.control import ControlRoutes
 from dora.engine.sequence import Sequence
+from dora.engine.sessions import SessionStore, UnknownSession
 from dora.engine.worker import EngineWorker
 from dora.errors import ConfigError
 from dora.instance.client import SERVER_KEEPALIVE_S
@@ -87,6 +91,16 @@ class Watch:
         self._changed.set()
 
 
+@dataclass(frozen=True)
+class _Started:
+    """A generate request whose sequences the engine thread has: what answering it needs."""
+
+    req: api.CompletionRequest | api.ChatRequest
+    meta: render.Meta
+    watches: list[Watch]
+    prompt_ids: list[int]
+
+
 class EngineServer:
     """One engine instance: model, engine thread and HTTP app. Use `EngineServer.start(...)`."""
 
@@ -115,9 +129,11 @@ class EngineServer:
         self._renderer = render.Renderer(tokenizer, worker.batcher.eos_token_ids)
         self.inflight: dict[str, list[Sequence]] = {}
         self.recent = wire.RecentCompletions(4096)
+        self.sessions = SessionStore()
         self.request_log = os.environ.get(REQUEST_LOG_ENV) or None
         """A file that every finished request is appended to, as a JSON line (an audit of what
         the engine was prompted with and sampled; off unless the variable is set)."""
+        self.controls = ControlRoutes(self)
         # read_body enforces each route's limit while the body streams in; this is the backstop
         self.app = web.Application(
             client_max_size=max(max_request_bytes, max_control_bytes),
@@ -130,7 +146,8 @@ class EngineServer:
                 web.get("/v1/models", self._models),
                 web.get("/health", self._health),
                 web.get("/metrics", self._metrics),
-                *ControlRoutes(self).routes(),
+                web.get("/v1/mux", self._mux),
+                *self.controls.routes(),
             ]
         )
 
@@ -217,8 +234,10 @@ class EngineServer:
             response.headers.setdefault("X-Dora-Version", str(self.version))
         return response
 
-    def error(self, status: int, message: str) -> web.Response:
-        return web.json_response(wire.error_body(status, message, self.version), status=status)
+    def error(self, status: int, message: str, *, kind: str | None = None) -> web.Response:
+        return web.json_response(
+            wire.error_body(status, message, self.version, kind=kind), status=status
+        )
 
     async def read_body(
         self, request: web.Request, limit: int, *, timeout_s: float | None = None
@@ -301,6 +320,15 @@ class EngineServer:
                     }
                     f.write(msgspec.json.encode(line) + b"\n")
 
+    def _completion_prompt(self, req: api.CompletionRequest) -> list[int]:
+        """The prompt's ids; a session call's follow the session's context (sessions.py)."""
+        self.sessions.release(req.release_sessions or ())
+        req.check_session()
+        if req.session_id is None:
+            return self._prompt_ids(req.prompt)
+        assert not isinstance(req.prompt, str)  # check_session
+        return self.sessions.prompt(req.session_id, req.session_extends, req.prompt).tolist()
+
     def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
             return list(self.tokenizer(prompt).input_ids)  # type: ignore[operator]
@@ -318,6 +346,30 @@ class EngineServer:
         body = await self.read_body(request, self.max_request_bytes)
         if isinstance(body, web.Response):
             return body
+        started = await self._start(body, chat=chat, streamable=True)
+        if isinstance(started, web.Response):
+            return started
+        if started.req.stream:
+            return await self._stream(request, started.req, started.meta, started.watches)
+        out = await self._finish(started)
+        if isinstance(out, web.Response):
+            return out
+        return wire.answer(out, request, version=out["version"])
+
+    async def _mux(self, request: web.Request) -> web.StreamResponse:
+        """`GET /v1/mux`: completions over one multiplexed connection (mux.py)."""
+        return await mux.serve_mux(request, self._complete_frame, self.controls.allowed(request))
+
+    async def _complete_frame(self, body: bytes) -> tuple[int, bytes]:
+        """One call of a multiplexed connection: a completion, answered in msgpack."""
+        started = await self._start(body, chat=False, streamable=False)
+        out = started if isinstance(started, web.Response) else await self._finish(started)
+        if isinstance(out, web.Response):
+            return out.status, bytes(cast(bytes, out.body))
+        return 200, wire.encode_answer(out)
+
+    async def _start(self, body: bytes, *, chat: bool, streamable: bool) -> _Started | web.Response:
+        """Decode and check a generate body, then submit its sequences."""
         req: api.CompletionRequest | api.ChatRequest
         try:
             if chat:
@@ -327,7 +379,9 @@ class EngineServer:
                 )
             else:
                 req = api.decode_strict(body, api.CompletionRequest)
-                prompt_ids = self._prompt_ids(req.prompt)
+                prompt_ids = self._completion_prompt(req)
+            if req.stream and not streamable:
+                raise ValueError("the multiplexed connection does not stream: POST the request")
             context, vocab = self.worker.batcher.max_model_len, self.worker.batcher.vocab_size
             api.check_prompt(prompt_ids, vocab, context)
             default_max = context - len(prompt_ids) if chat else 16
@@ -338,6 +392,8 @@ class EngineServer:
             watches = await self._submit(
                 request_id, prompt_ids, params, n=req.n, version=req.version, stream=req.stream
             )
+        except UnknownSession as exc:
+            return self.error(404, str(exc), kind=wire.UNKNOWN_SESSION)
         except ValueError as exc:
             return self.error(400, str(exc))
         meta = render.Meta(
@@ -346,19 +402,23 @@ class EngineServer:
             created=int(time.time()),
             prompt_tokens=len(prompt_ids),
         )
-        if req.stream:
-            return await self._stream(request, req, meta, watches)
-        await self.wait(request_id, watches)
+        return _Started(req, meta, watches, prompt_ids)
+
+    async def _finish(self, started: _Started) -> dict[str, Any] | web.Response:
+        """Wait for a non-streamed request's sequences; its answer (or error)."""
+        req, meta, watches = started.req, started.meta, started.watches
+        await self.wait(meta.id, watches)
         failed = next((w.seq for w in watches if w.seq.error), None)
         if failed is not None:
             return self.error(failed.error_status, failed.error or "")
         seqs = [w.seq for w in watches]
-        out = (
+        if isinstance(req, api.CompletionRequest) and req.session_id is not None:
+            self.sessions.keep(req.session_id, started.prompt_ids, seqs[0].token_ids)
+        return (
             self._renderer.chat_response(meta, req, seqs)
             if isinstance(req, api.ChatRequest)
             else (self._renderer.completion_response(meta, req, seqs))
         )
-        return wire.answer(out, request, version=out["version"])
 
     async def _stream(
         self,

@@ -18,6 +18,7 @@ import msgspec
 from aiohttp import web
 
 from dora.engine import api
+from dora.instance.session import UNKNOWN_SESSION
 from dora.net import is_loopback
 from dora.protocol import (
     MSGPACK,
@@ -29,12 +30,14 @@ from dora.protocol import (
 )
 
 __all__ = [
+    "UNKNOWN_SESSION",
     "ControlHandlers",
     "RecentCompletions",
     "answer",
     "completion_dict",
     "control_routes",
     "decode_control",
+    "encode_answer",
     "error_body",
     "loopback_caller",
 ]
@@ -90,14 +93,20 @@ def decode_control(body: bytes, content_type: str, cls: type[api.S]) -> api.S:
         raise ValueError("body is nested too deeply to decode") from None
 
 
-def error_body(status: int, message: str, version: int) -> Json:
-    """The JSON of an error answer: OpenAI's `error` object and the version the instance holds."""
-    kind = _KINDS.get(status, "error")
+def error_body(status: int, message: str, version: int, *, kind: str | None = None) -> Json:
+    """The JSON of an error answer: OpenAI's `error` object (its `type` is `kind`, by default
+    named for the status) and the version the instance holds."""
+    kind = kind or _KINDS.get(status, "error")
     return {"error": {"message": message, "type": kind, "code": status}, "version": version}
 
 
 _msgpack_encode = msgspec.msgpack.Encoder(enc_hook=encode_arrays).encode
 _json_encode = encode_json
+
+
+def encode_answer(body: object) -> bytes:
+    """A successful answer in msgpack, its typed arrays as raw bytes (as `answer` sends it)."""
+    return _msgpack_encode(body)
 
 
 def answer(body: object, request: web.Request, *, version: object) -> web.Response:

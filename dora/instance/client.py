@@ -31,6 +31,8 @@ from dora.errors import (
 )
 from dora.instance.callcpu import CALL_CPU
 from dora.instance.interface import Capabilities, ExportedRequest
+from dora.instance.mux import MuxConnection
+from dora.instance.session import UNKNOWN_SESSION, ClientSessions, SessionPlan, SessionUnknown
 from dora.protocol import (
     MSGPACK,
     Completion,
@@ -132,14 +134,16 @@ class ClientOptions(TypedDict, total=False):
     control_timeout_s: float
     token: str | None
     session: aiohttp.ClientSession | None
+    multiplex: bool
 
 
 class EngineClient:
     """Talks to one engine instance at `base_url` (e.g. `http://127.0.0.1:8000`)."""
 
-    capabilities = Capabilities(kv_migration=True, lora_versions=True)
-    """The embedded engine's: it moves requests with their KV cache and holds LoRA versions as
-    adapters. A server of the same API that can do less says so with `capabilities=`."""
+    capabilities = Capabilities(kv_migration=True, lora_versions=True, sessions=True)
+    """The embedded engine's: it moves requests with their KV cache, holds LoRA versions as
+    adapters and keeps sessions. A server of the same API that can do less says so with
+    `capabilities=`."""
 
     def __init__(
         self,
@@ -150,7 +154,10 @@ class EngineClient:
         token: str | None = None,
         session: aiohttp.ClientSession | None = None,
         capabilities: Capabilities | None = None,
+        multiplex: bool = True,
     ) -> None:
+        """`multiplex`: generate calls share one long-lived connection (`GET /v1/mux`, the
+        embedded engine's and the emulated instances'); False: one HTTP request each."""
         if capabilities is not None:
             self.capabilities = capabilities
         self.base_url = base_url.rstrip("/")
@@ -159,6 +166,10 @@ class EngineClient:
         self._headers = {"Authorization": f"Bearer {token}"} if token else {}
         self._session = session
         self._own_session = session is None
+        self.sessions = ClientSessions()
+        """The episodes' contexts this client's instance holds (`dora.instance.session`)."""
+        self.mux = MuxConnection(self.base_url + "/v1/mux", headers=self._headers)
+        self.multiplex = multiplex
 
     async def __aenter__(self) -> EngineClient:
         return self
@@ -172,6 +183,7 @@ class EngineClient:
         await self.close()
 
     async def close(self) -> None:
+        await self.mux.close()
         if self._own_session and self._session is not None:
             await self._session.close()
             self._session = None
@@ -186,24 +198,75 @@ class EngineClient:
         request_id: str,
         version: int | None = None,
         timeout_s: float | None = None,
+        session: str | None = None,
     ) -> Completion:
-        """Sample one completion of `prompt_ids`; `version` pins it (else VersionMismatch)."""
-        started = time.thread_time()
+        """Sample one completion of `prompt_ids`; `version` pins it (else VersionMismatch).
+        `session` names the episode's session: only the ids new since its last call travel
+        (where `capabilities.sessions`; `dora.instance.session`)."""
         CALL_CPU.calls += 1
-        body = generate_body(prompt_ids, params, request_id)
+        plan = (
+            self.sessions.plan(session, prompt_ids)
+            if session is not None and self.capabilities.sessions
+            else None
+        )
+        try:
+            completion = await self._generate(
+                prompt_ids, params, request_id, version, timeout_s, plan
+            )
+        except SessionUnknown:
+            assert plan is not None
+            plan = self.sessions.whole(plan, prompt_ids)
+            completion = await self._generate(
+                prompt_ids, params, request_id, version, timeout_s, plan
+            )
+        if plan is not None:
+            self.sessions.keep(plan, completion.token_ids)
+        return completion
+
+    def release_session(self, session: str) -> None:
+        """The episode is done with this instance (ended, moved or failed): its session is
+        dropped here and, with the next call, there."""
+        self.sessions.release(session)
+
+    async def _generate(
+        self,
+        prompt_ids: Sequence[int],
+        params: SamplingParams,
+        request_id: str,
+        version: int | None,
+        timeout_s: float | None,
+        plan: SessionPlan | None,
+    ) -> Completion:
+        started = time.thread_time()
+        body = generate_body(prompt_ids if plan is None else plan.new_ids, params, request_id)
         if version is not None:
             body["version"] = version
+        if plan is not None:
+            body["session_id"] = plan.session
+            if plan.extends:
+                body["session_extends"] = plan.extends
+        released = self.sessions.take_released()
+        if released:
+            body["release_sessions"] = released
         data = encode_json(body)
         CALL_CPU.add("request", started)
-        raw, kind = await self._call(
-            "POST",
-            "/v1/completions",
-            data,
-            "application/json",
-            timeout_s or self.timeout_s,
-            "generate",
-            accept=MSGPACK,
-        )
+        if self.multiplex:
+            status, raw = await self.mux.call(
+                self._client_session(), data, timeout_s=timeout_s or self.timeout_s, what="generate"
+            )
+            if status >= 400:
+                _raise_for(status, raw, "generate")
+            kind = MSGPACK
+        else:
+            raw, kind = await self._call(
+                "POST",
+                "/v1/completions",
+                data,
+                "application/json",
+                timeout_s or self.timeout_s,
+                "generate",
+                accept=MSGPACK,
+            )
         started = time.thread_time()
         try:
             return self._completion(raw, kind, request_id, len(prompt_ids))
@@ -387,17 +450,7 @@ class EngineClient:
     ) -> tuple[bytes, str]:
         """One HTTP call, asking for the answer in `accept` (an `Accept` header) when given: the
         answer's bytes and content type. An error status raises (see the module docstring)."""
-        if self._session is None:
-            # No pool limit (aiohttp's default is 100 connections): serve's admission already
-            # bounds the calls to an instance (vLLM's max_num_seqs is 256), a capped pool would
-            # queue them here, unseen by the instance, while the router counts them as running,
-            # and a health probe must never queue behind long calls. Idle connections are kept
-            # through a training phase, so the next step's calls do not reconnect. Every call has
-            # its own deadline (asyncio.timeout below): no second timer per call.
-            connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=KEEPALIVE_S)
-            self._session = aiohttp.ClientSession(
-                connector=connector, timeout=aiohttp.ClientTimeout(total=None)
-            )
+        session = self._client_session()
         headers = dict(self._headers)
         if content_type:
             headers["Content-Type"] = content_type
@@ -409,9 +462,7 @@ class EngineClient:
         )  # big bodies stream
         try:
             async with asyncio.timeout(timeout_s):
-                async with self._session.request(
-                    method, url, data=payload, headers=headers
-                ) as resp:
+                async with session.request(method, url, data=payload, headers=headers) as resp:
                     raw = await resp.read()
                     status = resp.status
                     kind = resp.content_type
@@ -419,16 +470,37 @@ class EngineClient:
             raise ServerTimeout(f"{what}: no answer from {url} within {timeout_s:g} s") from exc
         except aiohttp.ClientError as exc:
             raise ServerUnavailable(f"{what}: {url} unreachable: {exc}") from exc
-        if status < 400:
-            return raw, kind
-        message = _error_message(raw)
-        if status == 409:
-            raise VersionMismatch(f"{what}: {message}")
-        if status in (502, 503, 504):
-            raise ServerUnavailable(f"{what}: HTTP {status}: {message}")
-        if 400 <= status < 500:
-            raise RequestError(f"{what}: HTTP {status}: {message}")
-        raise ServerError(f"{what}: HTTP {status}: {message}")
+        if status >= 400:
+            _raise_for(status, raw, what)
+        return raw, kind
+
+    def _client_session(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            # No pool limit (aiohttp's default is 100 connections): serve's admission already
+            # bounds the calls to an instance (vLLM's max_num_seqs is 256), a capped pool would
+            # queue them here, unseen by the instance, while the router counts them as running,
+            # and a health probe must never queue behind long calls. Idle connections are kept
+            # through a training phase, so the next step's calls do not reconnect. Every call has
+            # its own deadline (asyncio.timeout below): no second timer per call.
+            connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=KEEPALIVE_S)
+            self._session = aiohttp.ClientSession(
+                connector=connector, timeout=aiohttp.ClientTimeout(total=None)
+            )
+        return self._session
+
+
+def _raise_for(status: int, raw: bytes, what: str) -> None:
+    """The error of an answer with error `status` (see the module docstring)."""
+    message = _error_message(raw)
+    if status == 404 and _error_type(raw) == UNKNOWN_SESSION:
+        raise SessionUnknown(f"{what}: {message}")
+    if status == 409:
+        raise VersionMismatch(f"{what}: {message}")
+    if status in (502, 503, 504):
+        raise ServerUnavailable(f"{what}: HTTP {status}: {message}")
+    if 400 <= status < 500:
+        raise RequestError(f"{what}: HTTP {status}: {message}")
+    raise ServerError(f"{what}: HTTP {status}: {message}")
 
 
 def generate_body(prompt_ids: Sequence[int], params: SamplingParams, request_id: str) -> Json:
@@ -448,6 +520,13 @@ def _json_object(raw: bytes) -> Json:
     if not isinstance(out, dict):
         raise msgspec.DecodeError(f"expected a JSON object, got {type(out).__name__}")
     return out
+
+
+def _error_type(raw: bytes) -> str:
+    try:
+        return str(msgspec.json.decode(raw)["error"]["type"])
+    except (msgspec.DecodeError, KeyError, TypeError):
+        return ""
 
 
 def _error_message(raw: bytes) -> str:

@@ -51,6 +51,10 @@ class Capabilities(msgspec.Struct, frozen=True, kw_only=True):
     """With LoRA versions (`model.lora.rank > 0`), an instance holds several versions at once as
     adapters over one base, reports them as `versions` in `health()`, and drops one with
     `unload_weights`."""
+    sessions: bool = False
+    """`generate(..., session=...)` sends only the ids new since the session's last call: the
+    instance keeps each episode's context (`dora.instance.session`); without it every call
+    sends the whole context."""
 
 
 def common_capabilities(clients: Sequence[InstanceClient]) -> Capabilities:
@@ -58,6 +62,7 @@ def common_capabilities(clients: Sequence[InstanceClient]) -> Capabilities:
     return Capabilities(
         kv_migration=all(c.capabilities.kv_migration for c in clients),
         lora_versions=all(c.capabilities.lora_versions for c in clients),
+        sessions=all(c.capabilities.sessions for c in clients),
     )
 
 
@@ -107,8 +112,15 @@ class InstanceClient(Protocol):
         request_id: str,
         version: int | None = None,
         timeout_s: float | None = None,
+        session: str | None = None,
     ) -> Completion:
-        """Sample one completion of `prompt_ids` (new tokens only); `version` pins it."""
+        """Sample one completion of `prompt_ids` (new tokens only); `version` pins it. `session`
+        (where `capabilities.sessions`) names the episode's context on the instance, so that only
+        what is new since its last call travels."""
+        ...
+
+    def release_session(self, session: str) -> None:
+        """The episode is done with this instance: drop its session (no call of its own)."""
         ...
 
     async def load_weights(

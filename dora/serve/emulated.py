@@ -28,9 +28,9 @@ __all__ = ["emulated_instances"]
 
 log = logging.getLogger("dora.serve")
 
-EMULATED = Capabilities(kv_migration=True, lora_versions=False)
-"""An emulated instance moves requests (without KV bytes, `dora.emulated.server`) and holds one
-full-weight version."""
+EMULATED = Capabilities(kv_migration=True, lora_versions=False, sessions=True)
+"""An emulated instance moves requests (without KV bytes, `dora.emulated.server`), holds one
+full-weight version and keeps sessions."""
 
 
 @contextlib.asynccontextmanager

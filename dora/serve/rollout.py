@@ -177,6 +177,7 @@ class Rollout:
             control_timeout_s=config.serve.weight_load_timeout_s,
             stats=self.stats,
             pin_versions=config.rollout.mode != "inflight",
+            sessions=self._capabilities.sessions,
         )
         self.orchestrator = self.core.wrap(Orchestrator(mode=Mode(config.rollout.mode)))
         return Placement(self.orchestrator, self.router, metrics=self.metrics, spawn=self.spawn)

@@ -114,6 +114,8 @@ class Lease:
     resumes: int = 0
     failed: str | None = None
     """Why the orchestrator failed the lease (`Fail`): its next call is refused."""
+    session_on: str | None = None
+    """The instance that holds the episode's session (its context), if any."""
 
 
 MAX_INTERRUPTS = 32
@@ -135,8 +137,13 @@ class Router:
         max_interrupts: int = MAX_INTERRUPTS,
         pin_versions: bool = True,
         turns: Turns | None = None,
+        sessions: bool = False,
     ) -> None:
         self.kv_migration = kv_migration
+        self.sessions = sessions
+        """Calls name their lease as a session (`Capabilities.sessions`): a continuing episode
+        sends its instance only what is new; the session is released when the lease ends,
+        moves, parks or fails."""
         self.pin_versions = pin_versions
         """Calls pin their lease's version; off in mode inflight, where an instance changes
         version under its calls and the engine's per-token versions say which sampled what."""
@@ -219,7 +226,18 @@ class Router:
 
     def close(self, lease_id: str) -> bool:
         """End a lease; False if it was already gone (closed by a roll-back)."""
-        return self.leases.pop(lease_id, None) is not None
+        lease = self.leases.pop(lease_id, None)
+        if lease is None:
+            return False
+        self._release_session(lease)
+        return True
+
+    def _release_session(self, lease: Lease) -> None:
+        """The lease's session is no longer needed where it is (the episode ended or left)."""
+        inst = self.instances.get(lease.session_on or "")
+        lease.session_on = None
+        if inst is not None:
+            inst.client.release_session(lease.id)
 
     def sampler(self, lease_id: str) -> LeaseSampler:
         return LeaseSampler(self, lease_id)
@@ -245,6 +263,8 @@ class Router:
         interrupted (then run `interrupt`)."""
         lease = self.leases[lease_id]
         lease.instance = dst
+        if lease.session_on != dst:
+            self._release_session(lease)
         lease.migrations += 1
         self.stats.migrations += 1
         return self._needs_interrupt(lease)
@@ -253,6 +273,7 @@ class Router:
         """`Park`: the lease has no instance until `resume`. True if a call must be interrupted."""
         lease = self.leases[lease_id]
         lease.instance = None
+        self._release_session(lease)
         lease.placed.clear()
         self.stats.parks += 1
         return self._needs_interrupt(lease)
@@ -275,6 +296,7 @@ class Router:
         refused as `RequestError`, so the episode ends with "error" and its sample is masked."""
         lease = self.leases[lease_id]
         lease.failed = reason
+        self._release_session(lease)
         lease.placed.set()
 
     def _needs_interrupt(self, lease: Lease) -> bool:
@@ -346,6 +368,26 @@ class Router:
         """Calls in flight per version (the version each call's lease is pinned to), now."""
         return dict(sorted(self._serving.items()))
 
+    async def _generate(
+        self,
+        inst: InstanceState,
+        lease: Lease,
+        prompt_ids: Sequence[int],
+        params: SamplingParams,
+        call_id: str,
+    ) -> Completion:
+        version = lease.version if self.pin_versions else None
+        if not self.sessions:
+            return await inst.client.generate(
+                prompt_ids, params, request_id=call_id, version=version
+            )
+        if lease.session_on != inst.id:
+            self._release_session(lease)
+            lease.session_on = inst.id
+        return await inst.client.generate(
+            prompt_ids, params, request_id=call_id, version=version, session=lease.id
+        )
+
     async def call(
         self,
         lease: Lease,
@@ -374,12 +416,7 @@ class Router:
                 inst.cuts.add(cut)
                 try:
                     if imported is None:
-                        completion = await inst.client.generate(
-                            prompt_ids,
-                            params,
-                            request_id=call_id,
-                            version=version if self.pin_versions else None,
-                        )
+                        completion = await self._generate(inst, lease, prompt_ids, params, call_id)
                     else:
                         self.stats.kv_migrations += 1
                         completion = await inst.client.import_request(
@@ -427,9 +464,9 @@ class LeaseSampler:
     def lease(self) -> Lease:
         return self._router.leases[self._lease_id]
 
-    async def generate(self, prompt_ids: list[int], params: SamplingParams) -> Completion:
-        # The prompt as a typed array from here on: the list given is freed now instead of being
-        # walked by every collection while the call is in flight.
+    async def generate(self, prompt_ids: Sequence[int], params: SamplingParams) -> Completion:
+        # The prompt as a typed array from here on (the episode runner's already is): a list given
+        # is freed now instead of being walked by every collection while the call is in flight.
         prompt = as_array("i", prompt_ids)
         del prompt_ids
         lease = self.lease

@@ -10,6 +10,7 @@ from collections.abc import Callable
 from dora.core.orchestrator import Orchestrator
 from dora.heap import peak_rss_mb
 from dora.instance.callcpu import CALL_CPU
+from dora.instance.session import SESSION_COUNTS
 from dora.link import ServeLink
 from dora.records import InstanceTick, LinkCounts, Tick, TickEval
 from dora.serve.coretime import CoreClock
@@ -172,6 +173,7 @@ class Snapshots:
             stale_loads=self._orchestrator.stale_loads,
             held_back_loads=self._orchestrator.held_back_loads,
             **{f"requests_failed_{r.value}": n for r, n in self._orchestrator.failures().items()},
+            **SESSION_COUNTS.summary(),  # calls that sent only what is new, and the fallbacks
         )
         reasons = dict(h.masked_reasons)
         for reason, n in st.masked_reasons.items():

@@ -78,9 +78,11 @@ class VllmAdapterClient(VllmClient):
         request_id: str,
         version: int | None = None,
         timeout_s: float | None = None,
+        session: str | None = None,
     ) -> Completion:
         """Sample with adapter `version` (the newest held when None); VersionMismatch for a
-        version the server does not hold."""
+        version the server does not hold. vLLM keeps no sessions: `session` is ignored and the
+        whole context travels."""
         await self._ready.wait()  # a full-weight load in progress
         use = self.version if version is None else version
         if use not in self.held:

@@ -98,8 +98,10 @@ class VllmClient(EngineClient):
         request_id: str,
         version: int | None = None,
         timeout_s: float | None = None,
+        session: str | None = None,
     ) -> Completion:
-        """Sample one completion of `prompt_ids`; `version` pins it (else VersionMismatch)."""
+        """Sample one completion of `prompt_ids`; `version` pins it (else VersionMismatch).
+        vLLM keeps no sessions: `session` is ignored and the whole context travels."""
         await self._ready.wait()  # a load in progress decides which version this request gets
         held = self.version
         if version is not None and version != held:

@@ -433,7 +433,7 @@ async def test_an_answer_that_does_not_decode_is_a_protocol_error(answer: bytes)
     await site.start()
     host, port = runner.addresses[0][:2]
     try:
-        async with EngineClient(f"http://{host}:{port}") as c:
+        async with EngineClient(f"http://{host}:{port}", multiplex=False) as c:  # HTTP answers
             with pytest.raises(ProtocolError, match=r"generate: http://127\.0\.0\.1"):
                 await c.generate([1, 2], SamplingParams(max_tokens=1), request_id="x")
             if not answer.startswith(b"{"):
@@ -472,3 +472,16 @@ async def test_the_client_does_not_cap_calls_in_flight_so_a_probe_never_queues()
         assert all(a["status"] == "ok" for a in answers)
     finally:
         await runner.cleanup()
+
+
+async def test_the_multiplexed_connection_needs_the_control_token(tiny_model: Path) -> None:
+    from dora.errors import RequestError
+
+    params = SamplingParams(max_tokens=2, seed=1)
+    async with EngineServer.start(tiny_model, control_token="s3cret") as srv:
+        async with EngineClient(srv.url, token="wrong") as bad:
+            with pytest.raises(RequestError, match="refused the connection"):
+                await bad.generate([1, 2], params, request_id="a")
+        async with EngineClient(srv.url, token="s3cret") as good:
+            out = await good.generate([1, 2], params, request_id="b")
+            assert len(out.token_ids) == 2 and good.mux.connects == 1

@@ -593,3 +593,24 @@ async def test_cancelling_a_group_cancels_every_episode(tokenizer) -> None:
     with pytest.raises(asyncio.CancelledError):
         await group
     assert sampler.cancelled == 3
+
+
+async def test_sampler_gets_its_own_copy_of_the_context_as_an_int32_array(tokenizer) -> None:
+    """No list conversion each turn: the sampler gets a typed array, a copy it may keep."""
+    from array import array
+
+    got: list[tuple[object, int]] = []
+
+    class Keeping:
+        async def generate(self, prompt_ids: object, params: SamplingParams) -> Completion:
+            got.append((prompt_ids, len(prompt_ids)))  # type: ignore[arg-type]
+            return Completion(
+                request_id="r", token_ids=[5], logprobs=[-0.1], versions=[0], finish_reason="stop"
+            )
+
+    sample = await run_episode(
+        sampler=Keeping(), tokenizer=tokenizer, env=CalcEnv(), task=TASK, params=PARAMS
+    )
+    assert got and all(isinstance(p, array) and p.typecode == "i" for p, _ in got)
+    assert all(len(p) == n for p, n in got)  # the episode went on without changing them
+    assert len(sample.token_ids) > got[-1][1]

@@ -46,10 +46,19 @@ async def test_backends_declare_capabilities() -> None:
     vllm = VllmClient("http://127.0.0.1:9")
     adapters = VllmAdapterClient("http://127.0.0.1:9")
     try:
-        assert engine.capabilities == Capabilities(kv_migration=True, lora_versions=True)
-        assert emulated.capabilities == Capabilities(kv_migration=True, lora_versions=False)
-        assert vllm.capabilities == Capabilities(kv_migration=False, lora_versions=False)
-        assert adapters.capabilities == Capabilities(kv_migration=False, lora_versions=True)
+        assert engine.capabilities == Capabilities(
+            kv_migration=True, lora_versions=True, sessions=True
+        )
+        assert emulated.capabilities == Capabilities(
+            kv_migration=True, lora_versions=False, sessions=True
+        )
+        # vLLM keeps its HTTP API: every call sends the whole context
+        assert vllm.capabilities == Capabilities(
+            kv_migration=False, lora_versions=False, sessions=False
+        )
+        assert adapters.capabilities == Capabilities(
+            kv_migration=False, lora_versions=True, sessions=False
+        )
         # the pool can do what every instance can
         assert common_capabilities([engine, emulated]) == EMULATED
         assert common_capabilities([engine, adapters]) == Capabilities(
