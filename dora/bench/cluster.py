@@ -51,7 +51,7 @@ from dora.emulated.checks import check_run
 from dora.looplag import p99
 from dora.records import Tick
 from dora.report import load_run
-from dora.sim.engine import Run, simulate
+from dora.sim.events import Run, simulate
 from dora.sim.modes import MODES, PAPER_MODES, ModePlan
 from dora.sim.modes import plan as mode_plan
 

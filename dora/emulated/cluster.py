@@ -7,7 +7,7 @@ SIGINT. Every instance shares one `EmulatedModel` and one `ScaledClock`. It meas
 event-loop lag (a late timer is a late token) and writes a summary to `--stats` at exit.
 
 Serve starts this process and talks to its instances over HTTP as to any engine
-(`dora.serve.emulated`); nothing here imports serve or the trainer.
+(`dora.serve.emulated_cluster`); nothing here imports serve or the trainer.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ _LAG_EVERY_S = 0.05
 async def _serve(args: argparse.Namespace) -> dict[str, object]:
     from aiohttp import web
 
-    from dora.emulated.engine import EmulatedInstance, ScaledClock
+    from dora.emulated.instance import EmulatedInstance, ScaledClock
     from dora.emulated.model import EmulatedModel
     from dora.emulated.server import EmulatedServer
 

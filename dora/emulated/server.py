@@ -25,7 +25,7 @@ from typing import cast
 import msgspec
 from aiohttp import web
 
-from dora.emulated.engine import EmulatedInstance, Sequence
+from dora.emulated.instance import EmulatedInstance, Sequence
 from dora.engine import api, mux, wire
 from dora.engine.sessions import SessionStore, UnknownSession
 from dora.protocol import MSGPACK, Completion, SamplingParams

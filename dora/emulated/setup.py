@@ -1,8 +1,8 @@
 """What the emulated cluster's two sides share: the cost model and where the instances' URLs go.
 
 Imported by the emulated instances (`dora.emulated.cluster`), by serve, which starts them
-(`dora.serve.emulated`), and by the emulated trainer (`dora.learn.emulated`): it imports nothing of
-either side, so both may depend on it.
+(`dora.serve.emulated_cluster`), and by the emulated trainer (`dora.learn.emulated_trainer`): it
+imports nothing of either side, so both may depend on it.
 """
 
 from __future__ import annotations

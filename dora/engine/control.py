@@ -18,7 +18,7 @@ import msgspec
 import torch
 from aiohttp import web
 
-from dora.engine import api, render, wire
+from dora.engine import api, responses, wire
 from dora.engine.batcher import Batcher
 from dora.engine.sequence import Sequence
 from dora.engine.worker import WeightsConflict, read_safetensors
@@ -237,7 +237,7 @@ def _exported(seq: Sequence, version: int, kv: torch.Tensor | None) -> ExportedR
     )
 
 
-def _tensor_source(req: api.LoadWeightsRequest) -> render.TensorSource:
+def _tensor_source(req: api.LoadWeightsRequest) -> responses.TensorSource:
     if req.path:
         path = req.path
         return lambda: read_safetensors(path)

@@ -37,7 +37,7 @@ import msgspec
 import torch
 from aiohttp import web
 
-from dora.engine import api, mux, render, wire
+from dora.engine import api, mux, responses, wire
 from dora.engine.batcher import Batcher, BatcherConfig
 from dora.engine.control import ControlRoutes
 from dora.engine.sequence import Sequence
@@ -96,7 +96,7 @@ class _Started:
     """A generate request whose sequences the engine thread has: what answering it needs."""
 
     req: api.CompletionRequest | api.ChatRequest
-    meta: render.Meta
+    meta: responses.Meta
     watches: list[Watch]
     prompt_ids: list[int]
 
@@ -126,7 +126,7 @@ class EngineServer:
         self.max_request_bytes = max_request_bytes
         self.max_control_bytes = max_control_bytes
         self.url = ""
-        self._renderer = render.Renderer(tokenizer, worker.batcher.eos_token_ids)
+        self._renderer = responses.Renderer(tokenizer, worker.batcher.eos_token_ids)
         self.inflight: dict[str, list[Sequence]] = {}
         self.recent = wire.RecentCompletions(4096)
         self.sessions = SessionStore()
@@ -396,7 +396,7 @@ class EngineServer:
             return self.error(404, str(exc), kind=wire.UNKNOWN_SESSION)
         except ValueError as exc:
             return self.error(400, str(exc))
-        meta = render.Meta(
+        meta = responses.Meta(
             id=request_id,
             model=req.model or self.model_name,
             created=int(time.time()),
@@ -424,7 +424,7 @@ class EngineServer:
         self,
         request: web.Request,
         req: api.CompletionRequest | api.ChatRequest,
-        meta: render.Meta,
+        meta: responses.Meta,
         watches: list[Watch],
     ) -> web.StreamResponse:
         response = web.StreamResponse(
@@ -435,7 +435,7 @@ class EngineServer:
             }
         )
         await response.prepare(request)
-        streamer = render.Streamer(self._renderer, meta, req, [w.seq for w in watches])
+        streamer = responses.Streamer(self._renderer, meta, req, [w.seq for w in watches])
         changed = watches[0]._changed
         try:
             while True:

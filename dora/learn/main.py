@@ -128,7 +128,7 @@ def _train(config: DoraConfig, args: argparse.Namespace, run_dir: Path) -> int:
 
     trainer_cls = Trainer
     if config.emulate.trainer:  # modelled compute instead of the model's (dora/emulated)
-        from dora.learn.emulated import EmulatedTrainer
+        from dora.learn.emulated_trainer import EmulatedTrainer
 
         trainer_cls = EmulatedTrainer
     trainer = trainer_cls(config, run_dir=run_dir, address=address, resume=args.resume)

@@ -84,7 +84,7 @@ async def _instances(
             yield list(vh), None
         return
     if config.serve.backend == "emulated":
-        from dora.serve.emulated import emulated_instances
+        from dora.serve.emulated_cluster import emulated_instances
 
         stats = run_dir / "emulated-cluster.json"
         count = config.serve.instances

@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 
 from dora.costs import Setup, preset
-from dora.sim.engine import simulate
+from dora.sim.events import simulate
 from dora.sim.modes import plan
 from dora.sim.report import summarize
 

@@ -17,7 +17,7 @@ from concurrent.futures import ProcessPoolExecutor
 
 from dora.costs import Setup, apply_overrides, preset, validate
 from dora.errors import ConfigError
-from dora.sim.engine import Run, simulate
+from dora.sim.events import Run, simulate
 from dora.sim.modes import MODES, plan
 from dora.sim.report import render, setup_dict, summarize, write_plot
 

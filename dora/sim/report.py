@@ -26,7 +26,7 @@ from collections import Counter
 from typing import Any
 
 from dora.costs import Setup
-from dora.sim.engine import Run
+from dora.sim.events import Run
 from dora.sim.workload import mean_stats
 
 __all__ = ["PAPER", "render", "summarize", "write_plot"]

@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 
 from dora.sim.cli import build_setup
-from dora.sim.engine import simulate
+from dora.sim.events import simulate
 from dora.sim.modes import PAPER_MODES, plan
 from dora.sim.report import summarize
 

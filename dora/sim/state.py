@@ -1,4 +1,4 @@
-"""The simulator's state: requests, groups and instances as the event loop (engine.py) sees them,
+"""The simulator's state: requests, groups and instances as the event loop (events.py) sees them,
 and `Run`, what one simulated mode measured. Plain records with slots; every rule that changes
 them lives in the event loop.
 """

@@ -13,14 +13,14 @@ import pytest
 from aiohttp import web
 
 from dora.costs import apply_overrides, preset
-from dora.emulated.engine import EmulatedInstance, ScaledClock
+from dora.emulated.instance import EmulatedInstance, ScaledClock
 from dora.emulated.model import EmulatedModel
 from dora.emulated.server import EmulatedServer
 from dora.errors import RequestError
 from dora.instance import EngineClient
 from dora.instance.session import SESSION_COUNTS
 from dora.protocol import SamplingParams
-from dora.serve.emulated import EMULATED
+from dora.serve.emulated_cluster import EMULATED
 
 pytestmark = pytest.mark.timeout(60)
 

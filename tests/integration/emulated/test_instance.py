@@ -11,7 +11,7 @@ import pytest
 from aiohttp import web
 
 from dora.costs import apply_overrides, preset
-from dora.emulated.engine import EmulatedInstance, ScaledClock
+from dora.emulated.instance import EmulatedInstance, ScaledClock
 from dora.emulated.model import EmulatedModel
 from dora.emulated.server import EmulatedServer
 from dora.errors import RequestError, VersionMismatch

@@ -15,7 +15,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dora.engine.render import Renderer
+from dora.engine.responses import Renderer
 from dora.engine.sequence import Sequence
 from dora.models.tiny import char_tokenizer
 from dora.protocol import SamplingParams

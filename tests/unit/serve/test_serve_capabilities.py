@@ -13,7 +13,7 @@ from dora.config import ServeConfig
 from dora.core.actions import Unload
 from dora.core.orchestrator import Mode, Orchestrator
 from dora.instance import Capabilities, EngineClient, common_capabilities
-from dora.serve.emulated import EMULATED
+from dora.serve.emulated_cluster import EMULATED
 from dora.serve.journal import JournaledQueue
 from dora.serve.lifecycle import InstanceLifecycle
 from dora.serve.metrics import MetricsLog
