@@ -3,15 +3,15 @@
 `dora serve` talks to an emulated instance with its ordinary `EngineClient`, over HTTP, exactly as
 to an embedded engine: `POST /v1/completions` (token ids in; token ids, behaviour logprobs and
 per-token versions out; `version` pins the request, another version answers 409), `GET /health`,
-`GET /metrics`, `GET /v1/models`, and `/control/load_weights`, `pause`, `resume`, `abort`,
-`export`, `import`; completions also over one multiplexed connection (`GET /v1/mux`,
-`dora.engine.mux`), with the engine's sessions (`dora.engine.sessions`). Request bodies are
-decoded by the engine's own strict schemas (`dora.engine.api`), so a field the engine would
-refuse is refused here too. What differs: the prompt must be token ids (there is no tokenizer),
-`n` must be 1 (dora's router sends one sample per call), a weight load accepts the tensors or
-the path and ignores their values (there is no model; the load takes the modelled time), and an
-exported request carries no KV bytes: its `kv_shape` is `[context tokens]` and the importer
-spends the modelled transfer time.
+`GET /metrics`, `GET /v1/models`, and `/control/load_weights`, `pause`, `resume`, `abort`, `export`,
+`import`; completions also over one multiplexed connection (`GET /v1/mux`,
+`dora.instance.mux_server`), with the engine's sessions (`dora.instance.session_store`). Request
+bodies are decoded by the engine's own strict schemas (`dora.instance.api`, the HTTP contract both
+serve), so a field the engine would refuse is refused here too. What differs: the prompt must be
+token ids (there is no tokenizer), `n` must be 1 (dora's router sends one sample per call), a weight
+load accepts the tensors or the path and ignores their values (there is no model; the load takes the
+modelled time), and an exported request carries no KV bytes: its `kv_shape` is `[context tokens]`
+and the importer spends the modelled transfer time.
 
 Responses are encoded with msgspec in the engine's shapes; completions (generate and import) in
 msgpack when the caller asks for it (`Accept`), as the engine does (`wire.answer`).
@@ -26,8 +26,9 @@ import msgspec
 from aiohttp import web
 
 from dora.emulated.instance import EmulatedInstance, Sequence
-from dora.engine import api, mux, wire
-from dora.engine.sessions import SessionStore, UnknownSession
+from dora.instance import api, wire
+from dora.instance import mux_server as mux
+from dora.instance.session_store import SessionStore, UnknownSession
 from dora.protocol import MSGPACK, Completion, SamplingParams
 
 __all__ = ["EmulatedServer"]
@@ -98,7 +99,8 @@ class EmulatedServer:
         return wire.answer(out, request, version=self.instance.version)
 
     async def _mux(self, request: web.Request) -> web.StreamResponse:
-        """`GET /v1/mux`: completions over one multiplexed connection (`dora.engine.mux`)."""
+        """`GET /v1/mux`: completions over one multiplexed connection
+        (`dora.instance.mux_server`)."""
         denied = None
         if not wire.loopback_caller(request):
             denied = self._error(403, "the multiplexed connection answers loopback callers only")

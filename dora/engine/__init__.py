@@ -3,7 +3,7 @@ OpenAI-compatible aiohttp server, with weight versions, weight loading and reque
 
 See docs/engine.md. `EngineServer.start(...)` runs one instance in this process; `python -m
 dora.engine` runs one as a process; `EngineClient` (`dora.instance`, re-exported here) talks to
-either. The names load on first use (PEP 562): importing `dora.engine.api` or the package alone
+either. The names load on first use (PEP 562): importing `dora.instance.api` or the package alone
 does not load torch.
 """
 

@@ -18,10 +18,11 @@ import msgspec
 import torch
 from aiohttp import web
 
-from dora.engine import api, responses, wire
+from dora.engine import responses
 from dora.engine.batcher import Batcher
 from dora.engine.sequence import Sequence
 from dora.engine.worker import WeightsConflict, read_safetensors
+from dora.instance import api, wire
 from dora.instance.interface import ExportedRequest
 from dora.protocol import MSGPACK
 

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
-from dora.engine import api
 from dora.engine.sequence import Sequence
+from dora.instance import api
 from dora.tool_calls import parse_tool_calls
 
 TensorSource = Callable[[], dict[str, torch.Tensor]]

@@ -37,14 +37,16 @@ import msgspec
 import torch
 from aiohttp import web
 
-from dora.engine import api, mux, responses, wire
+from dora.engine import responses
 from dora.engine.batcher import Batcher, BatcherConfig
 from dora.engine.control import ControlRoutes
 from dora.engine.sequence import Sequence
-from dora.engine.sessions import SessionStore, UnknownSession
 from dora.engine.worker import EngineWorker
 from dora.errors import ConfigError
+from dora.instance import api, wire
+from dora.instance import mux_server as mux
 from dora.instance.client import SERVER_KEEPALIVE_S
+from dora.instance.session_store import SessionStore, UnknownSession
 from dora.net import is_loopback
 from dora.protocol import SamplingParams
 

@@ -1,4 +1,8 @@
-"""The instance interface (`interface.py`) and its HTTP client (`client.py`).
+"""The instance interface (`interface.py`), its HTTP client (`client.py`) and the HTTP contract
+every instance serves: request and response schemas (`api.py`), the server side's shared routes
+and codecs (`wire.py`), the multiplexed connection (`mux.py` the client's, `mux_server.py` the
+server's) and sessions (`session.py` the client's, `session_store.py` the instance's). The
+embedded engine and the emulated instances both serve it.
 
 `InstanceClient` is the protocol every backend implements, `Capabilities` what one can do,
 `InstanceHandle` one started instance, `ExportedRequest` the wire type of KV migration, and

@@ -1,9 +1,9 @@
 """`MuxConnection`: a client's one long-lived multiplexed connection to an instance's `/v1/mux`.
 
 Each generate call goes out as one binary WebSocket frame `[CALL, id, body]` and its answer comes
-back as `[id, status, body]`, matched by id (dora/engine/mux.py has the protocol). The connection
-is opened by the first call and kept; one reader task owns its incoming frames and lives as long
-as the connection (closed with the client).
+back as `[id, status, body]`, matched by id (dora/instance/mux_server.py has the protocol). The
+connection is opened by the first call and kept; one reader task owns its incoming frames and
+lives as long as the connection (closed with the client).
 
 Failures keep the HTTP client's meaning, so the caller's retry policy applies unchanged: a
 connection that cannot be opened or drops fails every call in flight on it as

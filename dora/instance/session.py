@@ -16,8 +16,8 @@ next call sends the whole context: nothing is assumed about what the instance ke
 
 Released sessions (the episode ended, moved to another instance or failed) are named in the next
 generate to the same instance (`release_sessions`), so a release costs no call of its own; an
-instance also drops sessions past a deadline or a count (`dora.engine.sessions`), so a release
-that never goes out leaks nothing.
+instance also drops sessions past a deadline or a count (`dora.instance.session_store`), so a
+release that never goes out leaks nothing.
 """
 
 from __future__ import annotations

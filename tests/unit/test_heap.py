@@ -10,8 +10,8 @@ import sys
 
 import msgspec
 
-from dora.engine.wire import RecentCompletions
 from dora.heap import YOUNG_THRESHOLD
+from dora.instance.wire import RecentCompletions
 from dora.protocol import Completion
 
 

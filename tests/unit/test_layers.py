@@ -24,7 +24,7 @@ HEAVY = ("torch", "transformers", "dora.engine.server")
 
 @pytest.mark.parametrize(
     "module",
-    ["dora.instance", "dora.engine", "dora.engine.api", "dora.vllm.client", "dora.tool_calls"],
+    ["dora.instance", "dora.engine", "dora.instance.api", "dora.vllm.client", "dora.tool_calls"],
 )
 def test_module_imports_without_torch(module: str) -> None:
     code = f"import sys, {module}; print(*[m for m in {HEAVY!r} if m in sys.modules])"

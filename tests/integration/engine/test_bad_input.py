@@ -11,8 +11,9 @@ import aiohttp
 import msgspec
 import pytest
 
-from dora.engine import EngineClient, EngineServer, api
+from dora.engine import EngineClient, EngineServer
 from dora.errors import ConfigError, ServerUnavailable
+from dora.instance import api
 from dora.protocol import SamplingParams
 
 pytestmark = pytest.mark.timeout(60)

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from dora.engine.sessions import SessionStore, UnknownSession
 from dora.instance.session import ClientSessions
+from dora.instance.session_store import SessionStore, UnknownSession
 
 
 class Clock:

@@ -17,7 +17,7 @@ from typing import Protocol
 import msgspec
 from aiohttp import web
 
-from dora.engine import api
+from dora.instance import api
 from dora.instance.session import UNKNOWN_SESSION
 from dora.net import is_loopback
 from dora.protocol import (

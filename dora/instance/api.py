@@ -13,7 +13,7 @@ body that is not UTF-8 JSON is an error too. dora's extension fields:
 - `request_id`: the id that abort and export name (default: a fresh one);
 - `session_id`, `session_extends`, `release_sessions` (completions with token ids, n = 1): the
   call continues a session, its `prompt` the ids after the session's first `session_extends`
-  tokens (dora/engine/sessions.py).
+  tokens (dora/instance/session_store.py).
 
 Control bodies travel as JSON, except the two that carry raw bytes (weights, exported requests),
 which are msgpack.
