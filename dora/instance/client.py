@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import io
+import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
 from types import TracebackType
@@ -31,7 +32,7 @@ from dora.errors import (
 )
 from dora.instance.callcpu import CALL_CPU
 from dora.instance.interface import Capabilities, ExportedRequest
-from dora.instance.mux import MuxConnection
+from dora.instance.mux import MuxConnection, MuxRefused
 from dora.instance.session import UNKNOWN_SESSION, ClientSessions, SessionPlan, SessionUnknown
 from dora.protocol import (
     MSGPACK,
@@ -47,6 +48,8 @@ from dora.protocol import (
 
 Json = dict[str, object]
 T = TypeVar("T")
+
+log = logging.getLogger("dora.instance")
 _completion = msgspec.json.Decoder(Completion)
 
 
@@ -250,10 +253,9 @@ class EngineClient:
             body["release_sessions"] = released
         data = encode_json(body)
         CALL_CPU.add("request", started)
-        if self.multiplex:
-            status, raw = await self.mux.call(
-                self._client_session(), data, timeout_s=timeout_s or self.timeout_s, what="generate"
-            )
+        mux = await self._mux_call(data, timeout_s or self.timeout_s) if self.multiplex else None
+        if mux is not None:
+            status, raw = mux
             if status >= 400:
                 _raise_for(status, raw, "generate")
             kind = MSGPACK
@@ -272,6 +274,19 @@ class EngineClient:
             return self._completion(raw, kind, request_id, len(prompt_ids))
         finally:
             CALL_CPU.add("answer", started)
+
+    async def _mux_call(self, data: bytes, timeout_s: float) -> tuple[int, bytes] | None:
+        """One generate over the multiplexed connection: (status, body); None once the address
+        refused the connection's upgrade (`MuxRefused`): this client sends over HTTP from then
+        on, logged once."""
+        try:
+            return await self.mux.call(
+                self._client_session(), data, timeout_s=timeout_s, what="generate"
+            )
+        except MuxRefused as exc:
+            self.multiplex = False
+            log.warning("%s; its calls go over HTTP from now on", exc)
+            return None
 
     def _completion(self, raw: bytes, kind: str, request_id: str, prompt_len: int) -> Completion:
         decode = _first_choice_msgpack if kind == MSGPACK else _first_choice_json

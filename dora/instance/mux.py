@@ -8,7 +8,9 @@ lives as long as the connection (closed with the client).
 Failures keep the HTTP client's meaning, so the caller's retry policy applies unchanged: a
 connection that cannot be opened or drops fails every call in flight on it as
 `ServerUnavailable` (the next call connects again); a call past its deadline is `ServerTimeout`;
-a connection refused for its token (401, 403) is `RequestError`.
+a connection refused for its token (401, 403) is `RequestError`. An upgrade answered with any
+other status (a proxy in front of the instance that does not pass WebSockets, or an instance
+without the route) is `MuxRefused`: the client then sends its calls over HTTP instead.
 A call whose caller gives up (deadline, cancellation) is cancelled on the instance with a
 `[CANCEL, id, b""]` frame, as closing an HTTP request aborts it there.
 """
@@ -25,7 +27,7 @@ import msgspec
 
 from dora.errors import RequestError, ServerTimeout, ServerUnavailable
 
-__all__ = ["MuxConnection"]
+__all__ = ["MuxConnection", "MuxRefused"]
 
 log = logging.getLogger("dora.instance")
 
@@ -35,6 +37,11 @@ MAX_FRAME_BYTES = 16 << 20
 
 _answer = msgspec.msgpack.Decoder(tuple[int, int, bytes])
 _encode = msgspec.msgpack.Encoder().encode
+
+
+class MuxRefused(ServerUnavailable):
+    """The instance's address answered the upgrade to `/v1/mux` with another status than 101:
+    something on the way (or the instance) does not serve the multiplexed connection."""
 
 
 class MuxConnection:
@@ -72,7 +79,7 @@ class MuxConnection:
         except aiohttp.WSServerHandshakeError as exc:
             if exc.status in (401, 403):  # the run's token is missing or wrong: retrying won't help
                 raise RequestError(f"{what}: {self.url} refused the connection: {exc}") from exc
-            raise ServerUnavailable(f"{what}: {self.url} refused the connection: {exc}") from exc
+            raise MuxRefused(f"{what}: {self.url} refused the connection: {exc}") from exc
         except (aiohttp.ClientError, ConnectionError) as exc:
             raise ServerUnavailable(f"{what}: {self.url} unreachable: {exc}") from exc
         finally:

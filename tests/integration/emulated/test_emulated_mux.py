@@ -92,3 +92,41 @@ async def test_a_call_its_caller_gives_up_is_stopped_on_the_instance() -> None:
         out = await client.generate([1, 2, 3], SamplingParams(max_tokens=2), request_id="c/1#1")
         assert len(out.token_ids) <= 2 and client.mux.connects == 1
         assert server.instance.find("c/0#1") is None
+
+
+async def test_an_address_that_refuses_the_upgrade_gets_its_calls_over_http() -> None:
+    """A proxy in front of the instance that passes HTTP but not WebSockets (it answers the
+    upgrade 404): the first call falls back to HTTP and succeeds, and so do the next, with no
+    instance declared unreachable."""
+    import aiohttp
+
+    async with serving(1e-4) as (_, _runner, port):
+        upstream = f"http://127.0.0.1:{port}"
+        async with aiohttp.ClientSession() as session:
+
+            async def forward(request: web.Request) -> web.StreamResponse:
+                if request.path == "/v1/mux":
+                    return web.Response(status=404, text="not here")
+                headers = {k: v for k, v in request.headers.items() if k.lower() != "host"}
+                async with session.request(
+                    request.method, upstream + request.path_qs, data=await request.read(),
+                    headers=headers,
+                ) as up:  # fmt: skip
+                    return web.Response(status=up.status, body=await up.read(),
+                                        content_type=up.content_type)  # fmt: skip
+
+            app = web.Application()
+            app.router.add_route("*", "/{tail:.*}", forward)
+            proxy = web.AppRunner(app, access_log=None)
+            await proxy.setup()
+            try:
+                await web.TCPSite(proxy, "127.0.0.1", 0).start()
+                url = f"http://127.0.0.1:{proxy.addresses[0][1]}"
+                async with EngineClient(url, capabilities=EMULATED) as client:
+                    assert client.multiplex
+                    first = await client.generate(PROMPT, PARAMS, request_id="g/0#1", version=0)
+                    assert not client.multiplex, "the refused upgrade switched it to HTTP"
+                    second = await client.generate(PROMPT, PARAMS, request_id="g/1#1", version=0)
+                assert first.token_ids and second.token_ids
+            finally:
+                await proxy.cleanup()
