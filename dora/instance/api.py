@@ -28,7 +28,8 @@ from typing import Annotated, Literal, TypeVar
 
 import msgspec
 
-# ExportedRequest is the instance interface's (dora.instance); re-exported for the old path.
+# ExportedRequest (a migrated request: the body of `/control/export` and `/control/import`) is
+# defined with the interface; the schemas name it beside the routes' other bodies.
 from dora.instance.interface import ExportedRequest as ExportedRequest
 from dora.protocol import MIN_TEMPERATURE, SamplingParams
 
