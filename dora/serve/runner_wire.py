@@ -13,9 +13,10 @@ Then, per episode:
     serve -> runner   StopEpisode                                  the group was stopped
 
 `Beat` goes every `serve.runner_timeout_s / 5` seconds, and serve answers each with one: each
-side notices the other's silence. An episode is named by its lease and
-its attempt (a re-run after a lost runner is the next attempt), a call by those and its `seq`,
-so nothing a runner sends about an episode it no longer owns can be taken for the current one.
+side notices the other's silence. An episode is named by its lease and its attempt (a number
+serve never gives twice: a re-run after a lost runner, or a group's retry, is a new attempt), a
+call by those and its `seq`, so nothing a runner sends about an episode it no longer owns can be
+taken for the current one.
 """
 
 from __future__ import annotations

@@ -46,6 +46,7 @@ import zmq.asyncio
 from dora.config import ServeConfig
 from dora.env import Task
 from dora.errors import ProtocolError, RequestError, ServerError, ServerUnavailable
+from dora.instance.callcpu import CALL_CPU
 from dora.link import CurveKeys, bind_router, check_server_keys, router_socket
 from dora.protocol import Completion, Sample, SamplingParams
 from dora.records import RunnerLost as RunnerLostRecord
@@ -121,7 +122,7 @@ class RunnerHub:
             raise ServerUnavailable(f"cannot bind the runners' port: {exc}") from exc
         self._runners: dict[bytes, _Runner] = {}
         self._lost: set[bytes] = set()
-        self._attempts: dict[str, int] = {}
+        self._attempts = 0
         self._expected = set(expected)
         self.joined = asyncio.Event()
         """Set by each runner that connects."""
@@ -148,8 +149,10 @@ class RunnerHub:
         version = lease.version
         while True:
             runner = await self._choose()
-            attempt = self._attempts.get(lease_id, 0) + 1
-            self._attempts[lease_id] = attempt
+            # unique across leases and runs of a lease (a group retried or restarted reuses its
+            # lease ids): nothing sent about an earlier attempt is taken for this one
+            self._attempts += 1
+            attempt = self._attempts
             key = (lease_id, attempt)
             done: asyncio.Future[Sample] = asyncio.get_running_loop().create_future()
             runner.episodes[key] = done
@@ -176,7 +179,6 @@ class RunnerHub:
                 raise
             finally:
                 runner.episodes.pop(key, None)
-            self._attempts.pop(lease_id, None)
             return sample
 
     async def _choose(self) -> _Runner:
@@ -365,6 +367,7 @@ class RunnerHub:
         """The call made by `runner`: route it there, wait for its end. A runner lost meanwhile
         leaves a call that may still run on the instance: it is aborted before the call ends
         here, so that no load finds the instance idle under it."""
+        CALL_CPU.calls += 1  # a model call serve handled, though a runner made it
         key = (need.lease, need.attempt, need.seq)
         url = getattr(inst.client, "base_url", None)
         if not isinstance(url, str):

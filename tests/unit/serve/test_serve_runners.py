@@ -161,7 +161,16 @@ async def test_runner_result_it_does_not_own_or_sends_twice_is_ignored(
         await a.send(Beat())
         assert isinstance(await a.recv(), Beat)  # heard after the duplicate: it was counted
         assert hub._stats.runner_results_ignored == 2
-        assert hub.episodes_by_runner == {"a": 1, "b": 0}
+        # the group is retried on the same lease: a new attempt, and the old one's result again
+        # (a runner that finished it late) is not taken for the new one
+        again = asyncio.ensure_future(hub.run_episode("g0/0", Task("t0"), PARAMS))
+        order = await episode_order(a)  # a and b run none now: the first connected wins
+        assert order.lease == "g0/0" and order.attempt != 1
+        await a.send(EpisodeDone(lease="g0/0", attempt=1, sample=sample(9.0)))
+        await a.send(EpisodeDone(lease="g0/0", attempt=order.attempt, sample=sample(0.75)))
+        assert (await again).reward == 0.75
+        assert hub._stats.runner_results_ignored == 3
+        assert hub.episodes_by_runner == {"a": 2, "b": 0}
 
 
 async def test_runner_malformed_frame_is_dropped_and_a_taken_name_refused(
