@@ -18,6 +18,8 @@ import socket
 import sys
 from pathlib import Path
 
+import msgspec
+
 from dora.config import DoraConfig, load_config
 from dora.secret import with_run_token
 
@@ -64,6 +66,10 @@ def main(args: argparse.Namespace) -> int:
     if config.log.run_dir:
         config = with_run_token(config, Path(config.log.run_dir))
     token = os.environ.pop("DORA_RUNNER_TOKEN", "") or config.serve.token
+    # the same token authenticates its calls to the instances serve started
+    config = msgspec.structs.replace(
+        config, serve=msgspec.structs.replace(config.serve, token=token)
+    )
     name = args.name or f"{socket.gethostname()}-{os.getpid()}"
 
     async def runner() -> int:
