@@ -176,8 +176,9 @@ class EpisodeRunner:
         waiting = self._answers.get(key)
         if waiting is not None and not waiting.done():
             waiting.set_result(message)
-        elif isinstance(message, CallDone) and key in self._cuts:
-            # serve ended the call before the instance answered: stop waiting for it
+        if isinstance(message, CallDone) and key in self._cuts:
+            # serve ended the call before the instance answered (it declared the instance dead):
+            # stop waiting for it
             self._cuts[key].reschedule(asyncio.get_running_loop().time())
 
     # --- episodes ----------------------------------------------------------------------------
