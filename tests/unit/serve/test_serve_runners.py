@@ -17,6 +17,7 @@ import zmq.asyncio
 
 from dora.config import ServeConfig
 from dora.env import Task
+from dora.errors import ConfigError
 from dora.protocol import Sample, SamplingParams
 from dora.serve.router import Router
 from dora.serve.runner_wire import (
@@ -63,9 +64,11 @@ class FakeRunner:
     """A DEALER that speaks as a runner."""
 
     def __init__(self, ctx: zmq.asyncio.Context, address: str) -> None:
+        """Connected to `address` (not yet with "": the caller sets its keys first)."""
         self.sock = ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.connect(address)
+        if address:
+            self.sock.connect(address)
 
     async def send(self, message: RunnerMessage) -> None:
         await self.sock.send(encode(message))
@@ -251,3 +254,37 @@ async def test_runner_call_is_counted_in_flight_until_it_ends(ctx: zmq.asyncio.C
         assert router.usage(0.0)["i0"].tokens == 5
         await a.send(EpisodeDone(lease="g0/0", attempt=1, sample=sample(0.0)))
         await episode
+
+
+async def test_runner_off_loopback_needs_curve_and_a_stranger_key_is_refused(
+    ctx: zmq.asyncio.Context,
+) -> None:
+    router = Router(kv_migration=False)
+    with pytest.raises(ConfigError, match="the runners' port needs CURVE keys"):
+        RunnerHub(ServeConfig(host="0.0.0.0"), router=router, stats=ServeStats(), spawn=Spawner())
+    server_public, server_secret = zmq.curve_keypair()
+    client_public, client_secret = zmq.curve_keypair()
+    config = ServeConfig(
+        token=TOKEN, link_server_key=server_secret.decode(), link_client_key=client_secret.decode()
+    )
+    spawn = Spawner()
+    hub = RunnerHub(config, router=router, stats=ServeStats(), spawn=spawn)
+    try:
+        async with asyncio.TaskGroup() as tg:
+            spawn.open(tg)
+            task = tg.create_task(hub.run())
+            stranger, member = FakeRunner(ctx, ""), FakeRunner(ctx, "")
+            for runner, (public, secret) in (
+                (stranger, zmq.curve_keypair()),
+                (member, (client_public, client_secret)),
+            ):
+                runner.sock.curve_secretkey, runner.sock.curve_publickey = secret, public
+                runner.sock.curve_serverkey = server_public
+                runner.sock.connect(hub.address)
+            await stranger.send(RunnerHello(token=TOKEN, name="stranger"))
+            assert await stranger.hears_nothing(within_s=1.0)  # its handshake was refused
+            await member.hello("member")
+            assert hub.names() == ["member"]
+            task.cancel()
+    finally:
+        hub.close()
