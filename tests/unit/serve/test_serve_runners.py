@@ -288,3 +288,36 @@ async def test_runner_off_loopback_needs_curve_and_a_stranger_key_is_refused(
             task.cancel()
     finally:
         hub.close()
+
+
+async def test_runner_call_moved_by_the_orchestrator_is_aborted_and_routed_anew(
+    ctx: zmq.asyncio.Context,
+) -> None:
+    async with hub_running() as (hub, router):
+        router.add_instance("i1", FakeClient())  # type: ignore[arg-type]
+        a = FakeRunner(ctx, hub.address)
+        await a.hello("a")
+        episode = asyncio.ensure_future(hub.run_episode("g0/0", Task("t0"), PARAMS))
+        await episode_order(a)
+        await a.send(NeedRoute(lease="g0/0", attempt=1, seq=1))
+        first = await a.recv()
+        assert isinstance(first, Route) and first.instance == "i0"
+        # the orchestrator migrates the lease (same version): serve aborts the call on i0
+        assert router.move("g0/0", "i1")
+        await router.interrupt("g0/0", export=True)
+        assert router.client("i0").aborted == [first.call_id]  # type: ignore[attr-defined]
+        # the runner's call returns "abort" with the tokens so far; serve's verdict: interrupted
+        await a.send(CallEnd(lease="g0/0", attempt=1, seq=1, tokens=2, finish="abort"))
+        done = await a.recv()
+        assert isinstance(done, CallDone) and done.interrupted
+        await a.send(NeedRoute(lease="g0/0", attempt=1, seq=2))
+        second = await a.recv()
+        assert isinstance(second, Route) and second.instance == "i1" and second.version == 3
+        assert second.call_id != first.call_id
+        assert router.calls_in_flight("i0") == 0 and router.calls_in_flight("i1") == 1
+        await a.send(CallEnd(lease="g0/0", attempt=1, seq=2, tokens=4, finish="stop"))
+        done = await a.recv()
+        assert isinstance(done, CallDone) and not done.interrupted
+        await a.send(EpisodeDone(lease="g0/0", attempt=1, sample=sample(0.0)))
+        await episode
+        assert router.stats.migrations == 1
