@@ -18,6 +18,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "serve": ("dora.serve.main", "main", "rollout side: inference instances + rollout manager"),
     "learn": ("dora.learn.main", "main", "trainer side: receives groups, trains, publishes"),
     "run": ("dora.launch", "main", "serve + learn on one machine, one progress display"),
+    "runner": ("dora.serve.runner_main", "main", "an episode runner attached to a dora serve"),
     "simulate": ("dora.sim.cli", "main", "plan a cluster run: modes compared on a cost model"),
     "report": ("dora.report", "main", "plots and tables of a finished or running run"),
     "config": ("dora.cli", "config_main", "show the resolved config, or write docs/config.md"),
@@ -86,6 +87,11 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_args(p)
     _add_plan_args(p)
     p.add_argument("--resume", action="store_true", help="continue from the last durable step")
+
+    p = sub.add_parser("runner", help=helps["runner"], description=helps["runner"])
+    p.add_argument("--connect", required=True, metavar="ADDRESS", help="serve's runner port")
+    p.add_argument("--name", default="", help="unique among the runners (default: host-pid)")
+    _add_config_args(p)
 
     p = sub.add_parser("simulate", help=helps["simulate"], description=helps["simulate"])
     p.add_argument("--preset", default="paper-64", help="paper-64, paper-128, agentic, ...")

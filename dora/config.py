@@ -180,6 +180,13 @@ class ServeConfig(_Section):
             description="An instance silent to health probes this long counts as dead (0: off)",
         ),
     ] = 10.0
+    runners: Annotated[
+        int, M(ge=0, le=256, description="Episode runner processes serve starts (0: in serve)")
+    ] = 0
+    runner_port: Annotated[int, M(ge=0, le=65535, description="Runners' port (0: any)")] = 0
+    runner_timeout_s: Annotated[
+        float, M(gt=0, description="A runner silent this long (no heartbeat) counts as dead")
+    ] = 30.0
 
 
 class RolloutConfig(_Section):

@@ -149,48 +149,16 @@ class ServeLink:
         curve: CurveKeys | None = None,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
     ) -> None:
-        if not is_loopback(host) and curve is None:
-            raise ConfigError(
-                f"serve.host = {host!r} is off loopback: the trainer link needs CURVE keys; set "
-                "serve.link_server_key and serve.link_client_key (key files from "
-                "zmq.auth.create_certificates, or Z85 secret keys from zmq.curve_keypair)"
-            )
-        if curve is not None and curve.server_secret is None:
-            raise ConfigError(
-                "serve.link_server_key names a public key: dora serve needs the server's secret "
-                "key (the .key_secret file)"
-            )
+        check_server_keys(host, curve, what="the trainer link")
         self._ctx = zmq.asyncio.Context()
-        self._auth: ThreadAuthenticator | None = None
-        self._sock = self._ctx.socket(zmq.ROUTER)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.setsockopt(zmq.SNDHWM, _HWM)
-        self._sock.setsockopt(zmq.RCVHWM, _HWM)
-        self._sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
-        self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        if curve is not None:
-            self._auth = ThreadAuthenticator(self._ctx, log=log)
-            self._auth.start()
-            self._auth.configure_curve_callback("*", _OneClient(curve.client_public))
-            assert curve.server_secret is not None
-            self._sock.curve_secretkey = curve.server_secret
-            self._sock.curve_publickey = curve.server_public
-            self._sock.curve_server = True
-        shown = f"[{host}]" if ":" in host else host
-        if ":" in host:
-            self._sock.setsockopt(zmq.IPV6, 1)
+        self._sock, self._auth = router_socket(self._ctx, curve, max_message_bytes)
         try:
-            if port == 0:
-                self.port = self._sock.bind_to_random_port(f"tcp://{shown}")
-            else:
-                self._sock.bind(f"tcp://{shown}:{port}")
-                self.port = port
+            self.port, self.address = bind_router(self._sock, host, port)
         except zmq.ZMQError as exc:
             self.close()
             raise ServerUnavailable(
                 f"cannot bind the trainer link to {host}:{port}: {exc}"
             ) from exc
-        self.address = f"tcp://{shown}:{self.port}"
         self._token = token
         self._monitor = self._sock.get_monitor_socket(_MONITORED)
         self._poller = zmq.asyncio.Poller()
@@ -358,6 +326,79 @@ class ServeLink:
         self._ctx.term()
 
 
+def check_server_keys(host: str, curve: CurveKeys | None, *, what: str) -> None:
+    """A link bound on `host` off loopback needs CURVE keys, and serve needs the server's
+    secret one; `what` names the link in the error."""
+    if not is_loopback(host) and curve is None:
+        raise ConfigError(
+            f"serve.host = {host!r} is off loopback: {what} needs CURVE keys; set "
+            "serve.link_server_key and serve.link_client_key (key files from "
+            "zmq.auth.create_certificates, or Z85 secret keys from zmq.curve_keypair)"
+        )
+    if curve is not None and curve.server_secret is None:
+        raise ConfigError(
+            "serve.link_server_key names a public key: dora serve needs the server's secret "
+            "key (the .key_secret file)"
+        )
+
+
+def router_socket(
+    ctx: zmq.asyncio.Context, curve: CurveKeys | None, max_message_bytes: int
+) -> tuple[zmq.asyncio.Socket, ThreadAuthenticator | None]:
+    """serve's ROUTER socket of a link, not yet bound: bounded queues, peers whose message
+    exceeds `max_message_bytes` dropped, and with `curve` a CURVE server whose ZAP handler admits
+    only `curve.client_public` (the authenticator is the caller's to stop)."""
+    sock = ctx.socket(zmq.ROUTER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.SNDHWM, _HWM)
+    sock.setsockopt(zmq.RCVHWM, _HWM)
+    sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
+    sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+    auth: ThreadAuthenticator | None = None
+    if curve is not None:
+        assert curve.server_secret is not None
+        auth = ThreadAuthenticator(ctx, log=log)
+        auth.start()
+        auth.configure_curve_callback("*", _OneClient(curve.client_public))
+        sock.curve_secretkey = curve.server_secret
+        sock.curve_publickey = curve.server_public
+        sock.curve_server = True
+    return sock, auth
+
+
+def bind_router(sock: zmq.asyncio.Socket, host: str, port: int) -> tuple[int, str]:
+    """Bind `sock` on `host:port` (0: a random port); its port and `tcp://` address."""
+    shown = f"[{host}]" if ":" in host else host
+    if ":" in host:
+        sock.setsockopt(zmq.IPV6, 1)
+    if port == 0:
+        port = sock.bind_to_random_port(f"tcp://{shown}")
+    else:
+        sock.bind(f"tcp://{shown}:{port}")
+    return port, f"tcp://{shown}:{port}"
+
+
+def check_client_keys(curve: CurveKeys | None) -> None:
+    """A client of a link needs its own secret key, not only the public one."""
+    if curve is not None and curve.client_secret is None:
+        raise ConfigError(
+            "serve.link_client_key names a public key: this side needs its secret key "
+            "(the .key_secret file)"
+        )
+
+
+def curve_client(sock: zmq.Socket[bytes] | zmq.asyncio.Socket, curve: CurveKeys | None) -> None:
+    """Make a DEALER a CURVE client of the server `curve` names (nothing without keys); also
+    lets it reach `tcp://[::1]:port` (IPv4 addresses work as before)."""
+    check_client_keys(curve)
+    if curve is not None:
+        assert curve.client_secret is not None
+        sock.curve_secretkey = curve.client_secret
+        sock.curve_publickey = curve.client_public
+        sock.curve_serverkey = curve.server_public
+    sock.setsockopt(zmq.IPV6, 1)
+
+
 class _OneClient:
     """The ZAP credentials check: only the configured trainer's public key gets in."""
 
@@ -382,11 +423,7 @@ class LearnLink:
         curve: CurveKeys | None = None,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
     ) -> None:
-        if curve is not None and curve.client_secret is None:
-            raise ConfigError(
-                "serve.link_client_key names a public key: the trainer needs its secret key "
-                "(the .key_secret file)"
-            )
+        check_client_keys(curve)
         self.address = address
         self.dropped = 0
         """Frames that did not decode (logged and dropped)."""
@@ -398,13 +435,8 @@ class LearnLink:
         self._sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
         # a full send queue (serve gone, weights still streaming) fails instead of hanging
         self._sock.setsockopt(zmq.SNDTIMEO, int(send_timeout_s * 1000))
-        if curve is not None:
-            assert curve.client_secret is not None
-            self._sock.curve_secretkey = curve.client_secret
-            self._sock.curve_publickey = curve.client_public
-            self._sock.curve_serverkey = curve.server_public
+        curve_client(self._sock, curve)
         self._send_timeout_s = send_timeout_s
-        self._sock.setsockopt(zmq.IPV6, 1)  # tcp://[::1]:port too; IPv4 addresses work as before
         self._sock.connect(address)
 
     @classmethod

@@ -41,6 +41,7 @@ __all__ = [
     "Restore",
     "Rollback",
     "RolloutReport",
+    "RunnerLost",
     "ServeStart",
     "Step",
     "Tick",
@@ -143,6 +144,14 @@ class Undrain(_OfInstance, tag="undrain"):
 class RequestFailed(Record, tag="request_failed"):
     lease: str
     reason: str
+
+
+class RunnerLost(Record, tag="runner_lost"):
+    """An episode runner exited or went silent; its `episodes` run again elsewhere."""
+
+    runner: str
+    reason: str
+    episodes: int
 
 
 class InstanceFailed(_OfInstance, tag="instance_failed"):
@@ -329,6 +338,7 @@ _Known = (
     | Drain
     | Undrain
     | RequestFailed
+    | RunnerLost
     | InstanceFailed
     | InstanceUnresponsive
     | InstanceRestartFailed

@@ -93,11 +93,12 @@ def check_resume(run_dir: Path, config: DoraConfig) -> None:
         )
 
 
-def write_run_config(run_dir: Path, config: DoraConfig) -> None:
-    """Save the run's settings as `run_dir/config.toml`, the record a resume is compared with:
-    owner-only, and without `serve.token` (the run's secret stays in its own file)."""
+def write_run_config(run_dir: Path, config: DoraConfig, *, name: str = "config.toml") -> None:
+    """Save the run's settings as `run_dir/config.toml` (or `name`), the record a resume is
+    compared with (and the config serve's runners read): owner-only, and without `serve.token`
+    (the run's secret stays in its own file)."""
     record = msgspec.structs.replace(config, serve=msgspec.structs.replace(config.serve, token=""))
-    path = run_dir / "config.toml"
+    path = run_dir / name
     tmp = path.with_name(f".{path.name}.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as f:

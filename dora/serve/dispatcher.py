@@ -9,7 +9,9 @@ the samples of every group the gate would admit as the orchestrator's demand (`s
 only when the newest version needs the room, and a new version gets all the instances its
 groups need in one plan rather than one per weight load. A group is placed
 on the least loaded such instance (by the orchestrator), started at once, and its `G` episodes run
-concurrently, each with a `LeaseSampler` pinned to the group's version. When admission is refused
+concurrently, each with a `LeaseSampler` pinned to the group's version (or, with
+`serve.runners`, each on an episode runner process that asks serve's router for every call's
+route: `runners.py`). When admission is refused
 the dispatcher waits on the placement's `changed` event (set by every completion, lease end, version
 load and trainer ack), and the time spent waiting is added up per reason (`weights_not_loaded`,
 `invariant`, `no_capacity`, ...).
@@ -47,6 +49,7 @@ from dora.errors import ServerTimeout
 from dora.protocol import Group, Sample, SamplingParams
 from dora.serve.journal import JournaledQueue, Restored
 from dora.serve.placement import Placement
+from dora.serve.runners import RunnerHub
 from dora.serve.running import RunningGroups, group_leases
 from dora.serve.spawn import Spawner
 from dora.serve.stats import ServeStats
@@ -79,8 +82,11 @@ class Dispatcher:
         tasks: PromptStream,
         env_factory: Callable[[], Env],
         renderer: ChatRenderer,
+        runners: RunnerHub | None = None,
     ) -> None:
         self._queue = queue
+        self._runners = runners
+        """Where the episodes run when `serve.runners` is set (else here, in serve's loop)."""
         self._placement = placement
         self._orchestrator = orchestrator
         self._turns = turns
@@ -260,6 +266,8 @@ class Dispatcher:
 
     async def _episode(self, lease_id: str, task: Task) -> Sample:
         try:
+            if self._runners is not None:
+                return await self._runners.run_episode(lease_id, task, self._params)
             return await run_fresh_episode(
                 sampler=self._placement.sampler(lease_id),
                 task=task,

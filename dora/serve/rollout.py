@@ -47,6 +47,7 @@ import logging
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from dora.config import DoraConfig, ServeConfig
 from dora.core.orchestrator import Mode, Orchestrator
@@ -66,6 +67,10 @@ from dora.serve.journal import JournaledQueue, Restored
 from dora.serve.lifecycle import InstanceLifecycle, Replace
 from dora.serve.metrics import MetricsLog, Progress, RolloutReport, SampleLog, Ticker
 from dora.serve.placement import Placement
+
+if TYPE_CHECKING:
+    from dora.serve.runner_processes import LocalRunners
+    from dora.serve.runners import RunnerHub
 from dora.serve.rollback import Rollback
 from dora.serve.router import Router
 from dora.serve.running import RunningGroups
@@ -138,6 +143,7 @@ class Rollout:
         self.trainer.on_restart = self._rollback(config)
         if config.learn.weight_transport == "nccl":
             self._load_by_broadcast(config)
+        self.runners = self._runner_hub(config, run_dir)
         self.dispatcher = Dispatcher(
             config.rollout,
             limits=episode_limits(config),
@@ -154,6 +160,7 @@ class Rollout:
             tasks=tasks,
             env_factory=env_factory,
             renderer=renderer,
+            runners=self.runners[0] if self.runners is not None else None,
         )
         self.evaluator = (
             self._evaluate_while_training(config, eval_tasks, env_factory, renderer)
@@ -173,7 +180,10 @@ class Rollout:
         self.turns = Turns()
         self.router = Router(
             turns=self.turns,
-            kv_migration=config.serve.kv_migration and self._capabilities.kv_migration,
+            # with runners, a move resubmits: an export would have to cross to the runner
+            kv_migration=config.serve.kv_migration
+            and self._capabilities.kv_migration
+            and not config.serve.runners,
             control_timeout_s=config.serve.weight_load_timeout_s,
             stats=self.stats,
             pin_versions=config.rollout.mode != "inflight",
@@ -181,6 +191,27 @@ class Rollout:
         )
         self.orchestrator = self.core.wrap(Orchestrator(mode=Mode(config.rollout.mode)))
         return Placement(self.orchestrator, self.router, metrics=self.metrics, spawn=self.spawn)
+
+    def _runner_hub(
+        self, config: DoraConfig, run_dir: Path
+    ) -> tuple[RunnerHub, LocalRunners] | None:
+        """With `serve.runners`, the runners' port and serve's own runner processes."""
+        if not config.serve.runners:
+            return None
+        from dora.serve.runner_processes import LocalRunners, local_runner_names
+        from dora.serve.runners import RunnerHub
+
+        serve = config.serve
+        hub = RunnerHub(
+            serve,
+            router=self.router,
+            stats=self.stats,
+            spawn=self.spawn,
+            metrics=self.metrics,
+            expected=local_runner_names(serve.runners),
+        )
+        print(f"dora serve: episode runners on {hub.address}", flush=True)
+        return hub, LocalRunners(config, hub=hub, run_dir=run_dir)
 
     def _trainer_link(
         self, config: DoraConfig, link: ServeLink, restored: Restored, sample_log: SampleLog | None
@@ -315,6 +346,9 @@ class Rollout:
                 tg.create_task(self.trainer.receive(), name="trainer-receive")
                 tg.create_task(self.trainer.send(), name="trainer-send")
                 tg.create_task(self.dispatcher.run(), name="dispatcher")
+                if self.runners is not None:
+                    tg.create_task(self.runners[0].run(), name="runners")
+                    tg.create_task(self.runners[1].run(), name="runner-processes")
                 tg.create_task(self.ticker.run(), name="metrics")
                 if self.config.serve.health_timeout_s > 0:
                     tg.create_task(self.lifecycle.health().run(), name="health")
@@ -336,6 +370,11 @@ class Rollout:
             )
             if self._cpu_priority is not None:
                 report.extra["cpu_priority_switches"] = self._cpu_priority.switches
+            if self.runners is not None:
+                self.runners[0].close()
+                for name, n in self.runners[0].episodes_by_runner.items():
+                    report.extra[f"runner_episodes_{name}"] = n
+                report.extra["runner_restarts"] = self.runners[1].restarts
             self.metrics.write(report)
             self.metrics.close()
             self.queue.close()

@@ -37,8 +37,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from array import array
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -46,11 +45,12 @@ import msgspec
 
 from dora.errors import RequestError, ServerError, ServerUnavailable
 from dora.instance import ExportedRequest, InstanceClient, SetBackground
-from dora.protocol import Completion, FinishReason, SamplingParams, as_array, extend_array
+from dora.protocol import Completion, SamplingParams
+from dora.serve.resubmit import complete_calls, generate
 from dora.serve.stats import ServeStats
 from dora.serve.turns import Turns
 
-__all__ = ["InstanceState", "InstanceUsage", "Lease", "LeaseSampler", "Router"]
+__all__ = ["Execute", "InstanceState", "InstanceUsage", "Lease", "LeaseSampler", "Router"]
 
 log = logging.getLogger("dora.serve")
 
@@ -116,6 +116,11 @@ class Lease:
     """Why the orchestrator failed the lease (`Fail`): its next call is refused."""
     session_on: str | None = None
     """The instance that holds the episode's session (its context), if any."""
+
+
+Execute = Callable[[InstanceState, str, int | None, str | None], Awaitable[Completion]]
+"""How one call is made on an instance: (instance, call id, pinned version, session) ->
+completion."""
 
 
 MAX_INTERRUPTS = 32
@@ -241,6 +246,10 @@ class Router:
 
     def sampler(self, lease_id: str) -> LeaseSampler:
         return LeaseSampler(self, lease_id)
+
+    def lease(self, lease_id: str) -> Lease | None:
+        """The open lease `lease_id`, if it is open."""
+        return self.leases.get(lease_id)
 
     def episodes_per_version(self) -> dict[int, dict[str, int]]:
         """The leases of each version, by where their episode is: in an LLM call (`calling`),
@@ -368,25 +377,22 @@ class Router:
         """Calls in flight per version (the version each call's lease is pinned to), now."""
         return dict(sorted(self._serving.items()))
 
-    async def _generate(
-        self,
-        inst: InstanceState,
-        lease: Lease,
-        prompt_ids: Sequence[int],
-        params: SamplingParams,
-        call_id: str,
-    ) -> Completion:
-        version = lease.version if self.pin_versions else None
+    def _session(self, inst: InstanceState, lease: Lease) -> str | None:
+        """The session the lease's call on `inst` names (None without sessions); a session the
+        lease held elsewhere is released first."""
         if not self.sessions:
-            return await inst.client.generate(
-                prompt_ids, params, request_id=call_id, version=version
-            )
+            return None
         if lease.session_on != inst.id:
             self._release_session(lease)
             lease.session_on = inst.id
-        return await inst.client.generate(
-            prompt_ids, params, request_id=call_id, version=version, session=lease.id
-        )
+        return lease.id
+
+    def restart(self, lease_id: str) -> None:
+        """The lease's episode starts again from its beginning (its runner was lost): the
+        context its session held is of no use any more."""
+        lease = self.leases.get(lease_id)
+        if lease is not None:
+            self._release_session(lease)
 
     async def call(
         self,
@@ -399,6 +405,28 @@ class Router:
         """One call on the lease's instance: a generate, or the import of an exported request
         (continues without re-prefill; its completion holds the exported tokens too). Returns
         (completion, the export if the router interrupted it with KV, interrupted?)."""
+
+        async def execute(
+            inst: InstanceState, call_id: str, version: int | None, session: str | None
+        ) -> Completion:
+            return await generate(
+                inst.client,
+                prompt_ids,
+                params,
+                request_id=call_id,
+                version=version,
+                session=session,
+            )
+
+        return await self.call_with(lease, execute, imported=imported)
+
+    async def call_with(
+        self, lease: Lease, execute: Execute, *, imported: ExportedRequest | None = None
+    ) -> tuple[Completion, ExportedRequest | None, bool]:
+        """`call`, with the generate done by `execute(instance, call id, pinned version,
+        session)`: here, or by an episode runner that calls the instance itself
+        (`dora.serve.runners`). Every rule of a call (routing, in-flight counts, cuts,
+        interrupts, failures) is the same either way."""
         while lease.instance is None:  # parked; a resume may be followed by another park
             await lease.placed.wait()  # before this task runs again, so look once more
             if lease.failed is not None:
@@ -410,13 +438,16 @@ class Router:
         version = lease.version
         self._begin(inst, version)
         completion: Completion | None = None
+        future: asyncio.Future[ExportedRequest | None] | None = None
         cut = asyncio.timeout(None if inst.alive else 0)
         try:
             async with cut:
                 inst.cuts.add(cut)
                 try:
                     if imported is None:
-                        completion = await self._generate(inst, lease, prompt_ids, params, call_id)
+                        pin = version if self.pin_versions else None
+                        session = self._session(inst, lease)
+                        completion = await execute(inst, call_id, pin, session)
                     else:
                         self.stats.kv_migrations += 1
                         completion = await inst.client.import_request(
@@ -435,7 +466,8 @@ class Router:
         finally:
             self._end(inst, version, 0 if completion is None else len(completion.token_ids))
             lease.call_id = lease.call_instance = None
-        future, lease.interrupt = lease.interrupt, None
+            # also when the call raised: a later move must be able to interrupt the next call
+            future, lease.interrupt = lease.interrupt, None
         if completion is None:
             # The instance is gone, and the tokens of this call with it. The failure handler
             # moves (or parks) every lease it held; the caller resubmits the tokens it has.
@@ -465,79 +497,19 @@ class LeaseSampler:
         return self._router.leases[self._lease_id]
 
     async def generate(self, prompt_ids: Sequence[int], params: SamplingParams) -> Completion:
-        # The prompt as a typed array from here on (the episode runner's already is): a list given
-        # is freed now instead of being walked by every collection while the call is in flight.
-        prompt = as_array("i", prompt_ids)
-        del prompt_ids
-        lease = self.lease
-        turns = self._router.turns
-        # What the calls so far sampled, in typed arrays: the episode waits for its loop turn
-        # holding them, and each garbage collection walks every item of a list it finds (at 128
-        # instances, answers of up to 30,000 tokens waiting made most of a collection's work).
-        sampled = _Sampled()
-        imported: ExportedRequest | None = None
-        finish: FinishReason
-        while True:
-            # An interrupted call is continued: the next call's prompt ends with its tokens.
-            left = params.max_tokens - len(sampled.tokens)
-            if left <= 0:
-                finish = "length"
-                break
-            await turns.take()  # building and sending the request: one stretch among many
-            try:
-                part, exported, interrupted = await self._router.call(
-                    lease,
-                    prompt + sampled.tokens if sampled.tokens else prompt,
-                    msgspec.structs.replace(params, max_tokens=left),
-                    imported=imported,
-                )
-            except RequestError as exc:
-                # The instance refused this request as malformed (e.g. too long for it): the
-                # episode ends with "error" and the runner masks its sample; the run goes on.
-                log.warning("request of episode %s refused: %s", lease.id, exc)
-                finish = "error"
-                break
-            done = len(imported.token_ids) if imported is not None else 0
-            imported = None
-            if exported is not None and exported.kv and exported.version == lease.version:
-                # KV migration (not to another version: partial mode resubmits). The export
-                # holds this call's tokens; the next call imports them and continues.
-                sampled.add(exported.token_ids, exported.logprobs, exported.versions, done)
-                imported = exported
-            else:
-                sampled.add(part.token_ids, part.logprobs, part.versions, done)
-                finish = part.finish_reason
-            del part, exported
-            await turns.take()  # the answers of many instances arrive in one loop iteration
-            if imported is not None:
-                continue
-            if not interrupted:
-                break
-            self._router.stats.resubmissions += 1
-        return Completion(
-            request_id=lease.id,
-            token_ids=sampled.tokens,
-            logprobs=sampled.logprobs,
-            versions=sampled.versions,
-            finish_reason=finish,
-            prompt_tokens=len(prompt),
+        lease, router = self.lease, self._router
+
+        async def call_once(
+            prompt: Sequence[int], left: SamplingParams, imported: ExportedRequest | None
+        ) -> tuple[Completion, ExportedRequest | None, bool]:
+            return await router.call(lease, prompt, left, imported=imported)
+
+        return await complete_calls(
+            call_once,
+            prompt_ids,
+            params,
+            name=lease.id,
+            version=lambda: lease.version,
+            turns=router.turns,
+            stats=router.stats,
         )
-
-
-class _Sampled:
-    """The tokens, behaviour log-probs and versions an episode's call has sampled so far."""
-
-    def __init__(self) -> None:
-        self.tokens = array("i")
-        self.logprobs = array("f")
-        self.versions = array("i")
-
-    def add(
-        self, tokens: Sequence[int], logprobs: Sequence[float], versions: Sequence[int], skip: int
-    ) -> None:
-        """Append a call's tokens, log-probs and versions after the first `skip` (already here)."""
-        if skip:
-            tokens, logprobs, versions = tokens[skip:], logprobs[skip:], versions[skip:]
-        extend_array(self.tokens, tokens)
-        extend_array(self.logprobs, logprobs)
-        extend_array(self.versions, versions)

@@ -174,6 +174,7 @@ class Snapshots:
             held_back_loads=self._orchestrator.held_back_loads,
             **{f"requests_failed_{r.value}": n for r, n in self._orchestrator.failures().items()},
             **SESSION_COUNTS.summary(),  # calls that sent only what is new, and the fallbacks
+            **st.runner_counts(),
         )
         reasons = dict(h.masked_reasons)
         for reason, n in st.masked_reasons.items():

@@ -55,6 +55,26 @@ class ServeStats:
     """Calls lost because their instance became unreachable."""
     max_versions_serving: int = 0
     """Most distinct versions with calls in flight at the same moment (exact, from the router)."""
+    # the episode runners' (`runners.py`)
+    runner_reruns: int = 0
+    """Episodes run again from their start because their runner was lost."""
+    runners_lost: int = 0
+    runners_refused: int = 0
+    """Hellos refused: without the token, or naming a runner already connected."""
+    runner_results_ignored: int = 0
+    """Episode results from a runner that did not own the episode (any more), or sent twice."""
+    runner_frames_dropped: int = 0
+    """Frames that did not decode, or came from a peer that is not an admitted runner."""
+
+    def runner_counts(self) -> dict[str, int]:
+        """The runners' counters, as the summary names them."""
+        return {
+            "runner_reruns": self.runner_reruns,
+            "runners_lost": self.runners_lost,
+            "runners_refused": self.runners_refused,
+            "runner_results_ignored": self.runner_results_ignored,
+            "runner_frames_dropped": self.runner_frames_dropped,
+        }
 
     def router_counts(self) -> dict[str, int]:
         """The router's counters, as the `tick` records and the summary name them."""

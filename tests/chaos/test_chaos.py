@@ -1,7 +1,10 @@
 """Chaos: `dora run` on the math example, made small, while an instance, the trainer and `dora
 serve` are each killed once (SIGKILL) at random moments drawn from a seed; and, in one more seed,
 while an instance is stopped (SIGSTOP) for longer than `serve.health_timeout_s`: hung, not gone,
-it must be declared dead and replaced by serve itself, with no serve restart.
+it must be declared dead and replaced by serve itself, with no serve restart; and, in one more,
+while the episodes run on two runner processes (`serve.runners = 2`) and one of them is killed:
+its episodes run again from their start on the other, on the same version, and serve starts a new
+runner, with no serve restart.
 
 The run must finish on its own (dora run restarts what died, serve restores its journal, the
 trainer resumes from its last checkpoint; the checkpoint interval is 3, so every trainer restart
@@ -60,6 +63,11 @@ def _instances(serve_pid: int) -> list[int]:
     return [pid for pid in _children(serve_pid) if "dora.engine" in _cmdline(pid)]
 
 
+def _runners(serve_pid: int) -> list[int]:
+    """Serve's episode runner processes (`dora runner --connect ...`)."""
+    return [pid for pid in _children(serve_pid) if "runner" in _cmdline(pid)[2:4]]
+
+
 def _trained(run_dir: Path) -> int:
     """Steps trained so far (re-trained steps after a roll-back count again)."""
     path = run_dir / "learn-metrics.jsonl"
@@ -110,6 +118,9 @@ def _kill(run_pid: int, fault: str) -> int | None:
     elif fault == "instance":
         victims = _instances(serve) if serve else []
         victim = victims[0] if victims else None
+    elif fault == "runner":
+        victims = _runners(serve) if serve else []
+        victim = victims[0] if victims else None
     else:
         victim = _side(run_pid, fault)
     if victim is not None:
@@ -140,6 +151,7 @@ RECOVERED = {
     "serve": "restore",
     "learn": "rollback",
     "stall": "instance_unresponsive",
+    "runner": "runner_lost",
 }
 """The rollout record that shows the run saw (instance: its requests moved on, a replacement is
 starting; stall: it missed its health deadline) or recovered from each fault (a new serve
@@ -159,6 +171,7 @@ def _count(run_dir: Path, kind: str) -> int:
         pytest.param(2, FAULTS, "dora", id="seed2-kills"),
         pytest.param(3, FAULTS, "inflight", id="seed3-inflight-kills"),
         pytest.param(4, ("stall",), "dora", id="seed4-stall"),
+        pytest.param(5, ("runner",), "dora", id="seed5-runner-kill"),
     ],
 )
 def test_chaos(tmp_path: Path, seed: int, faults: tuple[str, ...], mode: str) -> None:
@@ -188,6 +201,8 @@ def test_chaos(tmp_path: Path, seed: int, faults: tuple[str, ...], mode: str) ->
         "log.metrics_every_s=0.5",
         f"log.run_dir={run_dir}",
     ]
+    if "runner" in faults:
+        overrides.append("serve.runners=2")
     run = start_dora_run(EXAMPLE, overrides, log=tmp_path / "dora-run.log", cwd=tmp_path)
     seen: set[int] = {run.pid}
     killed: list[tuple[str, int]] = []
@@ -248,6 +263,10 @@ def test_chaos(tmp_path: Path, seed: int, faults: tuple[str, ...], mode: str) ->
     if "stall" in faults:  # serve itself replaced the hung instance
         assert _count(run_dir, "instance_failed") >= 1
         assert extra["instance_restarts"] >= 1, extra
+    if "runner" in faults:  # serve itself started a new runner; the episodes went on elsewhere
+        assert extra["runners_lost"] == 1 and extra["runner_restarts"] == 1, extra
+        assert extra["runner_results_ignored"] == 0, extra
+        assert extra["runner_episodes_local-0"] > 0 and extra["runner_episodes_local-1"] > 0
 
     check_final_checkpoint(run_dir, steps=STEPS)
     check_nothing_left(seen)
