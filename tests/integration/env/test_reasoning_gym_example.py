@@ -1,16 +1,20 @@
 """The reasoning-gym example, shrunk, end to end through `dora run`: RL must raise the reward that
 reasoning-gym's own checker gives.
 
-Shrunk from examples/reasoning_gym/config.toml: the example's warm-up on its training
-problems, then RL at temperature 1 on 4 of its training prompts (every step, 16 samples each), so
-the policy gradient has to raise the sampled accuracy of those prompts within 48 steps (measured
-on a quiet machine: 0.387 -> 0.711 from the first to the last third, about 70 s a run; with a
-200-step warm-up the rise was only 0.097, too close to the margin). Asserted:
-the trainer's mean reward over the last third of the steps is above the first third's by a clear
-margin, every sample was scored (none masked: the checker ran on every episode), and held-out
-evaluations ran on the initial and the final version. A checker that is not reached, an answer
-extracted wrongly (every reward 0) or a trainer that does not learn fails it. The held-out
-accuracy gain of the full example is measured in docs/benchmarks.md, not here (it takes minutes).
+Shrunk from examples/reasoning_gym/config.toml: a short warm-up (WARMUP_STEPS of the example's
+500, on its training words), then RL at temperature 1 and lr 3e-4 on 4 of its training prompts
+(every step, 16 samples each), so the policy gradient has to raise the sampled reward of those
+prompts within STEPS steps. The short warm-up is most of the saving (CI builds it from an empty
+model cache): it teaches the `<answer>` format and part of the reversal, which leaves the
+checker's per-letter credit room to rise. Measured (2026-12-06, load average 1-4.5): rises of
+0.150, 0.096 and 0.143 from the first to the last third (0.102 at lr 1e-4), 39 s a run at load
+1-1.5, up to 201 s at load 3.5-4.5 from other jobs; with
+`learn.lr=1e-12` (a trainer that does not learn) 0.007, which fails. Asserted: the trainer's
+mean reward over the last third of the steps is above the first third's by MARGIN, every sample
+was scored (none masked: the checker ran on every episode), and held-out evaluations ran on the
+initial and the final version. A checker that is not reached, an answer extracted wrongly (every
+reward 0) or a trainer that does not learn fails it. The held-out accuracy gain of the full
+example is measured in docs/benchmarks.md, not here (it takes minutes).
 """
 
 from __future__ import annotations
@@ -29,15 +33,17 @@ CONFIG = ROOT / "examples/reasoning_gym/config.toml"
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
-MARGIN = 0.1
+MARGIN = 0.05
+"""Half the smallest measured rise, seven times the rise of a trainer that does not learn."""
 STEPS = 48
+WARMUP_STEPS = 200
 
 
 def test_reasoning_gym_example_reward_rises(tmp_path: Path) -> None:
     from dora.config import load_config
     from dora.models.prepare import prepare_model
 
-    model_dir = prepare_model(load_config(CONFIG))  # the example's warm-up
+    model_dir = prepare_model(load_config(CONFIG, [f"model.warmup_steps={WARMUP_STEPS}"]))
     run_dir = tmp_path / "run"
     over = [
         f"model.path={json.dumps(str(model_dir))}",
@@ -50,7 +56,7 @@ def test_reasoning_gym_example_reward_rises(tmp_path: Path) -> None:
         "rollout.batch_size=4",
         "rollout.group_size=16",
         "rollout.temperature=1.0",
-        "learn.lr=1e-4",
+        "learn.lr=3e-4",
         f"learn.steps={STEPS}",
         f"learn.checkpoint_every={STEPS}",
         f"log.run_dir={json.dumps(str(run_dir))}",
