@@ -24,7 +24,7 @@ from pathlib import Path
 
 from dora.costs import apply_overrides, preset
 from dora.heap import collector_clock, peak_rss_mb, settle_heap
-from dora.instance.client import SERVER_KEEPALIVE_S
+from dora.instance.transport import SERVER_KEEPALIVE_S
 from dora.looplag import LoopProbe, p99
 
 __all__ = ["main"]
