@@ -3,7 +3,7 @@ unchanged) with simulated instances and a simulated trainer on a virtual clock.
 
 The cost model and its presets are `dora.costs`; workload.py holds the length distributions and
 agentic episodes, modes.py the modes, events.py the event loop, report.py the tables, JSON
-and plot, cli.py the command, calibrate.py the fit of the calibrated constants on the paper's
+and plot, main.py the command, calibrate.py the fit of the calibrated constants on the paper's
 synchronous baseline. docs/simulator.md lists every constant and compares with the DORA paper.
 """
 

@@ -48,7 +48,7 @@ import msgspec
 
 from dora.errors import ConfigError, RequestError, ServerError, ServerTimeout, VersionMismatch
 from dora.instance import Capabilities, ExportedRequest
-from dora.instance.client import generate_body
+from dora.instance.engine_client import generate_body
 from dora.instance.transport import HttpTransport
 from dora.protocol import Completion, FinishReason, SamplingParams
 

@@ -347,11 +347,9 @@ class EngineClient:
         self, request_id: str, *, timeout_s: float | None = None
     ) -> ExportedRequest:
         """Take a running request off this instance, with its sampling state and KV cache."""
-        raw, _ = await self.http.call(
-            "POST",
+        raw, _ = await self.http.post(
             "/control/export",
-            msgspec.json.encode({"request_id": request_id}),
-            "application/json",
+            {"request_id": request_id},
             timeout_s or self.control_timeout_s,
             "export",
         )
