@@ -19,7 +19,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "learn": ("dora.learn.main", "main", "trainer side: receives groups, trains, publishes"),
     "run": ("dora.launch", "main", "serve + learn on one machine, one progress display"),
     "runner": ("dora.serve.runner_main", "main", "an episode runner attached to a dora serve"),
-    "simulate": ("dora.sim.cli", "main", "plan a cluster run: modes compared on a cost model"),
+    "simulate": ("dora.sim.main", "main", "plan a cluster run: modes compared on a cost model"),
     "report": ("dora.report", "main", "plots and tables of a finished or running run"),
     "config": ("dora.cli", "config_main", "show the resolved config, or write docs/config.md"),
     "export": ("dora.learn.export", "main", "merge a LoRA run's adapter into a Hugging Face model"),

@@ -24,7 +24,7 @@ from dora.bench.cpu_costs import one_core_serve, overrides, setup_for, write_len
 from dora.bench.cpu_measure import measure
 from dora.config import load_config
 from dora.costs import preset
-from dora.sim.cli import run_modes
+from dora.sim.main import run_modes
 from dora.sim.report import render, summarize
 
 __all__ = ["main"]

@@ -23,8 +23,8 @@ import time
 from pathlib import Path
 
 from dora.costs import apply_overrides, preset
-from dora.heap import collector_clock, peak_rss_mb, settle_heap
-from dora.instance.client import SERVER_KEEPALIVE_S
+from dora.gc_settings import collector_clock, peak_rss_mb, settle_heap
+from dora.instance.transport import SERVER_KEEPALIVE_S
 from dora.looplag import LoopProbe, p99
 
 __all__ = ["main"]

@@ -16,7 +16,7 @@ import signal
 import sys
 
 from dora.engine.batcher import BatcherConfig
-from dora.heap import settle_heap
+from dora.gc_settings import settle_heap
 from dora.lifetime import die_with_parent_from_env
 
 

@@ -45,8 +45,8 @@ from dora.engine.worker import EngineWorker
 from dora.errors import ConfigError
 from dora.instance import api, wire
 from dora.instance import mux_server as mux
-from dora.instance.client import SERVER_KEEPALIVE_S
 from dora.instance.session_store import SessionStore, UnknownSession
+from dora.instance.transport import SERVER_KEEPALIVE_S
 from dora.net import is_loopback
 from dora.protocol import SamplingParams
 

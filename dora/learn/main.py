@@ -31,7 +31,7 @@ from pathlib import Path
 
 from dora.config import DoraConfig, load_config
 from dora.errors import ConfigError
-from dora.heap import settle_heap
+from dora.gc_settings import settle_heap
 from dora.lifetime import die_with_parent
 from dora.rundir import own_run_dir, resolve_run_dir
 from dora.secret import with_run_token

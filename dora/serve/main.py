@@ -39,8 +39,8 @@ import msgspec
 from dora.config import DoraConfig, default_sections
 from dora.dryrun import count_gpus
 from dora.errors import ConfigError
+from dora.gc_settings import collector_clock, settle_heap
 from dora.gpu_plan import PINNED, GpuPlan, plan_gpus, visible_devices
-from dora.heap import collector_clock, settle_heap
 from dora.lifetime import mark_ready
 from dora.records import write_summary
 from dora.resume import check_resumable, keep_run_config

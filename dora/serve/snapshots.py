@@ -8,7 +8,7 @@ import time
 from collections.abc import Callable
 
 from dora.core.orchestrator import Orchestrator
-from dora.heap import peak_rss_mb
+from dora.gc_settings import peak_rss_mb
 from dora.instance.callcpu import CALL_CPU
 from dora.instance.session import SESSION_COUNTS
 from dora.link import ServeLink

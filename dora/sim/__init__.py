@@ -2,9 +2,10 @@
 unchanged) with simulated instances and a simulated trainer on a virtual clock.
 
 The cost model and its presets are `dora.costs`; workload.py holds the length distributions and
-agentic episodes, modes.py the modes, events.py the event loop, report.py the tables, JSON
-and plot, cli.py the command, calibrate.py the fit of the calibrated constants on the paper's
-synchronous baseline. docs/simulator.md lists every constant and compares with the DORA paper.
+agentic episodes, modes.py the modes, events.py the event loop and its instances, steps.py the
+trainer, report.py the tables, JSON and plot, main.py the command, calibrate.py the fit of the
+calibrated constants on the paper's synchronous baseline. docs/simulator.md lists every constant
+and compares with the DORA paper.
 """
 
 from dora.sim.events import Run, simulate

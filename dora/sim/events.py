@@ -25,8 +25,8 @@ The driver follows the sans-IO contract (docs/scheduling.md):
 - every action of the orchestrator is carried out in order: `Load` takes `weight_sync_s`,
   `Migrate` moves the sequence with its KV cache (or re-prefills it), `Park` keeps the tokens so
   far and drops the KV cache, `Resume` re-prefills;
-- completed groups go to the queue; what it assigns streams to the trainer. Colocated modes pause
-  every instance while the trainer holds the GPUs.
+- completed groups go to the queue; what it assigns goes to the simulated trainer (steps.py).
+  Colocated modes pause every instance while the trainer holds the GPUs.
 """
 
 from __future__ import annotations
@@ -50,6 +50,7 @@ from dora.costs import Setup, decode_seconds, decode_steps
 from dora.errors import SchedulingError
 from dora.sim.modes import ModePlan
 from dora.sim.state import Group, Inst, Req, Run
+from dora.sim.steps import Steps
 from dora.sim.workload import Workload, chain_s
 
 __all__ = ["Run", "simulate"]
@@ -87,12 +88,7 @@ class _Sim:
         self.paused = False
         self.demand = 0  # samples reported to the orchestrators as waiting for room
         self.done = False
-        self.step_count = [0] * setup.steps
-        self.step_tokens = [0] * setup.steps
-        self.step_chain: list[Group | None] = [None] * setup.steps  # each step's longest chain
-        self.step_version: list[Counter[int]] = [Counter() for _ in range(setup.steps)]
-        self.trainer_until = 0.0
-        self.trainer_gpus = plan.train_gpus
+        self.steps = Steps(setup, plan, self.run)
         self.last = 0.0  # integrals over time since `last`
         self.n_busy = self.n_running = 0
         self.acc_busy = self.acc_running = self.acc_train = self.acc_rollout = 0.0
@@ -107,7 +103,7 @@ class _Sim:
         dt = now - self.last
         if dt <= 0:
             return
-        train = max(0.0, min(now, self.trainer_until) - self.last)
+        train = max(0.0, min(now, self.steps.until) - self.last)
         self.acc_busy += self.n_busy * dt
         self.acc_running += self.n_running * dt
         self.acc_train += train
@@ -502,45 +498,12 @@ class _Sim:
             self.take(a, self.groups.pop(a.group_id))
 
     def take(self, a: Assigned, group: Group) -> None:
-        s, k, tokens = self.s, self.p.staleness, group.tokens
-        top = self.step_chain[a.step]
-        if top is None or group.chain_s > top.chain_s:
-            self.step_chain[a.step] = group
-        stale = a.step - a.version
-        if not 0 <= stale <= k:
-            raise SchedulingError(f"staleness {stale} outside [0, {k}] for {a}")
-        self.run.staleness.append(stale)
-        self.step_count[a.step] += 1
-        self.step_tokens[a.step] += tokens
-        self.step_version[a.step][a.version] += 1
-        full = self.step_count[a.step] == s.groups_per_step
-        if self.p.colocated:
-            if full:
-                self.pause_all()
-                start = max(self.trainer_until, self.now)
-                self.train(start, s.train_s(self.step_tokens[a.step], self.trainer_gpus))
-                self.trained_at(a.step)
+        end = self.steps.take(a, group, self.now)
+        if end is None:
             return
-        if s.stream_training:
-            self.train(max(self.trainer_until, self.now), s.train_s(tokens, self.trainer_gpus))
-            if full:
-                self.trained_at(a.step)
-        elif full:
-            start = max(self.trainer_until, self.now)
-            self.train(start, s.train_s(self.step_tokens[a.step], self.trainer_gpus))
-            self.trained_at(a.step)
-
-    def train(self, start: float, work: float) -> None:
-        tr = self.run.trainer
-        if tr and start <= tr[-1][1] + _EPS:
-            tr[-1][1] = start + work
-        else:
-            tr.append([start, start + work])
-        self.trainer_until = start + work
-
-    def trained_at(self, step: int) -> None:
-        self.train(self.trainer_until, self.s.train_step_overhead_s)
-        self.at(self.trainer_until, _TRAINED, step)
+        if self.p.colocated:
+            self.pause_all()  # the trainer holds every GPU until the step is trained
+        self.at(end, _TRAINED, a.step)
 
     def pause_all(self) -> None:
         self.paused = True
@@ -554,13 +517,7 @@ class _Sim:
         self.q.on_durable(step)
         run = self.run
         run.step_end_s.append(self.now)
-        run.step_tokens.append(self.step_tokens[step])
-        top = self.step_chain[step]
-        assert top is not None
-        run.step_chain_s.append(top.chain_s)
-        run.step_chain_group.append((top.version, top.admitted_s, top.done_s))
-        run.step_groups.append(self.step_count[step])
-        run.step_versions.append(dict(self.step_version[step]))
+        self.steps.record(step)
         run.snapshots.append(
             (self.now, self.acc_busy, self.acc_running, self.acc_train, self.acc_rollout)
         )
@@ -570,7 +527,7 @@ class _Sim:
         if step == self.s.steps - 1:
             self.done = True
             return
-        if self.paused and self.trainer_until <= self.now + _EPS:
+        if self.paused and self.steps.until <= self.now + _EPS:
             self.paused = False
             for inst in self.insts.values():
                 inst.paused = False

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import argparse
 
-from dora.sim.cli import build_setup
 from dora.sim.events import simulate
+from dora.sim.main import build_setup
 from dora.sim.modes import PAPER_MODES, plan
 from dora.sim.report import summarize
 

@@ -30,13 +30,10 @@ import tempfile
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Literal
 
-import msgspec
-
 from dora.errors import RequestError, ServerError, ServerTimeout, VersionMismatch
 from dora.instance import Capabilities
-from dora.instance.client import ClientOptions
 from dora.protocol import Completion, SamplingParams
-from dora.vllm.client import VllmClient, write_safetensors
+from dora.vllm.client import VllmClient, VllmOptions, write_safetensors
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
@@ -62,7 +59,7 @@ class VllmAdapterClient(VllmClient):
         base_url: str,
         *,
         stage_dir: str | None = None,
-        **options: Unpack[ClientOptions],
+        **options: Unpack[VllmOptions],
     ) -> None:
         super().__init__(base_url, version=0, stage_dir=stage_dir, **options)
         self.held: set[int] = {0}
@@ -177,8 +174,7 @@ class VllmAdapterClient(VllmClient):
     async def _lora_route(self, path: str, body: Json, what: str) -> None:
         """vLLM's LoRA routes answer with a line of plain text, not JSON; an error is a 4xx/5xx
         (`RequestError`/`ServerError`), as on every route."""
-        data = msgspec.json.encode(body)
-        await self._call("POST", path, data, "application/json", self.control_timeout_s, what)
+        await self.http.post(path, body, self.control_timeout_s, what)
 
     async def _drop_all(self) -> None:
         for version in sorted(self.held - {0}):

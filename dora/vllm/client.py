@@ -1,7 +1,9 @@
 """`VllmClient`: the instance interface (`dora.instance`) over one vLLM OpenAI server.
 
-Same methods and signatures as `dora.instance.EngineClient` (it reuses that client's transport and
-error mapping), so the rollout side drives either backend. What differs is what vLLM lacks:
+It implements `dora.instance.InstanceClient` itself, over the same `HttpTransport` (deadlines,
+error mapping) as the embedded engine's `EngineClient`, so the rollout side drives either backend
+and nothing the engine's client does reaches a vLLM server by inheritance. What differs is what
+vLLM lacks:
 
 - **Versions.** vLLM's completions carry no weight version, so the client is the authority on the
   version its instance holds: it sets it after each successful load (and mirrors it into vLLM's
@@ -23,6 +25,9 @@ error mapping), so the rollout side drives either backend. What differs is what 
   `--logprobs-mode processed_logprobs` (the launcher does) to get `log_softmax(logits / T)`.
 - **No KV migration.** `export_request` aborts the request (the router then resubmits the prompt and
   the tokens so far) and raises `RequestError`; `import_request` always raises.
+- **No sessions, one version.** Every call sends the whole context (`release_session` has nothing
+  to drop); a full-weight instance holds one version, so `unload_weights` is refused without a
+  call (`VllmAdapterClient` holds several, as adapters).
 """
 
 from __future__ import annotations
@@ -36,19 +41,18 @@ import struct
 import uuid
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import Literal, TypedDict
 
+import aiohttp
 import msgspec
 
 from dora.errors import ConfigError, RequestError, ServerError, ServerTimeout, VersionMismatch
-from dora.instance import Capabilities, EngineClient, ExportedRequest
-from dora.instance.client import ClientOptions, generate_body
+from dora.instance import Capabilities, ExportedRequest
+from dora.instance.engine_client import generate_body
+from dora.instance.transport import HttpTransport
 from dora.protocol import Completion, FinishReason, SamplingParams
 
-if TYPE_CHECKING:
-    from typing_extensions import Unpack
-
-__all__ = ["VllmClient", "write_safetensors"]
+__all__ = ["VllmClient", "VllmOptions", "write_safetensors"]
 
 Json = dict[str, object]
 _FINISH: dict[str, FinishReason] = {"stop": "stop", "length": "length", "abort": "abort"}
@@ -61,7 +65,16 @@ _GAUGES = {
 }
 
 
-class VllmClient(EngineClient):
+class VllmOptions(TypedDict, total=False):
+    """`VllmClient`'s deadlines and connection, for a client built on it that passes them on."""
+
+    timeout_s: float
+    control_timeout_s: float
+    token: str | None
+    session: aiohttp.ClientSession | None
+
+
+class VllmClient:
     """Talks to one vLLM server at `base_url`, which holds `version` when the client is made."""
 
     capabilities = Capabilities(kv_migration=False, lora_versions=False)
@@ -73,13 +86,20 @@ class VllmClient(EngineClient):
         *,
         version: int = 0,
         stage_dir: str | None = None,
-        **options: Unpack[ClientOptions],
+        timeout_s: float = 600.0,
+        control_timeout_s: float = 120.0,
+        token: str | None = None,
+        session: aiohttp.ClientSession | None = None,
     ) -> None:
         """`stage_dir`: a folder this process writes and the server reads (the same host, or a
         shared file system); raw tensors are loaded through a safetensors file there instead of
-        base64 JSON over HTTP (which costs a third more bytes and a JSON parse). `options`:
-        `EngineClient`'s (timeouts, token, session), with its defaults."""
-        super().__init__(base_url, **options)
+        base64 JSON over HTTP (which costs a third more bytes and a JSON parse). `timeout_s`:
+        a generate's deadline; `control_timeout_s`: a load's or control call's; `session`: the
+        caller's aiohttp session (else one of the client's own)."""
+        self.http = HttpTransport(base_url, token=token, session=session)
+        self.base_url = self.http.base_url
+        self.timeout_s = timeout_s
+        self.control_timeout_s = control_timeout_s
         self.version = version
         self.stage_dir = stage_dir
         self.loads = 0
@@ -87,6 +107,15 @@ class VllmClient(EngineClient):
         self._ready.set()
         self._load_lock = asyncio.Lock()
         self._inflight: dict[str, asyncio.Future[Completion]] = {}
+
+    async def __aenter__(self) -> VllmClient:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        await self.http.close()
 
     # -- the instance interface --------------------------------------------------------------------
 
@@ -109,6 +138,9 @@ class VllmClient(EngineClient):
                 f"generate: {self.base_url} holds version {held}, the request needs {version}"
             )
         return await self._complete(prompt_ids, params, request_id, held, timeout_s)
+
+    def release_session(self, session: str) -> None:
+        """vLLM keeps no sessions (`capabilities.sessions` is False): nothing to drop."""
 
     async def _complete(
         self,
@@ -135,7 +167,9 @@ class VllmClient(EngineClient):
         done: asyncio.Future[Completion] = asyncio.get_running_loop().create_future()
         self._inflight[request_id] = done
         try:
-            out = await self._post("/v1/completions", body, timeout_s or self.timeout_s, "generate")
+            out = await self.http.post_json(
+                "/v1/completions", body, timeout_s or self.timeout_s, "generate"
+            )
             completion = _completion(out, request_id, len(prompt_ids), version)
         except BaseException:
             done.cancel()  # an abort waiting on it learns that no completion came back
@@ -245,6 +279,14 @@ class VllmClient(EngineClient):
             "worker": out.get("results", []) if isinstance(out, dict) else [],
         }
 
+    async def unload_weights(self, version: int, *, timeout_s: float | None = None) -> Json:
+        """Refused without a call: a full-weight instance holds one version
+        (`capabilities.lora_versions` is False)."""
+        raise RequestError(
+            f"unload: {self.base_url} holds one version (full weights, no adapters); "
+            f"version {version} is not dropped"
+        )
+
     async def abort(self, request_id: str, *, timeout_s: float | None = None) -> Completion:
         """Stop a request; return what it sampled so far (the whole completion if it finished
         meanwhile). A request this client is not running gets `RequestError`."""
@@ -292,12 +334,12 @@ class VllmClient(EngineClient):
         raise RequestError("import: vLLM instances cannot import a KV cache; resubmit instead")
 
     async def health(self, *, timeout_s: float = 5.0) -> Json:
-        await self._call("GET", "/health", None, None, timeout_s, "health")
+        await self.http.call("GET", "/health", None, None, timeout_s, "health")
         return {"status": "ok", "version": self.version, "paused": not self._ready.is_set()}
 
     async def metrics(self, *, timeout_s: float = 5.0) -> Json:
         """The engine's keys (running, waiting, kv_usage, version) from vLLM's Prometheus text."""
-        raw, _ = await self._call("GET", "/metrics", None, None, timeout_s, "metrics")
+        raw, _ = await self.http.call("GET", "/metrics", None, None, timeout_s, "metrics")
         out: Json = {"version": self.version, "paused": not self._ready.is_set()}
         for line in raw.decode(errors="replace").splitlines():
             name, _, rest = line.partition("{")
@@ -310,7 +352,7 @@ class VllmClient(EngineClient):
 
     async def read_version(self, *, timeout_s: float = 5.0) -> int | None:
         """The version label the server holds (`/weight_info`), if dora set it; None otherwise."""
-        raw, _ = await self._call("GET", "/weight_info", None, None, timeout_s, "weight info")
+        raw, _ = await self.http.call("GET", "/weight_info", None, None, timeout_s, "weight info")
         label = msgspec.json.decode(raw).get("weight_version")
         try:
             return int(label)
@@ -325,10 +367,7 @@ class VllmClient(EngineClient):
         return await self._control(path, body, what)
 
     async def _control(self, path: str, body: Json | None, what: str) -> object:
-        data = None if body is None else msgspec.json.encode(body)
-        raw, _ = await self._call(
-            "POST", path, data, "application/json", self.control_timeout_s, what
-        )
+        raw, _ = await self.http.post(path, body, self.control_timeout_s, what)
         return msgspec.json.decode(raw) if raw.strip() else None
 
 

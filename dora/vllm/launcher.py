@@ -48,7 +48,7 @@ import aiohttp
 
 from dora.errors import ConfigError, ServerTimeout, ServerUnavailable
 from dora.instance import InstanceHandle
-from dora.instance.client import SERVER_KEEPALIVE_S
+from dora.instance.transport import SERVER_KEEPALIVE_S
 from dora.lifetime import PARENT_ENV
 from dora.net import free_port, is_loopback
 from dora.vllm.adapters import VllmAdapterClient

@@ -22,6 +22,7 @@ import pytest
 from aiohttp import web
 
 from dora.errors import RequestError, ServerError, ServerUnavailable, VersionMismatch
+from dora.instance import EngineClient, InstanceClient
 from dora.protocol import SamplingParams
 from dora.vllm.client import VllmClient
 from dora.vllm.launcher import VllmSpec, server_command, server_env
@@ -52,7 +53,13 @@ class FakeVllm:
         app.router.add_post("/v1/unload_lora_adapter", self.lora)
         app.router.add_get("/health", self.health)
         app.router.add_get("/weight_info", self.weight_info)
+        app.router.add_route("*", "/{tail:.*}", self.unknown)
         return app
+
+    async def unknown(self, request: web.Request) -> web.Response:
+        """A route vLLM does not serve (the embedded engine's, say): recorded, then 404."""
+        self.calls.append(f"unknown:{request.path}")
+        return web.json_response({"error": {"message": "Not Found"}}, status=404)
 
     async def health(self, request: web.Request) -> web.Response:
         return web.Response()
@@ -294,6 +301,30 @@ async def test_abort_returns_tokens_so_far_and_repeats(fake: tuple[FakeVllm, Vll
         await client.abort("a")
     with pytest.raises(RequestError):  # no KV export; it aborts instead
         await client.export_request("a")
+
+
+def test_vllm_client_implements_the_interface_itself() -> None:
+    """Every method of the instance interface is written for vLLM, none inherited from the
+    embedded engine's client: what vLLM lacks cannot be a forgotten override."""
+    assert not issubclass(VllmClient, EngineClient)
+    members = [name for name in vars(InstanceClient) if not name.startswith("_")]
+    assert {"generate", "load_weights", "unload_weights", "release_session"} <= set(members)
+    for name in members:
+        owner = next(c for c in VllmClient.__mro__ if name in vars(c))
+        assert owner.__module__.startswith("dora.vllm"), (name, owner)
+
+
+async def test_vllm_client_calls_no_route_vllm_lacks(fake: tuple[FakeVllm, VllmClient]) -> None:
+    """A full-weight vLLM client holds one version: unload is refused without a call, a session
+    is nothing to release, and there is no engine thread to move to the background."""
+    server, client = fake
+    with pytest.raises(RequestError, match="one version"):
+        await client.unload_weights(0)
+    client.release_session("s")
+    await client.generate([1], SamplingParams(max_tokens=1), request_id="r", version=0)
+    await client.health()
+    assert not hasattr(client, "set_background")
+    assert [c for c in server.calls if c.startswith("unknown:")] == []
 
 
 async def test_unreachable_server() -> None:

@@ -29,7 +29,7 @@ from vllm_helpers import MAX_MODEL_LEN, max_abs_diff, needs_vllm, reference_logp
 from dora.engine import EngineClient, EngineServer
 from dora.engine.batcher import BatcherConfig
 from dora.errors import RequestError, ServerUnavailable, VersionMismatch
-from dora.instance.client import KEEPALIVE_S, SERVER_KEEPALIVE_S
+from dora.instance.transport import KEEPALIVE_S, SERVER_KEEPALIVE_S
 from dora.protocol import SamplingParams
 from dora.serve.instances import InstanceHandle
 from dora.vllm.client import VllmClient

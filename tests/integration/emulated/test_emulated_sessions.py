@@ -125,4 +125,4 @@ async def test_session_fields_that_do_not_fit_are_refused() -> None:
             ({"prompt": [], "session_id": "s"}, "prompt is empty"),
         ):
             with pytest.raises(RequestError, match=f"HTTP 400: .*{why}"):
-                await client._post("/v1/completions", body, 10.0, "generate")
+                await client.http.post_json("/v1/completions", body, 10.0, "generate")

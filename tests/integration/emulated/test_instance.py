@@ -113,7 +113,9 @@ async def test_versions_loads_and_bad_requests() -> None:
         done = await a.generate(PROMPT, SamplingParams(max_tokens=3), request_id="v/0#2", version=1)
         assert list(done.versions) == [1, 1, 1] and done.finish_reason == "length"
         with pytest.raises(RequestError, match="unknown field"):
-            await a._post("/v1/completions", {"prompt": PROMPT, "max_token": 3}, 5, "generate")
+            await a.http.post_json(
+                "/v1/completions", {"prompt": PROMPT, "max_token": 3}, 5, "generate"
+            )
         with pytest.raises(RequestError, match="unknown request_id"):
             await a.abort("nobody")
         health = await a.health()

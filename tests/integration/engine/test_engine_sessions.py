@@ -47,7 +47,9 @@ async def test_session_samples_the_same_tokens_as_the_whole_context(
 
 async def test_session_answer_leaves_out_the_context_it_holds(client: EngineClient) -> None:
     body = {"prompt": PROMPT, "max_tokens": 3, "return_token_ids": True, "logprobs": 0}
-    plain = await client._post("/v1/completions", body, 30.0, "generate")
-    kept = await client._post("/v1/completions", {**body, "session_id": "x"}, 30.0, "generate")
+    plain = await client.http.post_json("/v1/completions", body, 30.0, "generate")
+    kept = await client.http.post_json(
+        "/v1/completions", {**body, "session_id": "x"}, 30.0, "generate"
+    )
     assert plain["choices"][0]["prompt_token_ids"] == PROMPT  # type: ignore[index]
     assert "prompt_token_ids" not in kept["choices"][0]  # type: ignore[index]

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from dora.costs import Setup, preset
 from dora.sim import MODES, Run, plan, simulate
-from dora.sim.cli import build_setup
+from dora.sim.main import build_setup
 from dora.sim.report import chain_bound_s, summarize
 
 

@@ -10,14 +10,15 @@ import sys
 
 import msgspec
 
-from dora.heap import YOUNG_THRESHOLD
+from dora.gc_settings import YOUNG_THRESHOLD
 from dora.instance.wire import RecentCompletions
 from dora.protocol import Completion
 
 
 def test_settle_heap_freezes_the_startup_objects_and_widens_the_young_generation() -> None:
     script = (
-        "import gc, json; import dora.heap as h; before = gc.get_freeze_count(); h.settle_heap(); "
+        "import gc, json; import dora.gc_settings as h; before = gc.get_freeze_count(); "
+        "h.settle_heap(); "
         "print(json.dumps([before, gc.get_freeze_count(), gc.get_threshold()]))"
     )
     out = subprocess.run(
@@ -31,7 +32,7 @@ def test_settle_heap_freezes_the_startup_objects_and_widens_the_young_generation
 
 _CLOCK_SCRIPT = """
 import asyncio, gc, json, weakref
-from dora.heap import collector_clock, settle_heap
+from dora.gc_settings import collector_clock, settle_heap
 
 class Node:
     pass

@@ -69,7 +69,7 @@ def test_bad_input_is_a_clear_error(
 
 def test_terminal_output_uses_rich_tables() -> None:
     from dora.sim import plan, simulate, summarize
-    from dora.sim.cli import build_setup
+    from dora.sim.main import build_setup
     from dora.sim.report import render
 
     setup = build_setup("paper-64", ["groups_per_step=16"], steps=2, instances=4)

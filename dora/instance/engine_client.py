@@ -2,38 +2,29 @@
 
 generate (token ids in; token ids, behaviour logprobs and per-token versions out), load_weights,
 abort (returns the tokens so far), health, metrics, and the optional capability export/import
-(migration with the KV cache). Every call has a deadline (`asyncio.timeout`). Failures map onto
-dora.errors: unreachable -> ServerUnavailable, deadline -> ServerTimeout, 409 -> VersionMismatch,
-other 4xx -> RequestError, 5xx -> ServerError; an answer that does not decode (not JSON or msgpack,
-or without the fields the call needs) -> ProtocolError. The client does not retry: the caller owns
-the retry policy.
+(migration with the KV cache). Its calls go over an `HttpTransport` (`transport.py`: deadlines and
+the mapping of failures onto dora.errors; an answer without the fields a call needs is a
+ProtocolError too), generate calls over the multiplexed connection where the server has one
+(`mux.py`). The client does not retry: the caller owns the retry policy.
 """
 
 from __future__ import annotations
 
-import asyncio
-import io
 import logging
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from types import TracebackType
-from typing import Literal, TypedDict, TypeVar
+from typing import Literal
 
 import aiohttp
 import msgspec
 
-from dora.errors import (
-    ProtocolError,
-    RequestError,
-    ServerError,
-    ServerTimeout,
-    ServerUnavailable,
-    VersionMismatch,
-)
+from dora.errors import ProtocolError
 from dora.instance.callcpu import CALL_CPU
 from dora.instance.interface import Capabilities, ExportedRequest
 from dora.instance.mux import MuxConnection, MuxRefused
-from dora.instance.session import UNKNOWN_SESSION, ClientSessions, SessionPlan, SessionUnknown
+from dora.instance.session import ClientSessions, SessionPlan, SessionUnknown
+from dora.instance.transport import HttpTransport, json_object, raise_for
 from dora.protocol import (
     MSGPACK,
     Completion,
@@ -47,7 +38,6 @@ from dora.protocol import (
 )
 
 Json = dict[str, object]
-T = TypeVar("T")
 
 log = logging.getLogger("dora.instance")
 _completion = msgspec.json.Decoder(Completion)
@@ -122,24 +112,6 @@ def _first_choice_json(raw: bytes) -> _FirstChoice | None:
     return c.token_ids, c.logprobs.token_logprobs, c.versions, c.finish_reason
 
 
-KEEPALIVE_S = 120.0
-"""How long a client keeps an idle connection for its next call to the same instance."""
-SERVER_KEEPALIVE_S = 300
-"""How long the servers dora starts keep an idle connection open: longer than `KEEPALIVE_S`, so
-that the client, not the server, closes it. A server that closes first races the client's next
-call on that connection, which then fails with "Server disconnected"."""
-
-
-class ClientOptions(TypedDict, total=False):
-    """`EngineClient`'s keyword arguments, for a subclass that passes them on unchanged."""
-
-    timeout_s: float
-    control_timeout_s: float
-    token: str | None
-    session: aiohttp.ClientSession | None
-    multiplex: bool
-
-
 class EngineClient:
     """Talks to one engine instance at `base_url` (e.g. `http://127.0.0.1:8000`)."""
 
@@ -163,15 +135,13 @@ class EngineClient:
         embedded engine's and the emulated instances'); False: one HTTP request each."""
         if capabilities is not None:
             self.capabilities = capabilities
-        self.base_url = base_url.rstrip("/")
+        self.http = HttpTransport(base_url, token=token, session=session)
+        self.base_url = self.http.base_url
         self.timeout_s = timeout_s
         self.control_timeout_s = control_timeout_s
-        self._headers = {"Authorization": f"Bearer {token}"} if token else {}
-        self._session = session
-        self._own_session = session is None
         self.sessions = ClientSessions()
         """The episodes' contexts this client's instance holds (`dora.instance.session`)."""
-        self.mux = MuxConnection(self.base_url + "/v1/mux", headers=self._headers)
+        self.mux = MuxConnection(self.base_url + "/v1/mux", headers=self.http.headers)
         self.multiplex = multiplex
 
     async def __aenter__(self) -> EngineClient:
@@ -187,9 +157,7 @@ class EngineClient:
 
     async def close(self) -> None:
         await self.mux.close()
-        if self._own_session and self._session is not None:
-            await self._session.close()
-            self._session = None
+        await self.http.close()
 
     # -- the instance interface --------------------------------------------------------------------
 
@@ -257,10 +225,10 @@ class EngineClient:
         if mux is not None:
             status, raw = mux
             if status >= 400:
-                _raise_for(status, raw, "generate")
+                raise_for(status, raw, "generate")
             kind = MSGPACK
         else:
-            raw, kind = await self._call(
+            raw, kind = await self.http.call(
                 "POST",
                 "/v1/completions",
                 data,
@@ -281,7 +249,7 @@ class EngineClient:
         on, logged once."""
         try:
             return await self.mux.call(
-                self._client_session(), data, timeout_s=timeout_s, what="generate"
+                self.http.session(), data, timeout_s=timeout_s, what="generate"
             )
         except MuxRefused as exc:
             self.multiplex = False
@@ -290,7 +258,7 @@ class EngineClient:
 
     def _completion(self, raw: bytes, kind: str, request_id: str, prompt_len: int) -> Completion:
         decode = _first_choice_msgpack if kind == MSGPACK else _first_choice_json
-        choice = self._decode(raw, "generate", decode)
+        choice = self.http.decode(raw, "generate", decode)
         if choice is None:
             raise ProtocolError(f"generate: {self.base_url} answered with no completion choice")
         token_ids, logprobs, versions, finish_reason = choice
@@ -325,7 +293,7 @@ class EngineClient:
                 shapes=[t[1] for t in tensors.values()],
                 data=[t[2] for t in tensors.values()],
             )
-        return await self._post(
+        return await self.http.post_json(
             "/control/load_weights", body, timeout_s or self.control_timeout_s, "load", msgpack=True
         )
 
@@ -333,7 +301,7 @@ class EngineClient:
         """Drop LoRA adapter `version` (embedded engine). Returns {"version", "unloaded",
         "versions"}; `VersionMismatch` (409) while it is the newest or a request still uses it,
         `RequestError` if it is not held."""
-        return await self._post(
+        return await self.http.post_json(
             "/control/unload_weights",
             {"version": version},
             timeout_s or self.control_timeout_s,
@@ -342,7 +310,7 @@ class EngineClient:
 
     async def abort(self, request_id: str, *, timeout_s: float | None = None) -> Completion:
         """Stop a request; return what it sampled so far (the whole completion if it finished)."""
-        out = await self._post(
+        out = await self.http.post_json(
             "/control/abort",
             {"request_id": request_id},
             timeout_s or self.control_timeout_s,
@@ -356,15 +324,19 @@ class EngineClient:
             ) from exc
 
     async def pause(self, *, timeout_s: float | None = None) -> None:
-        await self._post("/control/pause", {}, timeout_s or self.control_timeout_s, "pause")
+        await self.http.post_json(
+            "/control/pause", {}, timeout_s or self.control_timeout_s, "pause"
+        )
 
     async def resume(self, *, timeout_s: float | None = None) -> None:
-        await self._post("/control/resume", {}, timeout_s or self.control_timeout_s, "resume")
+        await self.http.post_json(
+            "/control/resume", {}, timeout_s or self.control_timeout_s, "resume"
+        )
 
     async def set_background(self, background: bool, *, timeout_s: float | None = None) -> None:
         """Step on the engine's idle-policy thread (True: only CPU nothing else wants) or on its
         normal one (serve's CPU priority by deadline)."""
-        await self._post(
+        await self.http.post_json(
             "/control/priority",
             {"background": background},
             timeout_s or self.control_timeout_s,
@@ -375,15 +347,13 @@ class EngineClient:
         self, request_id: str, *, timeout_s: float | None = None
     ) -> ExportedRequest:
         """Take a running request off this instance, with its sampling state and KV cache."""
-        raw, _ = await self._call(
-            "POST",
+        raw, _ = await self.http.post(
             "/control/export",
-            msgspec.json.encode({"request_id": request_id}),
-            "application/json",
+            {"request_id": request_id},
             timeout_s or self.control_timeout_s,
             "export",
         )
-        exported = self._decode(raw, "export", _exported_request.decode)
+        exported = self.http.decode(raw, "export", _exported_request.decode)
         return msgspec.structs.replace(
             exported,
             prompt_ids=as_array("i", exported.prompt_ids),
@@ -396,7 +366,7 @@ class EngineClient:
         self, exported: ExportedRequest, *, timeout_s: float | None = None
     ) -> Completion:
         """Continue an exported request here; returns its whole completion once it finishes."""
-        raw, kind = await self._call(
+        raw, kind = await self.http.call(
             "POST",
             "/control/import",
             encode_msgpack(exported),  # the tokens it holds as arrays travel as lists
@@ -406,116 +376,16 @@ class EngineClient:
             accept=MSGPACK,
         )
         if kind == MSGPACK:
-            return self._decode(raw, "import", _completion_msgpack.decode).unpack()
-        return self._decode(raw, "import", _completion.decode)
+            return self.http.decode(raw, "import", _completion_msgpack.decode).unpack()
+        return self.http.decode(raw, "import", _completion.decode)
 
     async def health(self, *, timeout_s: float = 5.0) -> Json:
-        raw, _ = await self._call("GET", "/health", None, None, timeout_s, "health")
-        return self._decode(raw, "health", _json_object)
+        raw, _ = await self.http.call("GET", "/health", None, None, timeout_s, "health")
+        return self.http.decode(raw, "health", json_object)
 
     async def metrics(self, *, timeout_s: float = 5.0) -> Json:
-        raw, _ = await self._call("GET", "/metrics", None, None, timeout_s, "metrics")
-        return self._decode(raw, "metrics", _json_object)
-
-    # -- transport ---------------------------------------------------------------------------------
-
-    async def _post(
-        self, path: str, body: Json, timeout_s: float, what: str, *, msgpack: bool = False
-    ) -> Json:
-        raw, _ = await self._post_raw(path, body, timeout_s, what, msgpack=msgpack)
-        return self._decode(raw, what, _json_object)
-
-    async def _post_raw(
-        self,
-        path: str,
-        body: Json,
-        timeout_s: float,
-        what: str,
-        *,
-        msgpack: bool = False,
-        accept: str | None = None,
-    ) -> tuple[bytes, str]:
-        """POST `body` as JSON (msgpack with `msgpack`), asking for the answer in `accept`; the
-        answer's bytes and content type."""
-        if msgpack:
-            data, content_type = encode_msgpack(body), MSGPACK
-        else:
-            data, content_type = encode_json(body), "application/json"
-        return await self._call("POST", path, data, content_type, timeout_s, what, accept=accept)
-
-    def _decode(self, raw: bytes, what: str, decode: Callable[[bytes], T]) -> T:
-        try:
-            return decode(raw)
-        except (msgspec.DecodeError, RecursionError) as exc:
-            raise ProtocolError(
-                f"{what}: {self.base_url} answered with a body that does not decode: {exc} "
-                f"({raw[:80]!r})"
-            ) from exc
-
-    async def _call(
-        self,
-        method: str,
-        path: str,
-        data: bytes | None,
-        content_type: str | None,
-        timeout_s: float,
-        what: str,
-        *,
-        accept: str | None = None,
-    ) -> tuple[bytes, str]:
-        """One HTTP call, asking for the answer in `accept` (an `Accept` header) when given: the
-        answer's bytes and content type. An error status raises (see the module docstring)."""
-        session = self._client_session()
-        headers = dict(self._headers)
-        if content_type:
-            headers["Content-Type"] = content_type
-        if accept:
-            headers["Accept"] = accept
-        url = self.base_url + path
-        payload = (
-            io.BytesIO(data) if data is not None and len(data) > 1 << 20 else data
-        )  # big bodies stream
-        try:
-            async with asyncio.timeout(timeout_s):
-                async with session.request(method, url, data=payload, headers=headers) as resp:
-                    raw = await resp.read()
-                    status = resp.status
-                    kind = resp.content_type
-        except TimeoutError as exc:
-            raise ServerTimeout(f"{what}: no answer from {url} within {timeout_s:g} s") from exc
-        except aiohttp.ClientError as exc:
-            raise ServerUnavailable(f"{what}: {url} unreachable: {exc}") from exc
-        if status >= 400:
-            _raise_for(status, raw, what)
-        return raw, kind
-
-    def _client_session(self) -> aiohttp.ClientSession:
-        if self._session is None:
-            # No pool limit (aiohttp's default is 100 connections): serve's admission already
-            # bounds the calls to an instance (vLLM's max_num_seqs is 256), a capped pool would
-            # queue them here, unseen by the instance, while the router counts them as running,
-            # and a health probe must never queue behind long calls. Idle connections are kept
-            # through a training phase, so the next step's calls do not reconnect. Every call has
-            # its own deadline (asyncio.timeout below): no second timer per call.
-            connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=KEEPALIVE_S)
-            self._session = aiohttp.ClientSession(
-                connector=connector, timeout=aiohttp.ClientTimeout(total=None)
-            )
-        return self._session
-
-
-def _raise_for(status: int, raw: bytes, what: str) -> None:
-    """The error of an answer with error `status` (see the module docstring)."""
-    message = _error_message(raw)
-    if status == 404 and _error_type(raw) == UNKNOWN_SESSION:
-        raise SessionUnknown(f"{what}: {message}")
-    if status == 409:
-        raise VersionMismatch(f"{what}: {message}")
-    if status in (502, 503, 504):
-        raise ServerUnavailable(f"{what}: HTTP {status}: {message}")
-    if 400 <= status < 500:
-        raise RequestError(f"{what}: HTTP {status}: {message}")
-    raise ServerError(f"{what}: HTTP {status}: {message}")
+        raw, _ = await self.http.call("GET", "/metrics", None, None, timeout_s, "metrics")
+        return self.http.decode(raw, "metrics", json_object)
 
 
 def generate_body(prompt_ids: Sequence[int], params: SamplingParams, request_id: str) -> Json:
@@ -528,25 +398,3 @@ def generate_body(prompt_ids: Sequence[int], params: SamplingParams, request_id:
         "logprobs": 0,
         "return_token_ids": True,
     }
-
-
-def _json_object(raw: bytes) -> Json:
-    out = msgspec.json.decode(raw)
-    if not isinstance(out, dict):
-        raise msgspec.DecodeError(f"expected a JSON object, got {type(out).__name__}")
-    return out
-
-
-def _error_type(raw: bytes) -> str:
-    try:
-        return str(msgspec.json.decode(raw)["error"]["type"])
-    except (msgspec.DecodeError, KeyError, TypeError):
-        return ""
-
-
-def _error_message(raw: bytes) -> str:
-    try:
-        body = msgspec.json.decode(raw)
-        return str(body["error"]["message"])
-    except (msgspec.DecodeError, KeyError, TypeError):
-        return raw[:200].decode(errors="replace")
