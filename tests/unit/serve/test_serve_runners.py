@@ -158,6 +158,8 @@ async def test_runner_result_it_does_not_own_or_sends_twice_is_ignored(
         await episode_order(a)
         await b.hello("b")
         await b.send(EpisodeDone(lease="g0/0", attempt=1, sample=sample(9.0)))  # not b's
+        await b.send(Beat())
+        assert isinstance(await b.recv(), Beat)  # heard before a reports: a's and b's are 2 streams
         await a.send(EpisodeDone(lease="g0/0", attempt=1, sample=sample(0.25)))
         assert (await episode).reward == 0.25
         await a.send(EpisodeDone(lease="g0/0", attempt=1, sample=sample(0.25)))  # twice
@@ -225,6 +227,11 @@ async def test_runner_silent_past_its_deadline_is_lost_and_its_episode_runs_agai
             assert client.aborted == [route.call_id]  # type: ignore[attr-defined]
             assert router.calls_in_flight("i0") == 0
             await a.send(EpisodeDone(lease="g0/0", attempt=1, sample=sample(7.0)))  # too late
+            # a's and b's sockets are two streams: b reports only once a's result was heard (a,
+            # lost, gets no answer to wait on: the counter is polled)
+            async with asyncio.timeout(5):
+                while hub._stats.runner_results_ignored == 0:  # noqa: ASYNC110
+                    await asyncio.sleep(0.01)
             await b.send(EpisodeDone(lease="g0/0", attempt=2, sample=sample(1.0)))
             assert (await episode).reward == 1.0
         finally:
