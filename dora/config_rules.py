@@ -12,7 +12,7 @@ from dora.net import is_loopback
 if TYPE_CHECKING:
     from dora.config import DoraConfig
 
-__all__ = ["CROSS_FIELD_RULES", "NCCL_MODES", "SAFE_ON_RESUME", "CrossFieldRule", "safe_on_resume"]
+__all__ = ["CROSS_FIELD_RULES", "SAFE_ON_RESUME", "CrossFieldRule", "safe_on_resume"]
 
 
 @dataclass(frozen=True)
@@ -73,10 +73,6 @@ def _inflight_backend(c: DoraConfig) -> str | None:
     )
 
 
-NCCL_MODES = ("sync", "one_step_off", "partial")
-"""The modes in which every instance switches to a version when it is published."""
-
-
 def _nccl_transport(c: DoraConfig) -> str | None:
     if c.learn.weight_transport != "nccl":
         return None
@@ -85,13 +81,6 @@ def _nccl_transport(c: DoraConfig) -> str | None:
         why = (
             f"serve.backend = {c.serve.backend!r}: the broadcast goes to vLLM's weight-transfer "
             "workers; set serve.backend = 'vllm'"
-        )
-    elif c.rollout.mode not in NCCL_MODES:
-        why = (
-            f"rollout.mode = {c.rollout.mode!r}: its instances switch to a new version one by "
-            "one, as their requests of older versions end, and an NCCL broadcast needs every "
-            "instance of the group at once; use rollout.mode = 'sync', 'one_step_off' or "
-            "'partial' (every instance switches at publication)"
         )
     elif c.model.lora.rank > 0:
         why = (
@@ -141,9 +130,8 @@ CROSS_FIELD_RULES: tuple[CrossFieldRule, ...] = (
         _inflight_backend,
     ),
     CrossFieldRule(
-        "`learn.weight_transport = 'nccl'` needs `serve.backend = 'vllm'`, a mode in which every "
-        "instance switches at publication (`sync`, `one_step_off`, `partial`), no LoRA and a real "
-        "trainer",
+        "`learn.weight_transport = 'nccl'` needs `serve.backend = 'vllm'` (so any mode but "
+        "`inflight`), no LoRA and a real trainer",
         _nccl_transport,
     ),
     CrossFieldRule(

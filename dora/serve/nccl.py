@@ -1,22 +1,26 @@
 """Serve's side of `learn.weight_transport = "nccl"`: the instances that switch to a new version
 together get it by one NCCL broadcast from trainer rank 0 instead of from the weight store.
 
-Which instances take part. A round is one version and the instances that were live when the
-first of them became ready to load it (`InstanceLifecycle` calls `load` once an instance is empty
-and its `Load` is due). The run's modes are those in which every instance switches at
-publication (`NCCL_MODES`), so a round normally holds every instance. The broadcast starts when
-the last member is ready; one that is not ready within `serve.weight_load_timeout_s` (busy with an
-older version, dead, replaced) ends the round: the ready members load from the weight store
-(`load` returns False). Only the newest version in the store is broadcast (the one the trainer
-keeps), and only while the trainer runs; any other load, and version 0, comes from the weight
-store as on a CPU.
+Which instances take part. A round is one version and its members, fixed when the first
+instance becomes ready to load the version (`InstanceLifecycle` calls `load` once an instance is
+empty and its `Load` is due); a version has one round. In `sync`, `one_step_off` and `partial`
+every instance switches at publication, so the members are every live instance. In `dora` the
+orchestrator moves instances to a new version one by one, as their requests of older versions
+end: the members are the instances that switch at once, those with a pending `Load` of the
+version and no call in flight when the round forms; an instance that the orchestrator moves later
+loads the version from the weight store. The broadcast starts when the last member is ready; one
+that is not ready within `serve.weight_load_timeout_s` (busy, dead, replaced) ends the round: the
+ready members load from the weight store (`load` returns False). Only the newest version in the
+store is broadcast (the one the trainer keeps), and only while the trainer runs; any other load,
+and version 0, comes from the weight store as on a CPU.
 
 The group. vLLM's NCCL group is fixed when a server joins it (`/init_weight_transfer_engine`:
 rank offset and world size), and a server may join a new one later (vLLM replaces its group). So
 serve opens a group for the members of a round, and keeps it for the next rounds while the
-members stay the same: `NcclOpen` tells trainer rank 0 the group's size, rank 0 answers where it
-listens (`NcclListening`), every member is told to join there (`dora.vllm.nccl.init_group`), and
-rank 0 says the group is open (`NcclDone`, version -1). A failed round drops the group; the next
+members stay the same (in `dora` they often change, and each change opens a new group):
+`NcclOpen` tells trainer rank 0 the group's size, rank 0 answers where it listens
+(`NcclListening`), every member is told to join there (`dora.vllm.nccl.init_group`), and rank 0
+says the group is open (`NcclDone`, version -1). A failed round drops the group; the next
 one opens a new one (its `generation` tells the groups apart on both sides).
 
 The moment of a broadcast. `dora.vllm.nccl.publish` pauses and empties each member (the
@@ -42,6 +46,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 
 from dora.config import ServeConfig
+from dora.core.orchestrator import Mode, Orchestrator
 from dora.errors import ConfigError, DoraError, ServerError
 from dora.protocol import (
     LearnMessage,
@@ -67,6 +72,8 @@ __all__ = ["NcclLoads", "wire_nccl"]
 log = logging.getLogger("dora.serve")
 
 Send = Callable[[ServeMessage], Awaitable[None]]
+Members = Callable[[int], tuple[str, ...]]
+"""The instances of a round of `version` (module doc), sorted."""
 
 
 @dataclass
@@ -90,6 +97,7 @@ class NcclLoads:
         self,
         *,
         clients: Callable[[], Mapping[str, object]],
+        members: Members,
         store: WeightStore,
         send: Send,
         trainer_up: Callable[[], bool] = lambda: True,
@@ -99,6 +107,7 @@ class NcclLoads:
         metrics: MetricsLog,
     ) -> None:
         self._clients = clients
+        self._members = members
         self._store = store
         self._send = send
         self._trainer_up = trainer_up
@@ -123,7 +132,7 @@ class NcclLoads:
         loop = asyncio.get_running_loop()
         rnd = self._round
         if rnd is None or rnd.version != version:
-            members = tuple(sorted(self._clients()))
+            members = self._members(version)
             rnd = self._round = _Round(version, members, loop.time() + self._timeout_s)
         if rnd.closed or instance not in rnd.members:
             return False
@@ -271,9 +280,33 @@ def _why(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}" if not isinstance(exc, DoraError) else str(exc)
 
 
+def round_members(
+    mode: Mode, *, live: Callable[[], Mapping[str, object]], orchestrator: Orchestrator,
+    router: Router,
+) -> Members:  # fmt: skip
+    """Who takes part in a round, by mode (module doc)."""
+    if mode is not Mode.DORA:
+        return lambda version: tuple(sorted(live()))
+
+    def switching(version: int) -> tuple[str, ...]:
+        return tuple(
+            sorted(
+                i
+                for i in live()
+                if (load := orchestrator.pending_load(i)) is not None
+                and load.version == version
+                and router.calls_in_flight(i) == 0
+            )
+        )
+
+    return switching
+
+
 def wire_nccl(
     config: ServeConfig,
     *,
+    mode: Mode,
+    orchestrator: Orchestrator,
     lifecycle: InstanceLifecycle,
     trainer: TrainerLink,
     router: Router,
@@ -283,8 +316,13 @@ def wire_nccl(
 ) -> NcclLoads:
     """Loads by broadcast for serve's live instances: the lifecycle tries them first, and the
     trainer link hands them rank 0's answers."""
+
+    def live() -> dict[str, object]:
+        return {i: c for i, c in router.clients().items() if router.is_alive(i)}
+
     loads = NcclLoads(
-        clients=lambda: {i: c for i, c in router.clients().items() if router.is_alive(i)},
+        clients=live,
+        members=round_members(mode, live=live, orchestrator=orchestrator, router=router),
         store=store,
         send=trainer.link.send,
         trainer_up=lambda: not trainer.trainer_stopped,

@@ -254,6 +254,8 @@ class Rollout:
 
         wire_nccl(
             config.serve,
+            mode=Mode(config.rollout.mode),
+            orchestrator=self.orchestrator,
             lifecycle=self.lifecycle,
             trainer=self.trainer,
             router=self.router,

@@ -17,8 +17,8 @@ from dora.gpu_plan import plan_gpus, visible_devices
 NCCL = ["learn.weight_transport=nccl", "serve.backend=vllm", "rollout.mode=one_step_off"]
 
 
-def test_nccl_transport_is_accepted_with_vllm_in_the_modes_that_switch_every_instance() -> None:
-    for mode in ("sync", "one_step_off", "partial"):
+def test_nccl_transport_is_accepted_with_vllm_in_the_modes_whose_loads_empty_an_instance() -> None:
+    for mode in ("sync", "one_step_off", "partial", "dora"):
         config = load_config(None, [*NCCL, f"rollout.mode={mode}"])
         assert config.learn.weight_transport == "nccl"
         assert config.learn.nccl_address == "127.0.0.1" and config.learn.nccl_port == 0
@@ -30,9 +30,10 @@ def test_nccl_transport_without_the_vllm_backend_is_refused_naming_the_keys() ->
             load_config(None, [*NCCL, f"serve.backend={backend}"])
 
 
-def test_nccl_transport_in_dora_mode_is_refused_saying_why() -> None:
-    with pytest.raises(ConfigError, match=r"rollout.mode = 'dora'.*every instance of the group"):
-        load_config(None, [*NCCL, "rollout.mode=dora"])
+def test_nccl_transport_in_inflight_mode_is_refused_saying_why() -> None:
+    """vLLM cannot run inflight at all: its loads would run under calls the broadcast empties."""
+    with pytest.raises(ConfigError, match=r"rollout.mode = 'inflight' is invalid with serve.backe"):
+        load_config(None, [*NCCL, "rollout.mode=inflight"])
 
 
 def test_nccl_transport_with_lora_or_the_emulated_trainer_is_refused() -> None:

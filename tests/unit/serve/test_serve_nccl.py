@@ -2,7 +2,9 @@
 link, weight store, orchestrator, instance lifecycle, vLLM clients) and the trainer's real sender
 agree on the group and on the moment of each broadcast; a gloo group stands in for NCCL and
 recording doubles of vLLM's routes receive over it. A broadcast the trainer never makes falls
-back to the weight store: counted, logged, and every instance still ends on its version."""
+back to the weight store: counted, logged, and every instance still ends on its version. In dora
+mode only the instances that switch at publication are broadcast to; one that the orchestrator
+moves later loads from the weight store."""
 
 from __future__ import annotations
 
@@ -71,6 +73,7 @@ class Serve:
 
     queue: JournaledQueue
     router: Router
+    placement: Placement
     versions: InstanceVersions
     lifecycle: InstanceLifecycle
     trainer: TrainerLink
@@ -114,10 +117,11 @@ def _serve(config: DoraConfig, run_dir: Path, link: ServeLink, spawn: Spawner) -
         restored=queue.restore(),
     )  # fmt: skip
     wire_nccl(
-        config.serve, lifecycle=lifecycle, trainer=trainer, router=router, store=store,
-        stats=stats, metrics=metrics,
+        config.serve, mode=Mode(config.rollout.mode), orchestrator=orchestrator,
+        lifecycle=lifecycle, trainer=trainer, router=router, store=store, stats=stats,
+        metrics=metrics,
     )  # fmt: skip
-    return Serve(queue, router, versions, lifecycle, trainer, stats, metrics)
+    return Serve(queue, router, placement, versions, lifecycle, trainer, stats, metrics)
 
 
 @dataclass
@@ -218,12 +222,20 @@ async def _until(serve: Serve, predicate: Callable[[], bool], timeout_s: float =
             loaded.clear()
 
 
-def _config(timeout_s: float) -> DoraConfig:
+def _config(timeout_s: float, mode: str = "one_step_off") -> DoraConfig:
     return DoraConfig(
-        rollout=RolloutConfig(mode="one_step_off", batch_size=1, group_size=1, staleness=1),
+        rollout=RolloutConfig(mode=mode, batch_size=1, group_size=1, staleness=1),
         learn=LearnConfig(steps=STEPS, weight_transport="nccl"),
         serve=ServeConfig(backend="vllm", weight_load_timeout_s=timeout_s, weight_load_retries=0),
     )
+
+
+def _assert_weights(servers: list[tuple[GlooVllm, VllmClient]], version: int) -> None:
+    """Every double holds `version`'s tensors and its client says so."""
+    for double, client in servers:
+        assert client.version == version
+        for name, tensor in _version(version).items():
+            assert torch.equal(double.weights[name], tensor), name
 
 
 def _holds(serve: Serve, servers: list[tuple[GlooVllm, VllmClient]], version: int) -> bool:
@@ -283,10 +295,7 @@ async def test_nccl_broadcast_that_times_out_falls_back_to_the_weight_store(
         serve.fill_step(0, 0)
         go()
         await _until(serve, lambda: _holds(serve, servers, 1))
-        for double, client in servers:
-            assert client.version == 1
-            for name, tensor in _version(1).items():
-                assert torch.equal(double.weights[name], tensor), name
+        _assert_weights(servers, 1)
     assert serve.stats.nccl_fallbacks == 2 and serve.stats.nccl_loads == 0
     rpc = [who for who, path, _ in servers_log(servers) if path == "/collective_rpc"]
     assert sorted(rpc) == ["i0", "i1"]
@@ -295,3 +304,30 @@ async def test_nccl_broadcast_that_times_out_falls_back_to_the_weight_store(
     assert fallback["version"] == 1 and fallback["instances"] == ["i0", "i1"]
     assert "broadcast" in fallback["error"]
     assert any("weight store" in r.getMessage() for r in caplog.records)
+
+
+async def test_in_dora_mode_the_instances_that_switch_at_publication_get_the_broadcast(
+    tmp_path: Path,
+) -> None:
+    trainer = Trainer(address="", publish=[1])
+    async with running(_config(timeout_s=30, mode="dora"), tmp_path, trainer, instances=2) as (
+        serve,
+        servers,
+        go,
+    ):
+        busy = serve.placement.place(["old-request"], version=0)  # a long tail of version 0
+        (free,) = [d.name for d, _ in servers if d.name != busy]
+        serve.fill_step(0, 0)
+        go()
+        await _until(serve, lambda: serve.versions.newest(free) == 1)
+        assert serve.versions.newest(busy) == 0  # still sampling version 0
+        serve.placement.end("old-request")  # its tail ends: the orchestrator moves it to 1
+        await _until(serve, lambda: _holds(serve, servers, 1))
+        _assert_weights(servers, 1)
+    assert serve.stats.nccl_loads == 1 and serve.stats.nccl_fallbacks == 0
+    paths = {d.name: [p for who, p, _ in servers_log(servers) if who == d.name] for d, _ in servers}
+    assert "/init_weight_transfer_engine" in paths[free] and "/collective_rpc" not in paths[free]
+    assert "/init_weight_transfer_engine" not in paths[busy] and "/collective_rpc" in paths[busy]
+    assert [m for m in trainer.seen if isinstance(m, NcclOpen)] == [
+        NcclOpen(generation=1, instances=1, tensor_parallel=1)
+    ]
