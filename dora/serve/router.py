@@ -237,12 +237,13 @@ class Router:
         self._release_session(lease)
         return True
 
-    def _release_session(self, lease: Lease) -> None:
-        """The lease's session is no longer needed where it is (the episode ended or left)."""
+    def _release_session(self, lease: Lease, name: str | None = None) -> None:
+        """The lease's session is no longer needed where it is (the episode ended or left);
+        `name`: the session's name where it is not the lease's (a runner's run of the episode)."""
         inst = self.instances.get(lease.session_on or "")
         lease.session_on = None
         if inst is not None:
-            inst.client.release_session(lease.id)
+            inst.client.release_session(name or lease.id)
 
     def sampler(self, lease_id: str) -> LeaseSampler:
         return LeaseSampler(self, lease_id)
@@ -387,12 +388,13 @@ class Router:
             lease.session_on = inst.id
         return lease.id
 
-    def restart(self, lease_id: str) -> None:
+    def restart(self, lease_id: str, *, session: str | None = None) -> None:
         """The lease's episode starts again from its beginning (its runner was lost): the
-        context its session held is of no use any more."""
+        context its session held (named `session` by the lost run, if not after the lease) is of
+        no use any more."""
         lease = self.leases.get(lease_id)
         if lease is not None:
-            self._release_session(lease)
+            self._release_session(lease, session)
 
     async def call(
         self,

@@ -16,9 +16,10 @@ move resubmits): the export would have to cross to the runner.
 
 Failures. A runner whose process exits (serve's own, watched by their handles) or that sends
 nothing for `serve.runner_timeout_s` (a heartbeat goes every fifth of it) is lost: the calls it
-had in flight are aborted on their instances and end in the router, and each of its episodes is
-run again from its start on another runner, on the same lease, so on the same version (C1); the
-group waits for it, nothing is dropped (C2), and the deadline is the group's as before (C3).
+had in flight are aborted on their instances and end in the router, the sessions its runs held
+there are released, and each of its episodes is run again from its start on another runner, on
+the same lease, so on the same version (C1); the group waits for it, nothing is dropped (C2), and
+the deadline is the group's as before (C3).
 Counted as `runner_reruns`, `runners_lost`. Serve's own runner processes that exit are started
 again, at most `3 * serve.runners` times in a run. A hello without the token (or with a name
 already connected) is refused and logged, never answered, and nothing is sent to or taken from its
@@ -169,7 +170,7 @@ class RunnerHub:
                 sample = await done
             except RunnerLost:
                 self._stats.runner_reruns += 1
-                self._router.restart(lease_id)
+                self._router.restart(lease_id, session=_run_session(lease_id, attempt))
                 log.warning("episode %s is run again: runner %s was lost", lease_id, runner.name)
                 continue
             except asyncio.CancelledError:
@@ -382,7 +383,7 @@ class RunnerHub:
             url=url,
             call_id=call_id,
             version=version,
-            session=None if session is None else f"{session}.{need.attempt}",
+            session=None if session is None else _run_session(session, need.attempt),
         )
         try:
             await self._send(runner, route)
@@ -405,3 +406,9 @@ class RunnerHub:
         return Completion(
             request_id=call_id, token_ids=tokens, logprobs=[], versions=[], finish_reason=end.finish
         )
+
+
+def _run_session(session: str, attempt: int) -> str:
+    """The session a run of an episode names on its instance: one per run (`attempt`), so a run
+    from the start never continues the context of a lost one."""
+    return f"{session}.{attempt}"

@@ -52,12 +52,13 @@ class FakeClient:
 
     def __init__(self) -> None:
         self.aborted: list[str] = []
+        self.released: list[str] = []
 
     async def abort(self, request_id: str) -> None:
         self.aborted.append(request_id)
 
     def release_session(self, session: str) -> None:
-        pass
+        self.released.append(session)
 
 
 class FakeRunner:
@@ -97,9 +98,11 @@ def sample(reward: float) -> Sample:
 
 
 @contextlib.asynccontextmanager
-async def hub_running(timeout_s: float = 30.0) -> AsyncIterator[tuple[RunnerHub, Router]]:
+async def hub_running(
+    timeout_s: float = 30.0, *, sessions: bool = False
+) -> AsyncIterator[tuple[RunnerHub, Router]]:
     stats = ServeStats()
-    router = Router(kv_migration=False, stats=stats)
+    router = Router(kv_migration=False, stats=stats, sessions=sessions)
     router.add_instance("i0", FakeClient())  # type: ignore[arg-type]
     router.open("g0/0", version=3, instance="i0")
     spawn = Spawner()
@@ -198,7 +201,7 @@ async def test_runner_malformed_frame_is_dropped_and_a_taken_name_refused(
 async def test_runner_silent_past_its_deadline_is_lost_and_its_episode_runs_again(
     ctx: zmq.asyncio.Context,
 ) -> None:
-    async with hub_running(timeout_s=0.5) as (hub, router):
+    async with hub_running(timeout_s=0.5, sessions=True) as (hub, router):
         a, b = FakeRunner(ctx, hub.address), FakeRunner(ctx, hub.address)
         await a.hello("a")
         episode = asyncio.ensure_future(hub.run_episode("g0/0", Task("t0"), PARAMS))
@@ -225,6 +228,9 @@ async def test_runner_silent_past_its_deadline_is_lost_and_its_episode_runs_agai
             assert (order.lease, order.attempt, order.version) == ("g0/0", 2, 3)
             client = router.client("i0")
             assert client.aborted == [route.call_id]  # type: ignore[attr-defined]
+            # the context a's run kept on i0 is of no use to the run from the start
+            assert route.session == "g0/0.1"
+            assert client.released == [route.session]  # type: ignore[attr-defined]
             assert router.calls_in_flight("i0") == 0
             await a.send(EpisodeDone(lease="g0/0", attempt=1, sample=sample(7.0)))  # too late
             # a's and b's sockets are two streams: b reports only once a's result was heard (a,
