@@ -277,6 +277,9 @@ class Tick(Record, tag="tick", omit_defaults=True):
     link: LinkCounts
     cpu_s: float = 0.0
     """CPU seconds of the serve process (all its threads) since it started."""
+    runner_cpu_s: float = 0.0
+    """CPU seconds of the episode runners' processes (`serve.runners`, attached ones too), as
+    each last reported them (with its heartbeat and each result)."""
     peak_rss_mb: float = 0.0
     """The most resident memory the serve process has held so far (MB)."""
     loop_stall_ms: float = 0.0

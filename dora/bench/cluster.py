@@ -241,12 +241,17 @@ def overheads(
 
 
 def call_cpu_us(ticks: list[Tick], calls: int, parts: dict[str, float]) -> dict[str, float]:
-    """Serve's CPU per model call in microseconds: `total`, each measured part and the `rest`."""
+    """Serve's CPU per model call in microseconds: `total`, each measured part, the `rest` of the
+    serve process, and `runners` (the episode runners' processes, when there are any; the parts
+    measured inside them are not split out)."""
     if calls <= 0 or len(ticks) < 2:
         return {}
-    total = (ticks[-1].cpu_s - ticks[0].cpu_s) * 1e6 / calls
-    out = {"total": total} | {k: v * 1e6 / calls for k, v in sorted(parts.items())}
-    out["rest"] = total - sum(v * 1e6 / calls for v in parts.values())
+    process = (ticks[-1].cpu_s - ticks[0].cpu_s) * 1e6 / calls
+    runners = (ticks[-1].runner_cpu_s - ticks[0].runner_cpu_s) * 1e6 / calls
+    out = {"total": process + runners} | {k: v * 1e6 / calls for k, v in sorted(parts.items())}
+    out["rest"] = process - sum(v * 1e6 / calls for v in parts.values())
+    if runners:
+        out["runners"] = runners
     return out
 
 

@@ -8,6 +8,8 @@ message). A stretch holds no `await`, so no other task's
 work falls inside it. The rest of serve's CPU per call (the event loop, the HTTP stack, admission
 and completion) is the process's CPU divided by `calls`, less these parts: `dora bench cluster`
 prints both. One process-wide clock, read into the run's summary (`call_cpu_s`, `model_calls`).
+With episode runners (`serve.runners`) each runner's process reports its CPU to serve (the
+`runner_cpu_s` of each tick), and the bench adds it to the total as `runners`.
 """
 
 from __future__ import annotations

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable, Sequence
 
 import zmq
@@ -158,7 +159,7 @@ class EpisodeRunner:
     async def _beat(self, every_s: float) -> None:
         while True:
             await asyncio.sleep(every_s)
-            await self._send(Beat())
+            await self._send(Beat(cpu_s=time.process_time()))
 
     async def _send(self, message: RunnerMessage) -> None:
         await self._sock.send(encode(message))
@@ -205,7 +206,10 @@ class EpisodeRunner:
             self._episodes.pop(key, None)
             sampler.release()
         self.episodes_run += 1
-        await self._send(EpisodeDone(lease=order.lease, attempt=order.attempt, sample=sample))
+        cpu_s = time.process_time()
+        await self._send(
+            EpisodeDone(lease=order.lease, attempt=order.attempt, sample=sample, cpu_s=cpu_s)
+        )
 
     def client(self, url: str) -> EngineClient:
         client = self._clients.get(url)

@@ -55,7 +55,8 @@ class RunnerHello(msgspec.Struct, tag="runner_hello", kw_only=True):
 
 
 class Beat(msgspec.Struct, tag="beat", kw_only=True):
-    pass
+    cpu_s: float = 0.0
+    """From a runner: the CPU seconds its process has used so far (all threads)."""
 
 
 class NeedRoute(msgspec.Struct, tag="need_route", kw_only=True):
@@ -80,6 +81,8 @@ class EpisodeDone(msgspec.Struct, tag="episode_done", kw_only=True):
     lease: str
     attempt: int
     sample: Sample
+    cpu_s: float = 0.0
+    """The CPU seconds the runner's process has used so far, as in `Beat`."""
 
 
 class EpisodeFailed(msgspec.Struct, tag="episode_failed", kw_only=True):

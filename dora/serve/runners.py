@@ -227,6 +227,8 @@ class RunnerHub:
                 self._stats.runner_frames_dropped += 1
             return
         runner.last_seen = time.monotonic()
+        if isinstance(message, Beat | EpisodeDone) and message.cpu_s:
+            self._stats.runner_cpu_s[routing_id] = message.cpu_s
         match message:
             case NeedRoute():
                 self._spawn(self._route(runner, message), name=f"route-{message.lease}")

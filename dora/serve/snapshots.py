@@ -113,6 +113,7 @@ class Snapshots:
             loop_lag_ms=round(lag_ms, 3),
             loop_stall_ms=round(stall_ms, 3),
             cpu_s=round(time.process_time(), 3),
+            runner_cpu_s=round(sum(st.runner_cpu_s.values()), 3),
             peak_rss_mb=round(peak_rss_mb(), 1),
             core_s=round(self._core.seconds, 6),
             core_calls=self._core.calls,

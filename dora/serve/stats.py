@@ -65,6 +65,8 @@ class ServeStats:
     """Episode results from a runner that did not own the episode (any more), or sent twice."""
     runner_frames_dropped: int = 0
     """Frames that did not decode, or came from a peer that is not an admitted runner."""
+    runner_cpu_s: dict[bytes, float] = field(default_factory=dict)
+    """CPU seconds each runner process (by connection, the lost ones too) last reported."""
 
     def runner_counts(self) -> dict[str, int]:
         """The runners' counters, as the summary names them."""

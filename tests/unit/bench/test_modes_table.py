@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from dora.bench.cluster import predicted, warmup_steps
+from dora.bench.cluster import call_cpu_us, predicted, warmup_steps
 from dora.bench.modes import plan
 from dora.bench.modes_report import (
     ModeResult,
@@ -26,7 +26,7 @@ from dora.bench.modes_report import (
 from dora.costs import preset
 from dora.sim.modes import MODES
 from dora.sim.modes import plan as mode_plan
-from tests.unit.bench.fixtures import write_run
+from tests.unit.bench.fixtures import _tick, write_run
 
 
 def test_every_mode_gets_every_core_by_default() -> None:
@@ -255,3 +255,13 @@ def test_the_modes_are_drawn_side_by_side(tmp_path: Path) -> None:
     with Image.open(path) as image:  # two stacked panels: one run's timeline is 12 x 3 inches
         width, height = image.size
     assert height / width > 0.3
+
+
+def test_the_cpu_per_model_call_counts_the_runners_processes() -> None:
+    first, last = _tick(0.0, []), _tick(10.0, [])
+    first.cpu_s, last.cpu_s = 1.0, 3.0  # serve: 2 s over 1,000 calls
+    first.runner_cpu_s, last.runner_cpu_s = 0.5, 4.5  # the runners: 4 s
+    parts = call_cpu_us([first, last], 1000, {"request": 0.5})
+    assert parts == pytest.approx({"total": 6000, "request": 500, "rest": 1500, "runners": 4000})
+    first.runner_cpu_s = last.runner_cpu_s = 0.0  # no runners: no part of theirs
+    assert call_cpu_us([first, last], 1000, {}) == pytest.approx({"total": 2000, "rest": 2000})

@@ -265,8 +265,12 @@ async def test_runner_call_is_counted_in_flight_until_it_ends(ctx: zmq.asyncio.C
         assert isinstance(done, CallDone) and not done.interrupted and not done.refused
         await idle
         assert router.usage(0.0)["i0"].tokens == 5
-        await a.send(EpisodeDone(lease="g0/0", attempt=1, sample=sample(0.0)))
+        await a.send(Beat(cpu_s=1.5))
+        assert isinstance(await a.recv(), Beat)
+        assert list(hub._stats.runner_cpu_s.values()) == [1.5]  # the runner's process CPU
+        await a.send(EpisodeDone(lease="g0/0", attempt=1, sample=sample(0.0), cpu_s=2.25))
         await episode
+        assert list(hub._stats.runner_cpu_s.values()) == [2.25]
 
 
 async def test_runner_off_loopback_needs_curve_and_a_stranger_key_is_refused(
