@@ -22,10 +22,12 @@ leases as slots free up, up to its share, so an evaluation that starts on busy i
 as batched as the first one rather than one episode at a time. The leases are ordinary leases
 for the orchestrator and the router: they keep the version loaded while the evaluation runs and
 may be migrated like any other (same version, C1); they are not groups, so nothing of an
-evaluation reaches the transfer queue or the trainer. In `partial` mode a publish resumes every
-request on the newest version, so an evaluation there may finish on a newer version than its
-record says. At the end, the running evaluation is waited for (bounded, and logged), no periodic
-one starts any more, and the final version is evaluated.
+evaluation reaches the transfer queue or the trainer. With episode runners (`serve.runners`) the
+held-out episodes run on them, as the training episodes do (a lost runner's episode runs again
+from its start); serve's loop keeps only the leases and the record. In `partial` mode a publish
+resumes every request on the newest version, so an evaluation there may finish on a newer version
+than its record says. At the end, the running evaluation is waited for (bounded, and logged), no
+periodic one starts any more, and the final version is evaluated.
 
 Records (`rollout.jsonl`): `{"kind": "eval", "time_s", "step": w, "version": w, "due",
 "due_s", "accuracy", "success_at", "reward_mean", "n", "masked", "concurrency", "version_time_s",
@@ -55,6 +57,7 @@ from dora.protocol import Sample, SamplingParams
 from dora.records import Eval
 from dora.serve.metrics import MetricsLog
 from dora.serve.placement import Placement
+from dora.serve.runners import RunnerHub
 from dora.serve.spawn import Spawner
 
 __all__ = ["Evaluator"]
@@ -96,8 +99,11 @@ class Evaluator:
         tasks: list[Task],
         env_factory: Callable[[], Env],
         renderer: ChatRenderer,
+        runners: RunnerHub | None = None,
     ) -> None:
         self._placement = placement
+        self._runners = runners
+        """Where the episodes run when `serve.runners` is set (else here, in serve's loop)."""
         self._newest_loaded = newest_loaded
         """The transfer queue's newest loaded version."""
         self._trained_at = trained_at
@@ -281,6 +287,8 @@ class Evaluator:
             self._placement.end(lease_id, forgotten_ok=True)
 
     async def _episode(self, lease_id: str, task: Task) -> Sample:
+        if self._runners is not None:
+            return await self._runners.run_episode(lease_id, task, self._params)
         return await run_fresh_episode(
             sampler=self._placement.sampler(lease_id),
             task=task,

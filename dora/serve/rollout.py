@@ -331,6 +331,7 @@ class Rollout:
             tasks=tasks,
             env_factory=env_factory,
             renderer=renderer,
+            runners=self.runners[0] if self.runners is not None else None,
         )
         self.placement.listeners.append(evaluator.wake)
         self.lifecycle.on_newest_loaded = self._evaluate_loaded

@@ -2,7 +2,7 @@
 of instances): a due evaluation whose version is superseded before it finds room
 evaluates the version that takes requests, instead of waiting for room that never comes; the end
 of the run is not held up by it; the record says which version, when it was trained, and how many
-episodes ran at once."""
+episodes ran at once; with episode runners the held-out episodes run there."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from dora.core.orchestrator import Action, Load, Orchestrator
 from dora.env import Env, Episode, Message, Task
 from dora.episode import ChatRenderer
 from dora.models.tiny import char_tokenizer
-from dora.protocol import Completion, SamplingParams
+from dora.protocol import Completion, Sample, SamplingParams
 from dora.records import Record
 from dora.serve.dispatcher import episode_limits, turn_max_tokens
 from dora.serve.evaluate import Evaluator
@@ -144,7 +144,22 @@ class FakeRollout:
         return 0.0 if version == 0 else self.trained_at.get(version)
 
 
-def _evaluator(rollout: FakeRollout, n: int) -> Evaluator:
+class FakeRunners:
+    """What the evaluator needs of the runner hub: it runs each episode and returns its sample."""
+
+    def __init__(self) -> None:
+        self.ran: list[tuple[str, str, float]] = []
+
+    async def run_episode(self, lease_id: str, task: Task, params: SamplingParams) -> Sample:
+        self.ran.append((lease_id, task.prompt_id, params.temperature))
+        await asyncio.sleep(0.01)
+        return Sample.build(
+            token_ids=[1, 2], loss_mask=[0, 1], logprobs=[0, 0], versions=[-1, 0],
+            prompt_len=1, reward=1.0,
+        )  # fmt: skip
+
+
+def _evaluator(rollout: FakeRollout, n: int, runners: FakeRunners | None = None) -> Evaluator:
     tasks = [Task(f"e{i}", {"question": "2+2?"}) for i in range(n)]
     renderer = ChatRenderer(rollout.tokenizer)  # type: ignore[arg-type]
     evaluator = Evaluator(
@@ -160,6 +175,7 @@ def _evaluator(rollout: FakeRollout, n: int) -> Evaluator:
         tasks=tasks,
         env_factory=Answer4,
         renderer=renderer,
+        runners=runners,  # type: ignore[arg-type]
     )
     rollout.placement.listeners.append(evaluator.wake)
     return evaluator
@@ -211,3 +227,17 @@ async def test_success_is_counted_at_the_configured_reward_and_the_record_says_w
     await asyncio.wait_for(evaluator.finish(0, timeout_s=5), 10)
     [e] = [rec for kind, rec in r.metrics.records if kind == "eval"]
     assert (e["accuracy"], e["success_at"], e["reward_mean"]) == (0.0, 1.5, 1.0)
+
+
+async def test_with_episode_runners_the_held_out_episodes_run_on_them() -> None:
+    r = FakeRollout()
+    runners = FakeRunners()
+    evaluator = _evaluator(r, 6, runners)
+    evaluator.on_loaded(0)
+    await asyncio.wait_for(evaluator.finish(0, timeout_s=5), 10)
+    [e] = [rec for kind, rec in r.metrics.records if kind == "eval"]
+    assert (e["version"], e["n"], e["accuracy"]) == (0, 6, 1.0)
+    assert sorted(p for _, p, _ in runners.ran) == [f"e{i}" for i in range(6)]
+    assert {t for _, _, t in runners.ran} == {0.0}, "greedy, as every evaluation"
+    assert r.peak == 0, "no episode ran in serve's loop"
+    assert not r.router.leases, "every evaluation lease ended"
