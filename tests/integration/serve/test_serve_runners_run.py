@@ -2,8 +2,8 @@
 (`serve.runners = 1`) and one attached with `dora runner --connect`, through a multi-turn tool
 environment (`tool_turns_env.py`), while the trainer really trains a few steps. The run's
 accounting must hold (every group trained once, staleness within K), every sample must be sampled
-by its group's version alone (C1), the episodes must have their three turns, and both runners
-must have run episodes."""
+by its group's version alone (C1), the episodes must have their three turns, both runners must
+have run episodes, and the held-out episodes of the evaluations must have run on them too."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import pytest
 
 from dora.emulated.checks import check_accounting
 from dora.net import free_port
-from tests.commands import DORA, ROOT, checkout_env, start_dora_run
+from tests.commands import DORA, ROOT, checkout_env, held_out_evals, start_dora_run
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -43,7 +43,10 @@ def overrides(run_dir: Path) -> list[str]:
         "model.max_model_len=1536",
         "env.cls=tests.integration.serve.tool_turns_env:ToolTurnsEnv",
         "data.kwargs.n=64",
-        "data.eval_source=",
+        # the initial and the final version are evaluated, on the runners too
+        "data.eval_kwargs={n = 2, seed = 1000, max_terms = 8}",
+        "data.eval_size=2",
+        f"data.eval_every={10 * STEPS}",
         "log.samples_every=1",
         "log.progress=false",
         f"log.run_dir={run_dir}",
@@ -100,7 +103,10 @@ def test_two_runners_one_started_by_serve_one_attached_run_a_tool_env(tmp_path: 
     extra = check.extra
     assert extra["runner_episodes_local-0"] > 0, extra
     assert extra["runner_episodes_attached"] > 0, (extra, (tmp_path / "runner.log").read_text())
-    assert extra["runner_episodes_local-0"] + extra["runner_episodes_attached"] >= STEPS * B * G
+    evals = held_out_evals(run_dir)
+    assert [(e["version"], e["n"]) for e in evals] == [(0, 2), (STEPS, 2)], evals
+    ran = extra["runner_episodes_local-0"] + extra["runner_episodes_attached"]
+    assert ran >= STEPS * B * G + 4, "the held-out episodes ran on the runners too"
     assert extra["runners_refused"] == 0 and extra["runner_results_ignored"] == 0, extra
 
     groups = [json.loads(x) for x in (run_dir / "samples.jsonl").read_text().splitlines()]
