@@ -11,6 +11,9 @@ config here: the task list's seed and length come from the caller (dora's `data.
 `data.kwargs.n`). A name that is not a registered dataset, a key the config does not have, or a
 value its `validate()` refuses is a ConfigError naming it, raised when the environment is loaded.
 
+reasoning-gym draws problem `i` from `seed + i`, so the seed dora hands it is a hash of the split's
+seed (`dataset_seed`): with the seed as is, seed 1's problems would be seed 0's shifted by one.
+
 Held-out problems are never training problems. A split's problems are drawn with a seed of its
 own ("train" from `seed`, any other split from `seed + HELD_OUT_SEED`), and every question is
 assigned to one side by a stable hash of its text: a `held_out_share` of all possible questions
@@ -106,6 +109,13 @@ def held_out(question: str, share: float) -> bool:
     return int.from_bytes(digest[:8], "big") / 2**64 < share
 
 
+def dataset_seed(split_seed: int) -> int:
+    """The seed reasoning-gym gets for a split seeded `split_seed` (module doc): far from every
+    other split seed's, since reasoning-gym seeds problem `i` with `seed + i`."""
+    digest = hashlib.sha256(f"dora-split-{split_seed}".encode()).digest()
+    return int.from_bytes(digest[:4], "big") % 2**31
+
+
 def format_reply(answer: str, answer_format: AnswerFormat) -> str:
     """The reply that states `answer` in `answer_format`: the warm-up's target."""
     return f"<answer>{answer}</answer>" if answer_format == "tag" else answer
@@ -144,7 +154,7 @@ def generate_tasks(
     train = split == "train"
     split_seed = seed if train else seed + HELD_OUT_SEED
     attempts = ATTEMPTS_PER_TASK * n + 1000
-    dataset = make_dataset(name, config, seed=split_seed, size=attempts)
+    dataset = make_dataset(name, config, seed=dataset_seed(split_seed), size=attempts)
     tasks: list[Task] = []
     for index in range(attempts):
         entry = dataset[index]

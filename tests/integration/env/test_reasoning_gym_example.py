@@ -6,15 +6,15 @@ Shrunk from examples/reasoning_gym/config.toml: a short warm-up (WARMUP_STEPS of
 (every step, 16 samples each), so the policy gradient has to raise the sampled reward of those
 prompts within STEPS steps. The short warm-up is most of the saving (CI builds it from an empty
 model cache): it teaches the `<answer>` format and part of the reversal, which leaves the
-checker's per-letter credit room to rise. Measured (2026-12-06, load average 1-4.5): rises of
-0.150, 0.096 and 0.143 from the first to the last third (0.102 at lr 1e-4), 39 s a run at load
-1-1.5, up to 201 s at load 3.5-4.5 from other jobs; with
-`learn.lr=1e-12` (a trainer that does not learn) 0.007, which fails. Asserted: the trainer's
-mean reward over the last third of the steps is above the first third's by MARGIN, every sample
-was scored (none masked: the checker ran on every episode), and held-out evaluations ran on the
-initial and the final version. A checker that is not reached, an answer extracted wrongly (every
-reward 0) or a trainer that does not learn fails it. The held-out accuracy gain of the full
-example is measured in docs/benchmarks.md, not here (it takes minutes).
+checker's per-letter credit room to rise. Measured (2026-12-06 21:01, nothing else running):
+rises of 0.123, 0.122 and 0.098 from the first to the last third, 45-49 s a run with the
+warm-up cached; earlier, on another draw of the words, up to 201 s at load 3.5-4.5 from other
+jobs, and with `learn.lr=1e-12` (a trainer that does not learn) 0.007, which fails. Asserted: the
+trainer's mean reward over the last third of the steps is above the first third's by MARGIN,
+every sample was scored (none masked: the checker ran on every episode), and held-out
+evaluations ran on the initial and the final version. A checker that is not reached, an answer
+extracted wrongly (every reward 0) or a trainer that does not learn fails it. The held-out
+accuracy gain of the full example is measured in docs/benchmarks.md, not here (it takes minutes).
 """
 
 from __future__ import annotations

@@ -49,6 +49,17 @@ def test_train_and_held_out_tasks_never_share_a_question() -> None:
     assert env.tasks("train", n=500, seed=4) != train
 
 
+def test_different_seeds_draw_different_questions() -> None:
+    """reasoning-gym draws problem `i` from `seed + i`: used as is, seed 1's list would be seed
+    0's shifted by one, and "three seeds" would train on one set of questions."""
+    env = load_env(SPEC, dataset="spell_backward", min_word_len=3, max_word_len=5)()
+    lists = [{str(t["question"]) for t in env.tasks("train", n=300, seed=s)} for s in range(3)]
+    for a in range(3):
+        for b in range(a + 1, 3):
+            shared = len(lists[a] & lists[b])
+            assert shared < 30, f"seeds {a} and {b} share {shared} of 300 questions"
+
+
 def test_a_task_carries_the_question_the_answer_reply_and_the_entry() -> None:
     env = load_env(SPEC, **SUMS, chat=False)()
     [task] = env.tasks("train", n=1, seed=0)
