@@ -68,7 +68,7 @@ import os
 import random
 from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import NotRequired, ParamSpec, Required, TypedDict, TypeVar, cast
+from typing import Any, NotRequired, ParamSpec, Required, TypedDict, TypeVar, cast
 
 from dora.errors import ConfigError
 from dora.protocol import FinishReason
@@ -193,7 +193,7 @@ class Env:
         """
         return {}
 
-    def tasks(self, split: str, **kwargs: object) -> Sequence[Task] | None:
+    def tasks(self, split: str, **kwargs: Any) -> Sequence[Task] | None:
         """The environment's own tasks of `split`, or None when it has none (the default).
 
         `data.source = "env"` reads them: `split` is `data.split` ("train" by default) for

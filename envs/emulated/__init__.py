@@ -23,7 +23,7 @@ import math
 import random
 import zlib
 
-from dora import Env, Episode, SingleTurnEnv, Task
+from dora import Env, Episode, Message, SingleTurnEnv, Task
 
 __all__ = ["AgenticWorkloadEnv", "WorkloadEnv", "workload_tasks"]
 
@@ -91,7 +91,7 @@ class AgenticWorkloadEnv(Env):
         self._text = str(task["prompt"])
         return self._text
 
-    async def step(self, messages: list[object] | str) -> tuple[str, bool]:
+    async def step(self, messages: list[Message] | str) -> tuple[str, bool]:
         assert isinstance(messages, str)
         self._text += messages
         if self._rng is None:  # the prompt and the first answer fix the episode's draws

@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Mapping
-from typing import Literal
+from typing import Any, Literal
 
 from dora import ConfigError, Reward, ScorerPool, SingleTurnEnv, Task
 from envs.math.answers import exact_match, math_verify_available, math_verify_match
@@ -96,7 +96,7 @@ class ChainArithmeticEnv(MathEnv):
     ) -> None:
         super().__init__(instruction=instruction, system_prompt=system_prompt)
 
-    def tasks(self, split: str, *, seed: int = 0, **kwargs: object) -> list[Task]:
+    def tasks(self, split: str, *, seed: int = 0, **kwargs: Any) -> list[Task]:
         """`chain_arithmetic_tasks(seed=..., **kwargs)` (`data.kwargs`: `n`, `max_terms`, ...);
         a split other than "train" is drawn from `seed + HELD_OUT_SEED`."""
         seed = seed if split == "train" else seed + HELD_OUT_SEED

@@ -40,7 +40,8 @@ CLOSE_WAIT_S = 10.0
 """How long `close` waits for the server to close a session's connection (well inside the runner's
 deadline for `close`) before closing it from this side."""
 HELD_OUT_SEED_OFFSET = 1_000_000
-"""Seeds of splits other than "train" start here: held-out episodes never repeat training ones."""
+"""The reset seeds of one split of one `data.seed`: "train" of seed s starts at 2 s times this,
+the other splits at 2 s + 1 times this, so held-out episodes never repeat training ones."""
 
 
 class OpenEnvEnv(Env):
@@ -107,11 +108,21 @@ class OpenEnvEnv(Env):
         )
         return {"server": server}
 
-    def tasks(self, split: str, n: int = 256) -> list[Task]:
-        """`n` episodes of `split`, each its reset seed: "train" seeds 0.., other splits from
-        `HELD_OUT_SEED_OFFSET`. An OpenEnv environment draws its own episode from the seed.
-        (At start, serve measures each task's prompt: one session per task.)"""
-        base = 0 if split == "train" else HELD_OUT_SEED_OFFSET
+    def tasks(self, split: str, n: int = 256, *, seed: int = 0) -> list[Task]:  # type: ignore[override]
+        """`n` episodes of `split`, each its reset seed. Each `data.seed` has a block of
+        `HELD_OUT_SEED_OFFSET` reset seeds for "train" and the next block for the other splits
+        (seed 0: "train" 0.., held out 1,000,000..), so neither another seed's episodes nor
+        held-out ones repeat training ones. An OpenEnv environment draws its own episode from the
+        reset seed. (At start, serve measures each task's prompt: one session per task.)"""
+        block = 2 * seed + (0 if split == "train" else 1)
+        base = block * HELD_OUT_SEED_OFFSET
+        if seed < 0 or n > HELD_OUT_SEED_OFFSET or (2 * seed + 2) * HELD_OUT_SEED_OFFSET > 2**31:
+            raise ConfigError(
+                f"data.seed = {seed} with {n} tasks: OpenEnv reset seeds stay under 2**31 (32-bit "
+                f"generators) "
+                f"and a split holds at most {HELD_OUT_SEED_OFFSET:,} tasks (data.seed 0 to "
+                f"{2**31 // (2 * HELD_OUT_SEED_OFFSET) - 1})"
+            )
         return [Task(f"{split}-{i}", {"seed": base + i}) for i in range(n)]
 
     # --- the episode ------------------------------------------------------------------------
@@ -224,6 +235,8 @@ class OpenEnvEnv(Env):
             action = self._build_action(reply, dict(self._observation))
             if inspect.isawaitable(action):
                 action = await action
+        elif self._field is None:  # only with the hook, which the branch above took
+            raise EnvError("no action field and no action hook")
         elif self._action_cls is not None:
             action = self._action_cls(**{self._field: reply})
         else:

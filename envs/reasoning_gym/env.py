@@ -112,9 +112,7 @@ class ReasoningGymEnv(SingleTurnEnv):
         config = {k: v for k, v in kwargs.items() if k not in OWN_SETTINGS}
         return {"generator": make_dataset(str(kwargs["dataset"]), config)}
 
-    def tasks(  # type: ignore[override]  # n and seed are ints, not any object
-        self, split: str, *, n: int = 1000, seed: int = 0, **unknown: object
-    ) -> list[Task]:
+    def tasks(self, split: str, *, n: int = 1000, seed: int = 0, **unknown: object) -> list[Task]:
         """`n` problems of `split`: "train" draws from the training side with `seed`, any other
         split from the held-out side with a seed of its own (`envs.reasoning_gym.datasets`).
         The dataset's config is the environment's (`env.kwargs`), the same for every split."""

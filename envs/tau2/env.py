@@ -181,7 +181,7 @@ class Tau2Env(Env):
 
     # --- the episode ------------------------------------------------------------------------
 
-    def tasks(self, split: str) -> list[Task]:
+    def tasks(self, split: str) -> list[Task]:  # type: ignore[override]  # no data.kwargs
         """The domain's tasks of `split` (`data.split`, `data.eval_split`)."""
         return tau2_tasks(self.domain, split)
 

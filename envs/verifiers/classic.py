@@ -205,7 +205,7 @@ class Classic:
             )
         error = state.get("error")
         if error is not None:
-            causes = []
+            causes: list[str] = []
             while error is not None and len(causes) < 2:
                 causes.append(f"{type(error).__name__}: {error}".strip(": "))
                 error = error.__cause__ or error.__context__

@@ -17,7 +17,7 @@ import inspect
 import json
 import numbers
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, cast
 
 from dora import ConfigError, Task, ToolBox, ToolCall
 from envs.verifiers.classic import import_verifiers
@@ -65,7 +65,7 @@ def _tools(vtask: Any, config: Any) -> list[Callable[..., Any]]:
 
             tool.__name__ = f"{prefix}_{name}" if prefix else name
             tool.__signature__ = inspect.signature(fn)  # type: ignore[attr-defined]
-            tools.append(tool)
+            tools.append(cast(Callable[..., Any], tool))
     return tools
 
 
@@ -87,8 +87,9 @@ async def _chat(
 
     async with AsyncOpenAI(base_url=base_url, api_key="dora", max_retries=0) as client:
         for _ in range(max_turns):
+            # plain dicts in OpenAI's wire shape: the client's TypedDicts are for literals
             response = await client.chat.completions.create(
-                model=model, messages=messages, tools=box.schemas or None
+                model=model, messages=cast(Any, messages), tools=cast(Any, box.schemas or None)
             )
             message = response.choices[0].message
             messages.append(message.model_dump(exclude_none=True))

@@ -262,6 +262,12 @@ def test_openenv_tasks_reset_arguments_and_observation_text() -> None:
     train, test = env.tasks("train", n=3), env.tasks("test", n=2)
     assert [t.data["seed"] for t in train] == [0, 1, 2]
     assert [t.data["seed"] for t in test] == [1_000_000, 1_000_001]
+    # data.seed draws other episodes, in training and held out alike, never another seed's
+    seeds = {s: env.tasks("train", n=3, seed=s) + env.tasks("test", n=2, seed=s) for s in (0, 1, 2)}
+    drawn = [t.data["seed"] for tasks in seeds.values() for t in tasks]
+    assert len(set(drawn)) == len(drawn) == 15
+    with pytest.raises(ConfigError, match=r"data\.seed"):
+        env.tasks("train", n=3, seed=5000)
     assert reset_kwargs(Task("a", {"seed": 4, "reset": {"level": 2}})) == {"seed": 4, "level": 2}
     assert reset_kwargs(Task("a")) == reset_kwargs(Task("a", {"seed": -1}))  # from the id
     with pytest.raises(EnvError, match="not a mapping"):
