@@ -97,6 +97,9 @@ class EpisodeRunner:
         self._sock.connect(address)
         self.address = address
         self._clients: dict[str, EngineClient] = {}
+        self._cpu_at_start = 0.0
+        """The process's CPU when serve welcomed it: start-up (imports, the tokenizer) is not
+        work done for the run's episodes, as serve's own start-up is not."""
         self._answers: dict[_Key, asyncio.Future[Route | CallDone]] = {}
         self._cuts: dict[_Key, asyncio.Timeout] = {}
         self._episodes: dict[tuple[str, int], asyncio.Task[None]] = {}
@@ -125,6 +128,7 @@ class EpisodeRunner:
         if not isinstance(welcome, Welcome):
             raise ProtocolError(f"runner {self.name}: expected serve's welcome, got {welcome!r}")
         log.info("runner %s: connected to %s", self.name, self.address)
+        self._cpu_at_start = time.process_time()
         try:
             async with asyncio.TaskGroup() as tg:
                 tg.create_task(self._beat(welcome.heartbeat_s), name="runner-beat")
@@ -159,7 +163,7 @@ class EpisodeRunner:
     async def _beat(self, every_s: float) -> None:
         while True:
             await asyncio.sleep(every_s)
-            await self._send(Beat(cpu_s=time.process_time()))
+            await self._send(Beat(cpu_s=self.cpu_s()))
 
     async def _send(self, message: RunnerMessage) -> None:
         await self._sock.send(encode(message))
@@ -206,10 +210,13 @@ class EpisodeRunner:
             self._episodes.pop(key, None)
             sampler.release()
         self.episodes_run += 1
-        cpu_s = time.process_time()
         await self._send(
-            EpisodeDone(lease=order.lease, attempt=order.attempt, sample=sample, cpu_s=cpu_s)
+            EpisodeDone(lease=order.lease, attempt=order.attempt, sample=sample, cpu_s=self.cpu_s())
         )
+
+    def cpu_s(self) -> float:
+        """CPU seconds of this process (all its threads) since serve welcomed it."""
+        return time.process_time() - self._cpu_at_start
 
     def client(self, url: str) -> EngineClient:
         client = self._clients.get(url)

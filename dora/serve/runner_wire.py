@@ -56,7 +56,8 @@ class RunnerHello(msgspec.Struct, tag="runner_hello", kw_only=True):
 
 class Beat(msgspec.Struct, tag="beat", kw_only=True):
     cpu_s: float = 0.0
-    """From a runner: the CPU seconds its process has used so far (all threads)."""
+    """From a runner: the CPU seconds its process has used (all threads) since serve welcomed it;
+    its start-up is not counted, as serve's is not (the bench measures from serve's first tick)."""
 
 
 class NeedRoute(msgspec.Struct, tag="need_route", kw_only=True):

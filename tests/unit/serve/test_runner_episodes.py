@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import AsyncIterator
 
 import pytest
@@ -103,6 +104,7 @@ async def test_runner_call_serve_ended_first_is_cut_and_the_episode_goes_on() ->
             running = tg.create_task(runner.run())
             hello = await serve.recv()
             assert isinstance(hello, RunnerHello) and hello.token == "t"
+            welcomed_at = time.process_time()
             await serve.send(Welcome(heartbeat_s=1.0))
             data = {"question": "1+2", "answer": "3"}
             params = SamplingParams(max_tokens=8)
@@ -132,6 +134,9 @@ async def test_runner_call_serve_ended_first_is_cut_and_the_episode_goes_on() ->
             done = await serve.recv_not_beat()
             assert isinstance(done, EpisodeDone) and (done.lease, done.attempt) == ("g0/0", 7)
             assert done.sample.masked
+            # the CPU it reports is its work since the welcome, not its process's start-up (here
+            # the test process's imports, which took seconds)
+            assert 0 < done.cpu_s <= time.process_time() - welcomed_at < welcomed_at
             running.cancel()
     finally:
         runner.close()
