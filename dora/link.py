@@ -343,14 +343,19 @@ def check_server_keys(host: str, curve: CurveKeys | None, *, what: str) -> None:
 
 
 def router_socket(
-    ctx: zmq.asyncio.Context, curve: CurveKeys | None, max_message_bytes: int
+    ctx: zmq.asyncio.Context,
+    curve: CurveKeys | None,
+    max_message_bytes: int,
+    *,
+    send_hwm: int = _HWM,
 ) -> tuple[zmq.asyncio.Socket, ThreadAuthenticator | None]:
-    """serve's ROUTER socket of a link, not yet bound: bounded queues, peers whose message
-    exceeds `max_message_bytes` dropped, and with `curve` a CURVE server whose ZAP handler admits
-    only `curve.client_public` (the authenticator is the caller's to stop)."""
+    """serve's ROUTER socket of a link, not yet bound: bounded queues (`send_hwm` messages per
+    peer going out, 0: no bound), peers whose message exceeds `max_message_bytes` dropped, and
+    with `curve` a CURVE server whose ZAP handler admits only `curve.client_public` (the
+    authenticator is the caller's to stop)."""
     sock = ctx.socket(zmq.ROUTER)
     sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.SNDHWM, _HWM)
+    sock.setsockopt(zmq.SNDHWM, send_hwm)
     sock.setsockopt(zmq.RCVHWM, _HWM)
     sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
     sock.setsockopt(zmq.ROUTER_MANDATORY, 1)

@@ -16,6 +16,12 @@ stalled process misses the deadline. The answer still tells whether the model ru
 answers 503 while paused or while its engine thread is stuck in one step (its loads excepted),
 and a 503 fails the probe like no answer. Serve never pauses an engine, so a paused one was paused
 by someone else and is declared unresponsive like a hung one.
+
+An instance that answered a model call within the last interval is not probed that round: the
+answer showed what the probe would (the process runs, and so does its model, which produced it),
+and a busy cluster's calls outnumber its probes, so a probe of an instance that just answered
+costs serve's loop work and says nothing new. An instance that stops answering is probed from the
+next round on, so a hang is noticed at most one interval later than with a probe every round.
 """
 
 from __future__ import annotations
@@ -42,12 +48,18 @@ class HealthWatch:
         targets: Callable[[], Mapping[str, InstanceClient]],
         on_dead: Callable[[str, str], None],
         timeout_s: float,
+        answered_at: Callable[[str], float] | None = None,
     ) -> None:
+        """`answered_at(instance)`: the loop time of the last model call it answered (module
+        doc); without it, every instance is probed every round."""
         self.timeout_s = timeout_s
         self.every_s = timeout_s / 4
         self._targets = targets
         self._on_dead = on_dead
+        self._answered_at = answered_at
         self.probes = 0
+        self.skipped = 0
+        """Probes not sent: the instance had answered a call within the interval."""
         self.failures = 0
 
     async def run(self) -> None:
@@ -69,6 +81,10 @@ class HealthWatch:
         await asyncio.sleep(after_s)
         if self._targets().get(instance) is not client:
             return  # stopped or replaced since the round began: not ours to judge any more
+        answered_at = float("-inf") if self._answered_at is None else self._answered_at(instance)
+        if asyncio.get_running_loop().time() - answered_at < self.every_s:
+            self.skipped += 1
+            return
         self.probes += 1
         try:
             # The client's own deadline; the outer one also bounds a client that has none.

@@ -117,6 +117,7 @@ class InstanceLifecycle:
             },
             on_dead=self.unresponsive,
             timeout_s=self._config.health_timeout_s,
+            answered_at=self._router.answered_at,
         )
 
     # --- failures ------------------------------------------------------------------------------

@@ -70,6 +70,8 @@ class InstanceState:
     busy_since: float | None = None
     tokens: int = 0
     """Tokens sampled by calls that returned from this instance."""
+    answered_at: float = float("-inf")
+    """Loop time of the last model call it answered (the health watch skips its probe then)."""
     alive: bool = True
     cuts: set[asyncio.Timeout] = field(default_factory=set)
     """One deadline per call in flight; `Router.cut` expires them all."""
@@ -190,6 +192,11 @@ class Router:
     def calls_in_flight(self, instance_id: str) -> int:
         """Calls running on the instance now."""
         return self.instances[instance_id].inflight
+
+    def answered_at(self, instance: str) -> float:
+        """Loop time of the last model call `instance` answered (-inf: none yet)."""
+        state = self.instances.get(instance)
+        return float("-inf") if state is None else state.answered_at
 
     def clients(self) -> dict[str, InstanceClient]:
         """Every instance's client, by id (the dead ones too)."""
@@ -466,6 +473,8 @@ class Router:
             if self.on_failure is None:
                 raise
         finally:
+            if completion is not None:
+                inst.answered_at = asyncio.get_running_loop().time()
             self._end(inst, version, 0 if completion is None else len(completion.token_ids))
             lease.call_id = lease.call_instance = None
             # also when the call raised: a later move must be able to interrupt the next call

@@ -115,7 +115,15 @@ class RunnerHub:
         self._token = config.token
         self.timeout_s = config.runner_timeout_s
         self._ctx = zmq.asyncio.Context()
-        self._sock, self._auth = router_socket(self._ctx, curve, config.link_max_message_bytes)
+        # No bound on what waits to go out to one runner. A ROUTER with several peers reports
+        # itself writable while any one of them can take a message, so a send to a runner whose
+        # queue is full fails at once (EAGAIN) instead of waiting, and that runner would be
+        # taken for lost when it is only slower to read than serve writes (dora mode sends
+        # thousands of episodes at once). What waits is bounded anyway: the episodes admitted,
+        # and for each at most one route or verdict.
+        self._sock, self._auth = router_socket(
+            self._ctx, curve, config.link_max_message_bytes, send_hwm=0
+        )
         try:
             self.port, self.address = bind_router(self._sock, config.host, config.runner_port)
         except zmq.ZMQError as exc:
@@ -169,6 +177,8 @@ class RunnerHub:
                 await self._send(runner, order)
                 sample = await done
             except RunnerLost:
+                if done.done():
+                    done.exception()  # lost before it was awaited: seen, not left unretrieved
                 self._stats.runner_reruns += 1
                 self._router.restart(lease_id, session=_run_session(lease_id, attempt))
                 log.warning("episode %s is run again: runner %s was lost", lease_id, runner.name)

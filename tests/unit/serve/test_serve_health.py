@@ -91,3 +91,33 @@ async def test_a_round_of_probes_is_spread_over_the_interval_not_sent_at_once() 
     for probed in times:  # each instance still probed about every interval
         intervals = [b - a for a, b in itertools.pairwise(probed)]
         assert 0.8 * watch.every_s < statistics.median(intervals) < 1.5 * watch.every_s, intervals
+
+
+async def test_an_instance_that_answered_a_call_within_the_interval_is_not_probed() -> None:
+    """A model call's answer shows what a probe would (the process and its model run): only the
+    silent instance is probed, and it is still declared dead when it stops answering."""
+    probed: list[float] = []
+    clients = {"calls": Clock([]), "silent": Clock(probed)}
+    loop = asyncio.get_running_loop()
+    answered = {"calls": loop.time(), "silent": float("-inf")}
+
+    async def answering() -> None:  # a call answered from "calls" every 50 ms
+        while True:
+            answered["calls"] = loop.time()
+            await asyncio.sleep(0.05)
+
+    watch = HealthWatch(
+        targets=lambda: clients,  # type: ignore[arg-type,return-value]
+        on_dead=lambda i, e: None,
+        timeout_s=0.4,
+        answered_at=answered.__getitem__,
+    )
+    tasks = [asyncio.ensure_future(answering()), asyncio.ensure_future(watch.run())]
+    try:
+        await asyncio.sleep(4.5 * watch.every_s)
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    assert clients["calls"].times == [] and watch.skipped >= 3
+    assert len(probed) >= 3 and watch.probes == len(probed)

@@ -338,3 +338,37 @@ async def test_runner_call_moved_by_the_orchestrator_is_aborted_and_routed_anew(
         await a.send(EpisodeDone(lease="g0/0", attempt=1, sample=sample(0.0)))
         await episode
         assert router.stats.migrations == 1
+
+
+async def test_runner_slower_to_read_than_serve_sends_is_slow_not_lost(
+    ctx: zmq.asyncio.Context,
+) -> None:
+    """dora mode admits several batches at once, thousands of episodes: a runner that reads its
+    orders more slowly than serve sends them has a long queue, which is not a lost runner, also
+    while another runner keeps up (the port can then take a message, just not for this one)."""
+    n = 20_000
+    prompt = {"question": "x" * 4_000}  # 80 MB of orders: more than the sockets' buffers hold
+    async with hub_running() as (hub, router):
+        slow, quick = FakeRunner(ctx, hub.address), FakeRunner(ctx, hub.address)
+        await slow.hello("slow")
+        await quick.hello("quick")
+        for k in range(1, n):
+            router.open(f"g{k}/0", version=3, instance="i0")
+        episodes = [
+            asyncio.ensure_future(hub.run_episode(f"g{k}/0", Task(f"t{k}", prompt), PARAMS))
+            for k in range(n)
+        ]
+
+        async def run_all(runner: FakeRunner, after_s: float) -> int:
+            await asyncio.sleep(after_s)
+            for _ in range(n // 2):
+                order = await episode_order(runner)
+                done = EpisodeDone(lease=order.lease, attempt=order.attempt, sample=sample(1.0))
+                await runner.send(done)
+            return n // 2
+
+        # the slow runner reads nothing for a second, the quick one all the time
+        ran = await asyncio.gather(run_all(slow, 1.0), run_all(quick, 0.0))
+        assert ran == [n // 2, n // 2]
+        assert [s.reward for s in await asyncio.gather(*episodes)] == [1.0] * n
+        assert hub.names() == ["quick", "slow"] and hub._stats.runners_lost == 0
