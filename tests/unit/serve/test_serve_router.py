@@ -274,6 +274,23 @@ async def test_wait_idle_and_versions_serving() -> None:
     assert router.instances["a"].busy_s > 0 and router.instances["a"].tokens == 5
 
 
+async def test_an_instance_answered_at_is_when_its_last_call_returned_not_when_one_failed() -> None:
+    """What the health watch reads to skip a probe: set by an answer, never by a failure."""
+    a, dead = FakeInstance("a", 0, first=0, rest=2), DeadInstance("d", 0)
+    a.release.set()
+    router = _router(False, a=a, d=dead)
+    assert router.answered_at("a") == router.answered_at("d") == float("-inf")
+    assert router.answered_at("nobody") == float("-inf")
+    router.open("x/0", version=0, instance="a")
+    before = asyncio.get_running_loop().time()
+    await router.sampler("x/0").generate(PROMPT, PARAMS)
+    assert before <= router.answered_at("a") <= asyncio.get_running_loop().time()
+    router.open("y/0", version=0, instance="d")
+    with pytest.raises(ServerUnavailable):
+        await router.sampler("y/0").generate(PROMPT, PARAMS)
+    assert router.answered_at("d") == float("-inf")
+
+
 async def test_wait_idle_does_not_return_when_a_call_began_before_it_woke() -> None:
     """The last call ends (the instance is idle) and another begins in the same pass of the
     loop, before the waiter runs: the instance is busy again, so the waiter goes on waiting."""
