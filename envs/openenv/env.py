@@ -117,11 +117,11 @@ class OpenEnvEnv(Env):
         block = 2 * seed + (0 if split == "train" else 1)
         base = block * HELD_OUT_SEED_OFFSET
         if seed < 0 or n > HELD_OUT_SEED_OFFSET or (2 * seed + 2) * HELD_OUT_SEED_OFFSET > 2**31:
+            last_seed = 2**31 // (2 * HELD_OUT_SEED_OFFSET) - 1
             raise ConfigError(
                 f"data.seed = {seed} with {n} tasks: OpenEnv reset seeds stay under 2**31 (32-bit "
-                f"generators) "
-                f"and a split holds at most {HELD_OUT_SEED_OFFSET:,} tasks (data.seed 0 to "
-                f"{2**31 // (2 * HELD_OUT_SEED_OFFSET) - 1})"
+                f"generators) and a split holds at most {HELD_OUT_SEED_OFFSET:,} tasks "
+                f"(data.seed 0 to {last_seed})"
             )
         return [Task(f"{split}-{i}", {"seed": base + i}) for i in range(n)]
 

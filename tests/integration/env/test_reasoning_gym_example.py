@@ -10,12 +10,12 @@ checker's per-letter credit room to rise. Measured (2026-12-06 21:01, nothing el
 rises of 0.123, 0.122 and 0.098 from the first to the last third, 45-49 s a run with the
 warm-up cached, and 0.047 in a CI run (dora mode is not bit-reproducible: which version samples
 which group depends on timing); with `learn.lr=1e-12` (a trainer that does not learn) 0.004,
-which fails. Asserted: the
-trainer's mean reward over the last third of the steps is above the first third's by MARGIN,
-every sample was scored (none masked: the checker ran on every episode), and held-out
-evaluations ran on the initial and the final version. A checker that is not reached, an answer
-extracted wrongly (every reward 0) or a trainer that does not learn fails it. The held-out
-accuracy gain of the full example is measured in docs/benchmarks.md, not here (it takes minutes).
+which fails. Asserted: the trainer's mean reward over the last third of the steps is above the
+first third's by MARGIN, every sample was scored (none masked: the checker ran on every
+episode), and held-out evaluations ran on the initial and the final version. A checker that is
+not reached, an answer extracted wrongly (every reward 0) or a trainer that does not learn fails
+it. The held-out accuracy gain of the full example is measured in docs/benchmarks.md, not here
+(it takes minutes).
 """
 
 from __future__ import annotations
