@@ -14,6 +14,10 @@ the run's steps (importance-weight ESS, the fraction of tokens whose ratio was c
 the fraction of tokens sampled by a version other than their trajectory's first). It writes
 `converge.json` (every run's curve and numbers) and `converge.png` (held-out accuracy against
 steps and against seconds, one line per mode, the seeds' range shaded) into `--out`.
+
+A sweep takes hours; run again with the same `--out`, a run whose folder already holds all its
+trained steps is read, not run again, and one cut short is run again from the start, so a sweep
+that was stopped goes on where it stopped.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import shutil
 import statistics
 import time
 from collections.abc import Sequence
@@ -32,7 +37,7 @@ from dora.bench import dora_run, summary
 from dora.config import load_config
 from dora.records import Eval, Trained, read_records
 
-__all__ = ["RunResult", "main", "read_run", "table", "target_seconds"]
+__all__ = ["RunResult", "finished", "main", "read_run", "table", "target_seconds"]
 
 DIAGNOSTICS = ("is_ess", "is_capped_fraction", "off_first_version_fraction")
 
@@ -89,6 +94,14 @@ def read_run(run_dir: Path, *, mode: str, staleness: int, seed: int) -> RunResul
         curve=[(int(v), float(s), float(a)) for v, s, a in curve],
         diagnostics=diagnostics,
     )
+
+
+def finished(run_dir: Path, steps: int) -> bool:
+    """Whether `run_dir` holds a run that trained all `steps` steps (one a sweep can reuse)."""
+    if not (run_dir / "rollout.jsonl").is_file():
+        return False
+    trained = read_records(run_dir / "rollout.jsonl", kinds={"trained"})
+    return len({r.step for r in trained if isinstance(r, Trained)}) >= steps
 
 
 def target_seconds(run: RunResult, target: float) -> float | None:
@@ -204,6 +217,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=None, help="learn.steps (default: the config's)")
     p.add_argument("--target", type=float, default=None, help="accuracy to time (default: auto)")
     p.add_argument("--out", default=None, help="output folder (default runs/converge-<time>)")
+    p.add_argument("--title", default="", help="the plot's title (default: the config's folder)")
     return p
 
 
@@ -228,8 +242,12 @@ def main(argv: list[str] | None = None) -> int:
         )
         run_dir = out / name
         log = out / f"{name}.log"
-        if dora_run(args.config, [*overrides, *mode_keys, *seeds], run_dir, log):
-            raise SystemExit(f"dora bench converge: {name} failed; see {log}")
+        if finished(run_dir, config.learn.steps):
+            print(f"dora bench converge: {name} finished before, read from {run_dir}", flush=True)
+        else:
+            shutil.rmtree(run_dir, ignore_errors=True)  # cut short before: start it again
+            if dora_run(args.config, [*overrides, *mode_keys, *seeds], run_dir, log):
+                raise SystemExit(f"dora bench converge: {name} failed; see {log}")
         runs.append(read_run(run_dir, mode=mode, staleness=k, seed=seed))
     target = args.target if args.target is not None else default_target(runs)
     doc: dict[str, Any] = {"config": args.config, "overrides": overrides, "target": target}
@@ -237,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
     (out / "converge.json").write_text(json.dumps(doc, indent=1) + "\n")
     for k in ks:
         print("\n".join(table(runs, staleness=k, target=target)))
-    plot(runs, ks, out / "converge.png", title=Path(args.config).parent.name)
+    plot(runs, ks, out / "converge.png", title=args.title or Path(args.config).parent.name)
     print(f"held-out accuracy against steps and seconds: {out / 'converge.png'}")
     return 0
 

@@ -3,12 +3,14 @@ table and plot it makes of them."""
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
 import msgspec
 import pytest
 
+from dora.bench import converge
 from dora.bench.converge import default_target, plan, plot, read_run, table, target_seconds
 from dora.records import Trained
 from tests.unit.bench.fixtures import eval_record
@@ -83,3 +85,27 @@ def test_sync_runs_once_per_seed_and_the_others_once_per_k() -> None:
 
 def test_no_evaluation_gives_no_target() -> None:
     assert math.isnan(default_target([]))
+
+
+def test_a_sweep_run_again_reuses_finished_runs_and_reruns_one_cut_short(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    out = tmp_path / "sweep"
+    write_curve(out / "sync-k0-s0", [0.2, 0.3, 0.4], step_s=1.0, ess=1.0)  # both steps trained
+    write_curve(out / "dora-k1-s0", [0.2, 0.3], step_s=1.0, ess=1.0)  # cut short after one
+    ran: list[str] = []
+
+    def fake_run(config: str, overrides: list[str], run_dir: Path, log: Path) -> int:
+        assert not run_dir.exists()  # a run cut short starts again from an empty folder
+        ran.append(run_dir.name)
+        write_curve(run_dir, [0.2, 0.35, 0.5], step_s=0.5, ess=1.0)
+        return 0
+
+    monkeypatch.setattr(converge, "dora_run", fake_run)
+    config = str(Path(__file__).resolve().parents[3] / "examples/math/config.toml")
+    argv = [config, "--modes", "sync,dora", "--staleness", "1", "--seeds", "1", "--steps", "2"]
+    assert converge.main([*argv, "--out", str(out)]) == 0
+    assert ran == ["dora-k1-s0"]
+    assert not converge.finished(out / "nothing", 2)
+    doc = json.loads((out / "converge.json").read_text())
+    assert [(r["mode"], r["curve"][-1][2]) for r in doc["runs"]] == [("sync", 0.4), ("dora", 0.5)]
