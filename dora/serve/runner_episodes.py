@@ -242,6 +242,8 @@ class EpisodeRunner:
             completion, end = await self._call(answer, prompt, params)
             if end is not None:
                 await self._send(end)
+                if end.ended_well:  # serve sends no verdict on it (`runner_wire`)
+                    return answer, completion, CallDone(lease=lease, attempt=attempt, seq=seq)
             done = await self._answers[key]
             assert isinstance(done, CallDone)
             return answer, completion, done

@@ -10,7 +10,8 @@ address, the call id, the pinned version and the session. The runner calls the i
 reports the call's end (`CallEnd`: tokens, finish reason, or how it failed); the router's count of
 calls in flight per instance, its loads that wait for idle, its moves and interrupts (an abort on
 the instance, sent from here as before; the runner's call then returns "abort", serve answers
-`CallDone(interrupted)` and the runner asks for the next route with its tokens so far), cuts and
+`CallDone(interrupted)` and the runner asks for the next route with its tokens so far; a call that
+ended well gets no answer, the runner has gone on), cuts and
 instance failures are exactly those of a call made here. KV migration is off with runners (a
 move resubmits): the export would have to cross to the runner.
 
@@ -358,13 +359,16 @@ class RunnerHub:
             return await self._remote(runner, need, inst, call_id, version, session)
 
         try:
-            _, _, done.interrupted = await self._router.call_with(lease, execute)
+            completion, _, done.interrupted = await self._router.call_with(lease, execute)
         except RequestError as exc:
             done.refused = str(exc)
         except ServerError as exc:
             done.error = f"{type(exc).__name__}: {exc}"
         except RunnerLost:
             return
+        else:
+            if completion.finish_reason != "abort":
+                return  # the runner's call ended well and it went on: no verdict to send
         with contextlib.suppress(RunnerLost):
             await self._send(runner, done)
 
