@@ -212,6 +212,7 @@ class Eval(Record, tag="eval"):
     started_s: float
     seconds: float
     success_at: float = 1.0
+    off_version_tokens: float = 0.0
 
 
 class InstanceTick(msgspec.Struct, kw_only=True):

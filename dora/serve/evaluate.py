@@ -26,19 +26,23 @@ evaluation reaches the transfer queue or the trainer. With episode runners (`ser
 held-out episodes run on them, as the training episodes do (a lost runner's episode runs again
 from its start); serve's loop keeps only the leases and the record. In `partial` mode a publish
 resumes every request on the newest version, so an evaluation there may finish on a newer version
-than its record says. At the end, the running evaluation is waited for (bounded, and logged), no
-periodic one starts any more, and the final version is evaluated.
+than its record says. In `inflight` mode an instance that holds evaluation leases (pinned leases,
+`Router.pin`) puts off loading a newer version until they have ended, so an evaluation is of the
+one version its record names (the instance's other requests go on under the old weights
+meanwhile). The record says how many of the evaluation's sampled tokens another version sampled
+(`off_version_tokens`: 0 but in partial mode). At the end, the running evaluation is waited for
+(bounded, and logged), no periodic one starts any more, and the final version is evaluated.
 
-Records (`rollout.jsonl`): `{"kind": "eval", "time_s", "step": w, "version": w, "due",
-"due_s", "accuracy", "success_at", "reward_mean", "n", "masked", "concurrency", "version_time_s",
-"started_s", "seconds"}`: `due` and `due_s` are the thresholds (a multiple of `data.eval_every`, of
-`data.eval_every_s`; null for the one that did not fall due) the evaluation was started for,
-`concurrency` the most episodes it ran at once, `version_time_s` when version `w` was trained
-(on the clock of `time_s`: seconds since serve started; 0 for version 0), `started_s` when the
-evaluation started; `accuracy` is the success rate: the fraction of held-out episodes whose
-reward is at least `success_at` (`data.eval_success_at`, 1.0 by default: the math environments
-score 1.0 for a right answer), and `reward_mean` the mean reward of all of them, for tasks whose
-reward has no such line.
+Records (`rollout.jsonl`): `{"kind": "eval", "time_s", "step": w, "version": w, "due", "due_s",
+"accuracy", "success_at", "reward_mean", "n", "masked", "concurrency", "version_time_s",
+"started_s", "seconds", "off_version_tokens"}`: `due` and `due_s` are the thresholds (a multiple of
+`data.eval_every`, of `data.eval_every_s`; null for the one that did not fall due) the evaluation
+was started for, `concurrency` the most episodes it ran at once, `version_time_s` when version `w`
+was trained (on the clock of `time_s`: seconds since serve started; 0 for version 0), `started_s`
+when the evaluation started; `accuracy` is the success rate: the fraction of held-out episodes
+whose reward is at least `success_at` (`data.eval_success_at`, 1.0 by default: the math
+environments score 1.0 for a right answer), and `reward_mean` the mean reward of all of them, for
+tasks whose reward has no such line.
 """
 
 from __future__ import annotations
@@ -217,6 +221,7 @@ class Evaluator:
             version_time_s=None if trained_at is None else round(trained_at, 4),
             started_s=round(started - self._metrics.start, 4),
             seconds=round(time.monotonic() - started, 4),
+            off_version_tokens=off_version_share(samples, version),
         )
         self._metrics.write(record)
         self.history.append((version, record.accuracy))
@@ -256,7 +261,7 @@ class Evaluator:
                     self.done.add(version)
                     leases = [f"{prefix}/{opened + i}" for i in range(n)]
                     opened += n
-                    self._placement.place(leases, version=version)
+                    self._placement.place(leases, version=version, pinned=True)
                     for lid in leases:
                         active.add(lid)
                         tg.create_task(self._worker(lid, queue, samples, active))
@@ -297,3 +302,11 @@ class Evaluator:
             params=self._params,
             limits=self._limits,
         )
+
+
+def off_version_share(samples: list[Sample], version: int) -> float:
+    """The share of the samples' sampled tokens that a version other than `version` sampled."""
+    sampled = [s.token_versions()[s.mask() == 1] for s in samples]
+    total = sum(len(v) for v in sampled)
+    off = sum(int((v != version).sum()) for v in sampled)
+    return round(off / total, 6) if total else 0.0

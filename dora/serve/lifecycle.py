@@ -17,6 +17,8 @@ store.
 
 In mode `inflight` a `Load` does not wait for the instance's calls: the engine loads between two
 decode steps ("keep") and its running requests go on under the new weights with their KV cache.
+It waits only for the evaluation leases on the instance (`Router.wait_unpinned`), so that a
+held-out evaluation is of the one version its record names.
 """
 
 from __future__ import annotations
@@ -212,6 +214,10 @@ class InstanceLifecycle:
         instance, version = load.instance, load.version
         timeout_s = self._config.weight_load_timeout_s
         async with self._load_locks[instance]:
+            if self._in_flight:
+                # an evaluation on the instance is of one version: the load waits for it (not
+                # bounded by the load's timeout: an evaluation may take longer)
+                await self._router.wait_unpinned(instance)
             if not self._orchestrator.is_pending(load):
                 return  # the orchestrator gave the instance another load since (or lost it)
             try:

@@ -68,12 +68,13 @@ class Placement:
         """An accepting instance of `version` with room for `n` more leases, if any."""
         return self._orchestrator.can_place(n, version=version)
 
-    def place(self, leases: Sequence[str], *, version: int) -> str:
-        """Open `leases` on one instance of `version` (the caller checked `can_place`)."""
+    def place(self, leases: Sequence[str], *, version: int, pinned: bool = False) -> str:
+        """Open `leases` on one instance of `version` (the caller checked `can_place`); `pinned`:
+        they need that version for every token, even in mode inflight (`Router.pin`)."""
         where = self._orchestrator.place(leases, version=version)
         assert where is not None, "can_place said there was room"
         for lid in leases:
-            self._router.open(lid, version=version, instance=where)
+            self._router.open(lid, version=version, instance=where, pinned=pinned)
         return where
 
     def drop(self, lease_id: str) -> None:

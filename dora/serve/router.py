@@ -158,6 +158,9 @@ class Router:
         self._interrupting = asyncio.Semaphore(max_interrupts)
         self.instances: dict[str, InstanceState] = {}
         self.leases: dict[str, Lease] = {}
+        self.pinned: set[str] = set()
+        """Leases that need their version for every token (`open`)."""
+        self._pinned_left = asyncio.Event()  # a pinned lease ended or left its instance
         self._serving: dict[int, int] = {}  # calls in flight per version, over every instance
         self.stats = stats if stats is not None else ServeStats()
         """The router's counters (`migrations`, `parks`, `failed_calls`, ...)."""
@@ -230,10 +233,15 @@ class Router:
 
     # --- leases ------------------------------------------------------------------------------
 
-    def open(self, lease_id: str, *, version: int, instance: str) -> Lease:
+    def open(self, lease_id: str, *, version: int, instance: str, pinned: bool = False) -> Lease:
+        """A lease on `instance`; `pinned`: its episode needs `version` for every token, so in
+        mode inflight its instance loads no newer version while it is there (`wait_unpinned`):
+        held-out evaluation."""
         lease = Lease(lease_id, version, instance)
         lease.placed.set()
         self.leases[lease_id] = lease
+        if pinned:
+            self.pinned.add(lease_id)
         return lease
 
     def close(self, lease_id: str) -> bool:
@@ -242,7 +250,20 @@ class Router:
         if lease is None:
             return False
         self._release_session(lease)
+        if lease_id in self.pinned:
+            self.pinned.discard(lease_id)
+            self._pinned_left.set()
         return True
+
+    def holds_pinned(self, instance_id: str) -> bool:
+        """Whether a pinned lease (`open`) sits on the instance."""
+        return any(self.leases[lid].instance == instance_id for lid in self.pinned)
+
+    async def wait_unpinned(self, instance_id: str) -> None:
+        """Until no pinned lease sits on the instance (mode inflight, before a load)."""
+        while self.holds_pinned(instance_id):
+            self._pinned_left.clear()
+            await self._pinned_left.wait()
 
     def _release_session(self, lease: Lease, name: str | None = None) -> None:
         """The lease's session is no longer needed where it is (the episode ended or left);
@@ -280,6 +301,8 @@ class Router:
         interrupted (then run `interrupt`)."""
         lease = self.leases[lease_id]
         lease.instance = dst
+        if lease_id in self.pinned:
+            self._pinned_left.set()
         if lease.session_on != dst:
             self._release_session(lease)
         lease.migrations += 1
@@ -290,6 +313,8 @@ class Router:
         """`Park`: the lease has no instance until `resume`. True if a call must be interrupted."""
         lease = self.leases[lease_id]
         lease.instance = None
+        if lease_id in self.pinned:
+            self._pinned_left.set()
         self._release_session(lease)
         lease.placed.clear()
         self.stats.parks += 1

@@ -176,7 +176,15 @@ async def test_partial_mode(tmp_path: Path, long_tail_model: Path) -> None:
 
 
 async def test_inflight_mode(tmp_path: Path, long_tail_model: Path) -> None:
-    report, trainer, records = await _run("inflight", tmp_path, long_tail_model)
+    # held-out evaluations every 4 steps, on tasks of their own file
+    (tmp_path / "eval").mkdir()
+    evals: dict[str, object] = {
+        "data.eval_source": str(_tasks_file(tmp_path / "eval")),
+        "data.eval_kwargs": {},
+        "data.eval_size": 16,
+        "data.eval_every": 4,
+    }
+    report, trainer, records = await _run("inflight", tmp_path, long_tail_model, **evals)
     _common(report, trainer, records, k=2)
     spanning = 0
     for _, group in trainer.received:
@@ -189,3 +197,7 @@ async def test_inflight_mode(tmp_path: Path, long_tail_model: Path) -> None:
     assert report.parks == 0 and report.resubmissions == 0 and report.migrations == 0, report
     loads = [r for r in records if r["kind"] == "weight_load"]
     assert any(r["under_calls"] > 0 for r in loads), "the records say which loads ran under calls"
+    # an evaluation is of the one version its record names: no load went under it
+    evaluated = [r for r in records if r["kind"] == "eval"]
+    assert len(evaluated) >= 3
+    assert all(r["off_version_tokens"] == 0 for r in evaluated), evaluated

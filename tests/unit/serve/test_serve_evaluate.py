@@ -67,9 +67,12 @@ class FakeRouter:
     def __init__(self, rollout: FakeRollout) -> None:
         self.rollout = rollout
         self.leases: set[str] = set()
+        self.opened_unpinned: list[str] = []
 
-    def open(self, lease_id: str, *, version: int, instance: str) -> None:
+    def open(self, lease_id: str, *, version: int, instance: str, pinned: bool = False) -> None:
         self.leases.add(lease_id)
+        if not pinned:
+            self.opened_unpinned.append(lease_id)
 
     def close(self, lease_id: str) -> bool:
         if lease_id in self.leases:
@@ -218,6 +221,9 @@ async def test_an_evaluation_that_starts_on_a_busy_instance_grows_to_its_share()
     [e] = [rec for kind, rec in r.metrics.records if kind == "eval"]
     assert (e["version"], e["n"], e["accuracy"]) == (0, 20, 1.0)
     assert e["concurrency"] == CAPACITY // 2 == r.peak, "as many at once as an idle instance gives"
+    # every lease of the evaluation is pinned (mode inflight loads wait for them), every token
+    # sampled by the version the record names
+    assert not r.router.opened_unpinned and e["off_version_tokens"] == 0.0
 
 
 async def test_success_is_counted_at_the_configured_reward_and_the_record_says_which() -> None:

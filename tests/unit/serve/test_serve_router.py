@@ -409,3 +409,23 @@ async def test_a_refused_request_ends_the_episode_with_error() -> None:
     router.open("g0/0", version=0, instance="a")
     done = await router.sampler("g0/0").generate(PROMPT, PARAMS)
     assert done.finish_reason == "error" and list(done.token_ids) == []
+
+
+async def test_a_pinned_lease_holds_its_instance_until_it_ends_or_leaves() -> None:
+    router = Router(kv_migration=False, pin_versions=False)
+    router.open("eval1/0", version=3, instance="i0", pinned=True)
+    router.open("eval1/1", version=3, instance="i0", pinned=True)
+    router.open("g0/0", version=3, instance="i0")  # an ordinary lease holds nothing
+    router.open("g1/0", version=3, instance="i1")
+    await asyncio.wait_for(router.wait_unpinned("i1"), 1)
+    waiting = asyncio.ensure_future(router.wait_unpinned("i0"))
+    await asyncio.sleep(0.01)
+    assert not waiting.done()
+    router.close("eval1/0")
+    await asyncio.sleep(0.01)
+    assert not waiting.done()  # the other one is still there
+    router.move("eval1/1", "i1")
+    await asyncio.wait_for(waiting, 1)
+    assert router.holds_pinned("i1") and not router.holds_pinned("i0")
+    router.close("eval1/1")
+    assert not router.pinned
