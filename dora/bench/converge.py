@@ -15,9 +15,10 @@ the fraction of tokens sampled by a version other than their trajectory's first)
 `converge.json` (every run's curve and numbers) and `converge.png` (held-out accuracy against
 steps and against seconds, one line per mode, the seeds' range shaded) into `--out`.
 
-A sweep takes hours; run again with the same `--out`, a run whose folder already holds all its
-trained steps is read, not run again, and one cut short is run again from the start, so a sweep
-that was stopped goes on where it stopped.
+A sweep takes hours; run again with the same `--out`, a run of the same config and overrides that
+ended well is read, not run again (its folder holds
+`converge-run.json`), and one cut short, or of other settings, is run again from the start, so a
+sweep that was stopped goes on where it stopped.
 """
 
 from __future__ import annotations
@@ -96,12 +97,15 @@ def read_run(run_dir: Path, *, mode: str, staleness: int, seed: int) -> RunResul
     )
 
 
-def finished(run_dir: Path, steps: int) -> bool:
-    """Whether `run_dir` holds a run that trained all `steps` steps (one a sweep can reuse)."""
-    if not (run_dir / "rollout.jsonl").is_file():
-        return False
-    trained = read_records(run_dir / "rollout.jsonl", kinds={"trained"})
-    return len({r.step for r in trained if isinstance(r, Trained)}) >= steps
+DONE_FILE = "converge-run.json"
+"""Written into a run's folder when its `dora run` succeeded: the config and overrides it ran."""
+
+
+def finished(run_dir: Path, command: list[str]) -> bool:
+    """Whether `run_dir` holds a run of `command` (config, then overrides) that ended well: one a
+    sweep run again can reuse. A run of other settings, or one cut short, is not."""
+    done = run_dir / DONE_FILE
+    return done.is_file() and json.loads(done.read_text()) == command
 
 
 def target_seconds(run: RunResult, target: float) -> float | None:
@@ -242,12 +246,14 @@ def main(argv: list[str] | None = None) -> int:
         )
         run_dir = out / name
         log = out / f"{name}.log"
-        if finished(run_dir, config.learn.steps):
+        command = [args.config, *overrides, *mode_keys, *seeds]
+        if finished(run_dir, command):
             print(f"dora bench converge: {name} finished before, read from {run_dir}", flush=True)
         else:
-            shutil.rmtree(run_dir, ignore_errors=True)  # cut short before: start it again
-            if dora_run(args.config, [*overrides, *mode_keys, *seeds], run_dir, log):
+            shutil.rmtree(run_dir, ignore_errors=True)  # cut short, or other settings: again
+            if dora_run(args.config, command[1:], run_dir, log):
                 raise SystemExit(f"dora bench converge: {name} failed; see {log}")
+            (run_dir / DONE_FILE).write_text(json.dumps(command) + "\n")
         runs.append(read_run(run_dir, mode=mode, staleness=k, seed=seed))
     target = args.target if args.target is not None else default_target(runs)
     doc: dict[str, Any] = {"config": args.config, "overrides": overrides, "target": target}

@@ -91,21 +91,32 @@ def test_a_sweep_run_again_reuses_finished_runs_and_reruns_one_cut_short(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     out = tmp_path / "sweep"
-    write_curve(out / "sync-k0-s0", [0.2, 0.3, 0.4], step_s=1.0, ess=1.0)  # both steps trained
-    write_curve(out / "dora-k1-s0", [0.2, 0.3], step_s=1.0, ess=1.0)  # cut short after one
+    config = str(Path(__file__).resolve().parents[3] / "examples/math/config.toml")
+    seeds = ["model.seed=0", "learn.seed=0", "data.seed=0"]
+
+    def command(*mode: str) -> list[str]:
+        return [config, "learn.steps=2", *mode, *seeds]
+
+    finished = write_curve(out / "sync-k0-s0", [0.2, 0.3, 0.4], step_s=1.0, ess=1.0)
+    (finished / converge.DONE_FILE).write_text(json.dumps(command("rollout.mode=sync")))
+    write_curve(out / "dora-k1-s0", [0.2, 0.3], step_s=1.0, ess=1.0)  # cut short: no mark
+    other = write_curve(out / "dora-k3-s0", [0.2, 0.3, 0.4], step_s=1.0, ess=1.0)
+    (other / converge.DONE_FILE).write_text(json.dumps([config, "learn.steps=9"]))
     ran: list[str] = []
 
     def fake_run(config: str, overrides: list[str], run_dir: Path, log: Path) -> int:
-        assert not run_dir.exists()  # a run cut short starts again from an empty folder
+        assert not run_dir.exists()  # it starts again from an empty folder
         ran.append(run_dir.name)
         write_curve(run_dir, [0.2, 0.35, 0.5], step_s=0.5, ess=1.0)
         return 0
 
     monkeypatch.setattr(converge, "dora_run", fake_run)
-    config = str(Path(__file__).resolve().parents[3] / "examples/math/config.toml")
-    argv = [config, "--modes", "sync,dora", "--staleness", "1", "--seeds", "1", "--steps", "2"]
+    argv = [config, "--modes", "sync,dora", "--staleness", "1,3", "--seeds", "1", "--steps", "2"]
     assert converge.main([*argv, "--out", str(out)]) == 0
-    assert ran == ["dora-k1-s0"]
-    assert not converge.finished(out / "nothing", 2)
+    assert ran == ["dora-k1-s0", "dora-k3-s0"]  # the run of other settings too
+    assert converge.finished(
+        out / "dora-k1-s0", command("rollout.mode=dora", "rollout.staleness=1")
+    )
     doc = json.loads((out / "converge.json").read_text())
-    assert [(r["mode"], r["curve"][-1][2]) for r in doc["runs"]] == [("sync", 0.4), ("dora", 0.5)]
+    finals = [(r["mode"], r["staleness"], r["curve"][-1][2]) for r in doc["runs"]]
+    assert finals == [("sync", 0, 0.4), ("dora", 1, 0.5), ("dora", 3, 0.5)]
