@@ -8,12 +8,13 @@ change. `sync` has K = 0 whatever `--staleness` says, so it runs once per seed a
 K's table. The config must evaluate while training (`data.eval_source`, `data.eval_every`).
 
 For each K the command prints one row per mode, over the seeds (mean, and min-max): steps/s and
-trained tokens/s, the final held-out accuracy, the seconds to reach `--target` (the first
-evaluation at or above it; `-` where a run never did), and the off-policy diagnostics averaged over
-the run's steps (importance-weight ESS, the fraction of tokens whose ratio was capped or masked,
-the fraction of tokens sampled by a version other than their trajectory's first). It writes
-`converge.json` (every run's curve and numbers) and `converge.png` (held-out accuracy against
-steps and against seconds, one line per mode, the seeds' range shaded) into `--out`.
+trained tokens/s, the warm-up's and the final held-out accuracy, the seconds to reach `--target`
+(the first evaluation at or above it; `-` where a run never did) and to stand `--gain` above the
+run's own warm-up, and the off-policy diagnostics averaged over the run's steps (importance-weight
+ESS, the fraction of tokens whose ratio was capped or masked, the fraction of tokens sampled by a
+version other than their trajectory's first). It writes `converge.json` (every run's curve and
+numbers) and `converge.png` (held-out accuracy against steps and against seconds, one line per
+mode, the seeds' range shaded) into `--out`.
 
 A sweep takes hours; run again with the same `--out`, a run of the same config and overrides that
 ended well is read, not run again (its folder holds
@@ -113,6 +114,15 @@ def target_seconds(run: RunResult, target: float) -> float | None:
     return next((s for _, s, a in run.curve if a >= target), None)
 
 
+def gain_seconds(run: RunResult, gain: float) -> float | None:
+    """When the run's held-out accuracy first stood `gain` above its own warm-up's (version 0;
+    None: never, or version 0 was not evaluated). Seeds whose warm-ups differ are timed alike,
+    where one absolute target is met at once by a seed that starts above it."""
+    if not run.curve or run.curve[0][0] != 0:
+        return None
+    return target_seconds(run, run.curve[0][2] + gain - 1e-9)
+
+
 def default_target(runs: Sequence[RunResult]) -> float:
     """Halfway from the mean warm-up accuracy (version 0) to the best mean final accuracy of a
     mode: a level some runs reach and the comparison can time."""
@@ -139,10 +149,23 @@ def _spread(values: Sequence[float | None], fmt: str) -> str:
     return text
 
 
-def table(runs: Sequence[RunResult], *, staleness: int, target: float) -> list[str]:
+def table(
+    runs: Sequence[RunResult], *, staleness: int, target: float, gain: float = 0.05
+) -> list[str]:
     """The rows of one K's table: each mode over its seeds (sync's K = 0 runs stand in)."""
     head = f"K = {staleness}, target accuracy {target:.3f}: mean (min-max) over seeds"
-    cols = ("mode", "steps/s", "tokens/s", "final acc", "s to target", "ESS", "capped", "off-first")
+    cols = (
+        "mode",
+        "steps/s",
+        "tokens/s",
+        "warm-up acc",
+        "final acc",
+        "s to target",
+        f"s to +{gain:g}",
+        "ESS",
+        "capped",
+        "off-first",
+    )
     rows: list[tuple[str, ...]] = [cols]
     for mode in dict.fromkeys(r.mode for r in runs):
         of = [r for r in runs if r.mode == mode and (r.staleness == staleness or mode == "sync")]
@@ -153,8 +176,10 @@ def table(runs: Sequence[RunResult], *, staleness: int, target: float) -> list[s
                 f"{mode} ({len(of)} seeds)",
                 _spread([r.steps_per_s for r in of], ".2f"),
                 _spread([r.tokens_per_s for r in of], ",.0f"),
+                _spread([r.curve[0][2] if r.curve else None for r in of], ".3f"),
                 _spread([r.final_accuracy for r in of], ".3f"),
                 _spread([target_seconds(r, target) for r in of], ".0f"),
+                _spread([gain_seconds(r, gain) for r in of], ".0f"),
                 *(_spread([r.diagnostics.get(d) for r in of], ".3f") for d in DIAGNOSTICS),
             )
         )
@@ -220,6 +245,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--seeds", type=int, default=3, help="seeds 0..N-1 of model, learn and data")
     p.add_argument("--steps", type=int, default=None, help="learn.steps (default: the config's)")
     p.add_argument("--target", type=float, default=None, help="accuracy to time (default: auto)")
+    p.add_argument("--gain", type=float, default=0.05, help="rise over each run's warm-up to time")
     p.add_argument("--out", default=None, help="output folder (default runs/converge-<time>)")
     p.add_argument("--title", default="", help="the plot's title (default: the config's folder)")
     return p
@@ -260,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
     doc["runs"] = [asdict(r) for r in runs]
     (out / "converge.json").write_text(json.dumps(doc, indent=1) + "\n")
     for k in ks:
-        print("\n".join(table(runs, staleness=k, target=target)))
+        print("\n".join(table(runs, staleness=k, target=target, gain=args.gain)))
     plot(runs, ks, out / "converge.png", title=args.title or Path(args.config).parent.name)
     print(f"held-out accuracy against steps and seconds: {out / 'converge.png'}")
     return 0

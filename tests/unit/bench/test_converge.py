@@ -6,16 +6,27 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import pytest
 
 from dora.bench import converge
-from dora.bench.converge import default_target, plan, plot, read_run, table, target_seconds
+from dora.bench.converge import (
+    default_target,
+    gain_seconds,
+    plan,
+    plot,
+    read_run,
+    table,
+    target_seconds,
+)
 from dora.records import Trained
 from tests.unit.bench.fixtures import eval_record
 
 pytestmark = pytest.mark.timeout(60)
+
+SEED0: dict[str, Any] = {"mode": "dora", "staleness": 1, "seed": 0}
 
 
 def write_curve(
@@ -62,13 +73,21 @@ def test_the_tables_time_the_target_and_sync_stands_in_every_k(tmp_path: Path) -
     assert lines[0].startswith("K = 3, target accuracy 0.350")
     sync = next(line for line in lines if line.startswith("sync (1 seeds)"))
     dora = next(line for line in lines if line.startswith("dora (2 seeds)"))
-    assert sync.split()[5:7] == ["0.300", "-"]  # sync ended at 0.3, never at 0.35: no time
+    # warm-up 0.2, ended at 0.3, never at 0.35 (no time), 0.05 above its warm-up at version 1
+    assert sync.split()[5:9] == ["0.200", "0.300", "-", "4"]
     assert "1 (1-1)" in dora  # both dora seeds reached it at their second version, 1 s
     assert "0.500 (0.400-0.600)" in dora
     assert all("K = 1" not in line for line in lines)
     assert any(line.startswith("sync (1 seeds)") for line in table(runs, staleness=1, target=0.3))
     plot(runs, [1, 3], tmp_path / "c.png", title="math")
     assert (tmp_path / "c.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_gain_is_timed_from_each_runs_own_warm_up(tmp_path: Path) -> None:
+    low = read_run(write_curve(tmp_path / "a", [0.2, 0.22, 0.3], step_s=2.0, ess=1.0), **SEED0)
+    high = read_run(write_curve(tmp_path / "b", [0.5, 0.5, 0.52], step_s=2.0, ess=1.0), **SEED0)
+    assert (gain_seconds(low, 0.05), gain_seconds(high, 0.05)) == (4.0, None)
+    assert target_seconds(high, 0.3) == 0.0  # an absolute target: met before any training
 
 
 def test_sync_runs_once_per_seed_and_the_others_once_per_k() -> None:
