@@ -27,7 +27,7 @@ held-out episodes run on them, as the training episodes do (a lost runner's epis
 from its start); serve's loop keeps only the leases and the record. In `partial` mode a publish
 resumes every request on the newest version, so an evaluation there may finish on a newer version
 than its record says. In `inflight` mode an instance that holds evaluation leases (pinned leases,
-`Router.pin`) puts off loading a newer version until they have ended, so an evaluation is of the
+`Router.open`) puts off loading a newer version until they have ended, so an evaluation is of the
 one version its record names (the instance's other requests go on under the old weights
 meanwhile). The record says how many of the evaluation's sampled tokens another version sampled
 (`off_version_tokens`: 0 but in partial mode). At the end, the running evaluation is waited for

@@ -70,7 +70,7 @@ class Placement:
 
     def place(self, leases: Sequence[str], *, version: int, pinned: bool = False) -> str:
         """Open `leases` on one instance of `version` (the caller checked `can_place`); `pinned`:
-        they need that version for every token, even in mode inflight (`Router.pin`)."""
+        they need that version for every token, even in mode inflight (`Router.open`)."""
         where = self._orchestrator.place(leases, version=version)
         assert where is not None, "can_place said there was room"
         for lid in leases:
