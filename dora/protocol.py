@@ -243,6 +243,10 @@ class Sample(msgspec.Struct, kw_only=True, array_like=True):
     def token_versions(self) -> npt.NDArray[np.int32]:
         return np.frombuffer(self.versions, dtype=I32)
 
+    def sampled_versions(self) -> npt.NDArray[np.int32]:
+        """The version of each token the policy sampled (those the loss covers), in order."""
+        return self.token_versions()[self.mask() == 1]
+
     def version_spans(self) -> list[tuple[int, int, int]]:
         """The versions that sampled the trajectory, compactly: `(start, end, version)` with
         every sampled token in positions `[start, end)` sampled by `version`. Tokens the policy

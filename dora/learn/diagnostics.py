@@ -99,7 +99,7 @@ def version_sums(step: int, groups: Sequence[Group], n_levels: int) -> np.ndarra
         for s in g.samples:
             if s.masked:
                 continue
-            versions = s.token_versions()[s.mask() == 1]
+            versions = s.sampled_versions()
             if versions.size == 0:
                 continue
             out[level] += (

@@ -73,11 +73,7 @@ def step_metrics(
         "masked_samples": float(sum(p.masked_samples for p in prepared)),
         # sampled tokens not of their group's version (C1: 0 except in partial mode)
         "off_version_tokens": float(
-            sum(
-                int((s.token_versions()[s.mask() == 1] != g.version).sum())
-                for g in groups
-                for s in g.samples
-            )
+            sum(int((s.sampled_versions() != g.version).sum()) for g in groups for s in g.samples)
         ),
         "staleness_mean": sum(staleness) / len(staleness),
         "staleness_max": float(max(staleness)),

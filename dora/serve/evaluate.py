@@ -306,7 +306,7 @@ class Evaluator:
 
 def off_version_share(samples: list[Sample], version: int) -> float:
     """The share of the samples' sampled tokens that a version other than `version` sampled."""
-    sampled = [s.token_versions()[s.mask() == 1] for s in samples]
+    sampled = [s.sampled_versions() for s in samples]
     total = sum(len(v) for v in sampled)
     off = sum(int((v != version).sum()) for v in sampled)
     return round(off / total, 6) if total else 0.0
