@@ -14,6 +14,7 @@ from envs.reasoning_gym.datasets import (
     make_dataset,
 )
 from envs.reasoning_gym.env import ReasoningGymEnv
+from envs.reasoning_gym.solutions import running_sums
 
 __all__ = [
     "HELD_OUT_SEED",
@@ -23,4 +24,5 @@ __all__ = [
     "format_reply",
     "held_out",
     "make_dataset",
+    "running_sums",
 ]

@@ -31,6 +31,7 @@ from collections.abc import Mapping
 from typing import Any, Literal
 
 from dora import ConfigError, Task
+from envs.reasoning_gym.solutions import SolutionWriter
 
 HELD_OUT_SEED = 1_000_000
 """Added to the seed of every split but "train"."""
@@ -116,9 +117,11 @@ def dataset_seed(split_seed: int) -> int:
     return int.from_bytes(digest[:4], "big") % 2**31
 
 
-def format_reply(answer: str, answer_format: AnswerFormat) -> str:
-    """The reply that states `answer` in `answer_format`: the warm-up's target."""
-    return f"<answer>{answer}</answer>" if answer_format == "tag" else answer
+def format_reply(answer: str, answer_format: AnswerFormat, steps: str | None = None) -> str:
+    """The reply that states `answer` in `answer_format`, after the worked `steps` if any (on
+    lines of their own): the warm-up's target."""
+    stated = f"<answer>{answer}</answer>" if answer_format == "tag" else answer
+    return f"{steps}\n{stated}" if steps else stated
 
 
 def extract_answer(reply: str, answer_format: AnswerFormat) -> str | None:
@@ -142,11 +145,13 @@ def generate_tasks(
     seed: int,
     held_out_share: float,
     answer_format: AnswerFormat,
+    solution: SolutionWriter | None = None,
 ) -> list[Task]:
     """`n` problems of `split`'s side (module doc) as tasks.
 
     A task's data: `question` (the prompt), `answer` (the reply that states reasoning-gym's
-    answer in `answer_format`, which the warm-up trains on; absent when the entry has none),
+    answer in `answer_format`, after the steps `solution` writes for the entry if given, which
+    the warm-up trains on; absent when the entry has none),
     `oracle` (reasoning-gym's answer) and `entry` (the whole entry, which `score_answer` reads).
     """
     if n < 1:
@@ -163,7 +168,8 @@ def generate_tasks(
             continue
         data: dict[str, object] = {"question": question, "oracle": entry.get("answer")}
         if entry.get("answer") is not None:
-            data["answer"] = format_reply(str(entry["answer"]), answer_format)
+            steps = solution(entry) if solution is not None else None
+            data["answer"] = format_reply(str(entry["answer"]), answer_format, steps)
         data["entry"] = entry
         tasks.append(Task(f"{name}-{split}-{split_seed}-{index}", data))
         if len(tasks) == n:

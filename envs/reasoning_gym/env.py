@@ -24,7 +24,9 @@ A reply that states no answer scores what the checker gives None, 0.0.
 
 `demonstration(task)` (chat) and the task's `answer` field (plain text) are the dataset's own
 answer in the answer format: the reply the supervised warm-up trains on. reasoning-gym gives
-final answers, not worked solutions, so the warm-up teaches the format and the answers directly.
+final answers, not worked solutions, so by default the warm-up teaches the format and the answers
+directly; `solution` names a writer of worked steps to put before the answer
+(`envs.reasoning_gym.solutions`: "running_sums" for sums and differences, or "module:function").
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from envs.reasoning_gym.datasets import (
     generate_tasks,
     make_dataset,
 )
+from envs.reasoning_gym.solutions import solution_writer
 
 INSTRUCTIONS: dict[str, str] = {
     "tag": "Give only the final answer, as <answer>answer</answer>.",
@@ -55,6 +58,7 @@ OWN_SETTINGS = frozenset(
         "answer_format",
         "held_out_share",
         "generator",
+        "solution",
     }
 )
 """The keyword arguments that are this class's; the other ones are the dataset's config."""
@@ -70,6 +74,8 @@ class ReasoningGymEnv(SingleTurnEnv):
       "" sends the question alone (a model warmed up on the answers knows the format);
     - `answer_format`: "tag" or "last_line" (module doc);
     - `held_out_share`: the share of all questions reserved for held-out splits (0.1);
+    - `solution`: the writer of the worked steps the warm-up's replies give before the answer
+      (module doc; none by default);
     - every other keyword: the dataset's config.
     """
 
@@ -83,6 +89,7 @@ class ReasoningGymEnv(SingleTurnEnv):
         answer_format: AnswerFormat = "tag",
         held_out_share: float = 0.1,
         generator: Any = None,
+        solution: str | None = None,
         **config: object,
     ) -> None:
         if answer_format not in ANSWER_FORMATS:
@@ -101,6 +108,7 @@ class ReasoningGymEnv(SingleTurnEnv):
         self.answer_format: AnswerFormat = answer_format
         self.held_out_share = held_out_share
         self.config = dict(config)
+        self.solution = None if solution is None else solution_writer(solution)
         self.generator = make_dataset(dataset, config) if generator is None else generator
 
     @classmethod
@@ -129,6 +137,7 @@ class ReasoningGymEnv(SingleTurnEnv):
             seed=seed,
             held_out_share=self.held_out_share,
             answer_format=self.answer_format,
+            solution=self.solution,
         )
 
     def prompt(self, task: Task) -> str:

@@ -209,6 +209,50 @@ def test_the_warm_up_trains_on_the_datasets_answer_in_the_answer_format(
         assert (factory().demonstration(task) is not None) == chat
 
 
+def worked_by_hand(entry: dict[str, object]) -> str | None:
+    """A user's own writer of worked steps (`solution = "module:function"`)."""
+    return f"the question has {len(str(entry['question']))} characters"
+
+
+def test_worked_solutions_come_before_the_answer_in_the_warm_up_reply(tokenizer) -> None:
+    arithmetic = {
+        "dataset": "basic_arithmetic",
+        **{"min_terms": 3, "max_terms": 5, "min_digits": 1, "max_digits": 1},
+        **{"operators": ["+", "-"], "allow_parentheses": False, "allow_negation": False},
+    }
+    factory = load_env(SPEC, **arithmetic, chat=False, solution="running_sums")
+    env = factory()
+    tasks = env.tasks("train", n=20, seed=0)
+    for task in tasks:
+        *steps, last = str(task["answer"]).split("\n")
+        assert last == f"<answer>{task['oracle']}</answer>"
+        assert 2 <= len(steps) <= 4
+        # each step applies the next term to the sum so far, and the last sum is the answer
+        expression = str(task["entry"]["metadata"]["expression"]).split()
+        total = int(expression[0])
+        terms = zip(expression[1::2], expression[2::2], strict=True)
+        for step, (op, term) in zip(steps, terms, strict=True):
+            new = total + int(term) if op == "+" else total - int(term)
+            assert step == f"{total} {op} {term} = {new}"
+            total = new
+        assert str(total) == task["oracle"]
+        assert env.score(str(task["answer"]), task) == 1.0
+    trained = render_examples(tokenizer, factory, tasks[:1])[0]
+    assert trained is not None
+    assert [tokenizer.decode(ids) for ids, on in trained if on] == [  # type: ignore[attr-defined]
+        f"{tasks[0]['answer']}<|im_end|>"
+    ]
+    # a user's writer by "module:function"; an expression running_sums cannot read: answer alone
+    own = load_env(SPEC, **SUMS, solution=f"{__name__}:worked_by_hand")().tasks("train", n=1)[0]
+    assert own["answer"] == (
+        f"the question has {len(str(own['question']))} characters\n<answer>{own['oracle']}</answer>"
+    )
+    products = load_env(SPEC, dataset="products", solution="running_sums")().tasks("train", n=1)[0]
+    assert products["answer"] == f"<answer>{products['oracle']}</answer>"
+    with pytest.raises(ConfigError, match=r"env\.kwargs\.solution = 'sums'"):
+        load_env(SPEC, **SUMS, solution="sums")()
+
+
 def test_the_shared_dataset_is_built_once_per_factory() -> None:
     factory = load_env(SPEC, **SUMS)
     assert factory().generator is factory().generator
