@@ -61,15 +61,20 @@ def jsonl(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
-def reward_thirds(run_dir: Path, steps: int) -> tuple[float, float]:
+def reward_thirds(run_dir: Path, steps: int, *, margin: float) -> tuple[float, float]:
     """The trainer's mean reward over the first and the last third of a run of `steps` steps,
     from its `learn-metrics.jsonl`, after checking that every step from 0 to `steps - 1` trained
-    exactly once."""
+    exactly once and that the last third's is above the first's by `margin`. A failure shows
+    every step's reward and staleness, so a run that did not learn can be told from one that
+    learned little."""
     metrics = sorted(jsonl(run_dir / "learn-metrics.jsonl"), key=lambda m: m["step"])
     assert [m["step"] for m in metrics] == list(range(steps)), metrics
     rewards = [m["reward_mean"] for m in metrics]
     third = steps // 3
-    return sum(rewards[:third]) / third, sum(rewards[-third:]) / third
+    first, last = sum(rewards[:third]) / third, sum(rewards[-third:]) / third
+    steps_seen = [(round(m["reward_mean"], 3), m.get("staleness_max")) for m in metrics]
+    assert last > first + margin, f"first third {first:.4f}, last {last:.4f}: {steps_seen}"
+    return first, last
 
 
 def held_out_evals(run_dir: Path) -> list[dict[str, Any]]:

@@ -6,12 +6,15 @@ Shrunk from examples/reasoning_gym/config.toml: a short warm-up (WARMUP_STEPS of
 (every step, 16 samples each), so the policy gradient has to raise the sampled reward of those
 prompts within STEPS steps. The short warm-up is most of the saving (CI builds it from an empty
 model cache): it teaches the `<answer>` format and part of the reversal, which leaves the
-checker's per-letter credit room to rise. Measured (2026-12-06 21:01, nothing else running):
-rises of 0.123, 0.122 and 0.098 from the first to the last third, 45-49 s a run with the
-warm-up cached, and 0.047 in a CI run (dora mode is not bit-reproducible: which version samples
-which group depends on timing); with `learn.lr=1e-12` (a trainer that does not learn) 0.004,
-which fails. Asserted: the trainer's mean reward over the last third of the steps is above the
-first third's by MARGIN, every sample was scored (none masked: the checker ran on every
+checker's per-letter credit room to rise. Measured: rises of 0.123, 0.122 and 0.098 from the
+first to the last third (2026-12-06, nothing else running), 0.047 in a CI run; 2026-12-07, 16-18
+s of RL a run: 0.123, 0.132 and 0.134 on this warm-up, 0.117, 0.205, 0.122 and 0.125 on the
+warm-ups of model seeds 1-4, 0.168 and 0.096 with one core kept busy; with `learn.lr=1e-12` (a
+trainer that does not learn) 0.004, which fails. One CI run (2026-12-07) stayed flat (0.1917 ->
+0.1913) for a cause not found: dora mode is not bit-reproducible (which version samples which
+group depends on timing), and a failure now prints every step's reward and staleness.
+Asserted: the trainer's mean reward over the last third of the steps is above the first
+third's by MARGIN, every sample was scored (none masked: the checker ran on every
 episode), and held-out evaluations ran on the initial and the final version. A checker that is
 not reached, an answer extracted wrongly (every reward 0) or a trainer that does not learn fails
 it. The held-out accuracy gain of the full example is measured in docs/benchmarks.md, not here
@@ -68,6 +71,5 @@ def test_reasoning_gym_example_reward_rises(tmp_path: Path) -> None:
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert all(m["masked_samples"] == 0 for m in jsonl(run_dir / "learn-metrics.jsonl"))
-    first, last = reward_thirds(run_dir, STEPS)
-    assert last > first + MARGIN, (first, last)
+    reward_thirds(run_dir, STEPS, margin=MARGIN)
     assert [e["version"] for e in held_out_evals(run_dir)] == [0, STEPS]

@@ -73,6 +73,5 @@ def test_math_example_reward_rises(tmp_path: Path, lora: bool) -> None:
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert all(m["staleness_max"] <= 2 for m in jsonl(run_dir / "learn-metrics.jsonl"))
-    first, last = reward_thirds(run_dir, STEPS)
-    assert last > first + MARGIN, (first, last)
+    reward_thirds(run_dir, STEPS, margin=MARGIN)
     assert [e["version"] for e in held_out_evals(run_dir)] == [0, STEPS]
