@@ -227,17 +227,14 @@ async def fit_context(
     skipped: list[tuple[str, int]] = []
     failed: list[tuple[str, str]] = []
     threads = OffLoop(1, name="dora-env-fit")  # reset is user code: off the loop
-    try:
-        for task in tasks:
-            length = await _prompt_length(env_factory, renderer, task, timeout_s, threads)
-            if isinstance(length, str):
-                failed.append((task.prompt_id, length))
-            if isinstance(length, int) and length >= context_limit:
-                skipped.append((task.prompt_id, length))
-            else:
-                kept.append(task)
-    finally:
-        threads.close()
+    for task in tasks:
+        length = await _prompt_length(env_factory, renderer, task, timeout_s, threads)
+        if isinstance(length, str):
+            failed.append((task.prompt_id, length))
+        if isinstance(length, int) and length >= context_limit:
+            skipped.append((task.prompt_id, length))
+        else:
+            kept.append(task)
     if tasks and len(failed) == len(tasks):
         named = "; ".join(f"{pid}: {why}" for pid, why in failed[:3])
         raise DataError(
@@ -274,7 +271,7 @@ async def _prompt_length(
     except ChatTemplateMissing:
         raise  # the model cannot render this kind of prompt at all: stop at start
     except HookTimeout:
-        threads.close()  # its thread may hang for good: the next task gets a fresh one
+        # its thread may hang for good: it is never lent again, the next task gets another
         log.debug("prompt of %r not measured: reset timed out", task.prompt_id)
         return f"reset() took over {timeout_s:g} s"
     except Exception as exc:  # the episode's error policy owns a failing reset, not the loader

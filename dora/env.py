@@ -277,7 +277,7 @@ def agent_env(
     fn: AgentFn, *, tasks: Callable[..., Sequence[Task] | None] | None = None
 ) -> type[AgentEnv]:
     """An `AgentEnv` class running `fn(base_url, model, task, **kwargs)` (the config's
-    `env.kwargs`), awaited on the loop if it is `async`, else in the episode's thread;
+    `env.kwargs`), awaited on the loop if it is `async`, else in a worker thread;
     `tasks(split, **kwargs)`, when given, lists its tasks (`data.source = "env"`)."""
     if not callable(fn):
         raise TypeError(f"agent_env needs a function, not {fn!r}")

@@ -223,7 +223,6 @@ async def _guarded_episode(
             return masked_sample(task, f"{error} {_where(env, task)}")
     finally:
         await _close_env(env, hooks, task, limits.close_timeout_s)
-        hooks.threads.close()
 
 
 def _where(env: Env, task: Task) -> str:
@@ -271,12 +270,9 @@ async def _run_episode(
                 f"context_limit {limits.context_limit}",
                 "context",
             )
-        try:
-            episode = await _loop(
-                sampler, renderer, env, hooks, task, params, limits, prompt, toolbox, traj, counts
-            )
-        finally:
-            toolbox.close()
+        episode = await _loop(
+            sampler, renderer, env, hooks, task, params, limits, prompt, toolbox, traj, counts
+        )
         raw = await hooks.call("reward", env.reward, episode, timeout_s=limits.reward_timeout_s)
         try:
             reward, components = reward_total(raw)
@@ -500,14 +496,13 @@ async def run_fresh_episode(
     limits: EpisodeLimits | None = None,
 ) -> Sample:
     """One episode of `task` on a new environment from `env_factory` (user code too: it runs in
-    the episode's thread, under `step_timeout_s`); a factory that raises gives a masked sample
+    a worker thread, under `step_timeout_s`); a factory that raises gives a masked sample
     (`env factory raised ...`), as an episode that fails does."""
     limits = limits or EpisodeLimits()
     hooks = Hooks()
     try:
         made = await hooks.call("env factory", env_factory, timeout_s=limits.step_timeout_s)
     except EnvFailure as failure:
-        hooks.threads.close()
         return masked_sample(task, f"{failure} (task {task.prompt_id})")
     env = cast(Env, made)
     return await _guarded_episode(hooks, sampler, renderer, env, task, params, limits)

@@ -43,8 +43,9 @@ _INLINE_DEFAULTS = frozenset({Env.tools, Env.step})
 
 
 class Hooks:
-    """The environment hooks of one episode: each under its deadline, synchronous ones in the
-    episode's own thread (`dora.hooks`); any failure is an `EnvFailure` naming the hook."""
+    """The environment hooks of one episode: each under its deadline, synchronous ones in a
+    worker thread lent for the call (`dora.hooks`); any failure is an `EnvFailure` naming the
+    hook."""
 
     def __init__(self) -> None:
         self.threads = OffLoop(1, name="dora-env")

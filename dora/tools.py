@@ -281,10 +281,6 @@ class ToolBox:
             self._tools[name] = _Entry(fn, check, call_id)
             self.schemas.append(schema)
 
-    def close(self) -> None:
-        """Let go of the tool threads; a sync tool still hanging keeps only its own thread."""
-        self._threads.close()
-
     def __len__(self) -> int:
         return len(self._tools)
 

@@ -131,8 +131,7 @@ async def _render_hooks(
     if demonstration is not None:
         if not isinstance(prompt, list):
             raise TypeError(f"task {task.prompt_id!r}: a demonstration needs a chat prompt")
-        toolbox = ToolBox(await call_maybe_async(env.tools))
-        toolbox.close()  # only the schemas are needed
+        toolbox = ToolBox(await call_maybe_async(env.tools))  # only the schemas are needed
         return _transcript(renderer(), prompt, toolbox, demonstration)
     answer = task.data.get("answer")
     if not isinstance(answer, str):

@@ -293,25 +293,22 @@ class Tau2Env(Env):
         actions = [a for a in criteria.actions or [] if a.requestor == "assistant"]
         box = ToolBox(self.tools())
         out: list[Message] = []
-        try:
-            for k, action in enumerate(actions):
-                call: ToolCall = {
-                    "id": f"call_{k}",
-                    "type": "function",
-                    "function": {"name": action.name, "arguments": json.dumps(action.arguments)},
+        for k, action in enumerate(actions):
+            call: ToolCall = {
+                "id": f"call_{k}",
+                "type": "function",
+                "function": {"name": action.name, "arguments": json.dumps(action.arguments)},
+            }
+            out.append({"role": "assistant", "content": "", "tool_calls": [call]})
+            result = await box.call(call)
+            out.append(
+                {
+                    "role": "tool",
+                    "content": result.content,
+                    "tool_call_id": call["id"],
+                    "name": action.name,
                 }
-                out.append({"role": "assistant", "content": "", "tool_calls": [call]})
-                result = await box.call(call)
-                out.append(
-                    {
-                        "role": "tool",
-                        "content": result.content,
-                        "tool_call_id": call["id"],
-                        "name": action.name,
-                    }
-                )
-        finally:
-            box.close()
+            )
         info = " ".join(criteria.communicate_info or [])
         text = f"{DONE} {info}".strip()
         since = 0  # `step` gets the turns since the user last spoke, as in an episode

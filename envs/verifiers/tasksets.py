@@ -193,9 +193,6 @@ class Tasksets:
         task_type = type(source).task_type()
         vtask = task_type(task_type.data_type().model_validate(dict(task.data)), source.config.task)
         box = ToolBox(_tools(vtask, source.config.task))
-        try:
-            messages = _prompt(vf, vtask.data, source.system_prompt)
-            await _chat(base_url, model, messages, box, self.max_turns)
-        finally:
-            box.close()
+        messages = _prompt(vf, vtask.data, source.system_prompt)
+        await _chat(base_url, model, messages, box, self.max_turns)
         return await _score(vtask, _trace(vf, vtask, messages))

@@ -139,5 +139,7 @@ async def test_every_episode_of_a_group_closes_its_own_env(scripted) -> None:
         group_size=3,
         params=PARAMS,
     )
-    assert [s.masked for s in samples] == [False, True, False]
+    # the factories run at once, in threads of their own: which episode got the failing env
+    # is not fixed, only that one did
+    assert sorted(s.masked for s in samples) == [False, False, True]
     assert [e.closed for e in envs] == [1, 1, 1]
