@@ -66,6 +66,9 @@ log = logging.getLogger("dora.link")
 _HWM = 1000  # bounded queues: backpressure instead of unbounded memory
 DEFAULT_MAX_MESSAGE_BYTES = 4 << 30  # an inline weight chunk holds at least one whole tensor
 REFUSAL_LOG_S = 10.0
+DECODE_OFF_LOOP_BYTES = 1 << 20
+"""A frame from the trainer at least this large (inline weights) is decoded in a worker thread:
+decoding half a gigabyte of tensors held serve's loop for 1.7 s, and every call waited."""
 """At most one log line per this many seconds for refused hellos: a flood does not fill the log."""
 _MONITORED = zmq.EVENT_DISCONNECTED
 _Z85 = set("0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ.-:+=^!/*?&<>()[]{}@%$#")
@@ -220,11 +223,14 @@ class ServeLink:
                 self._drop(f"{len(frames) - 1} frames in one message, expected 1")
                 continue
             peer = _Peer(frames[0].bytes, frames[1].get(zmq.SRCFD))
-            frame = frames[1].bytes
+            frame = frames[1].buffer
             self.received_messages += 1
             self.received_bytes += len(frame)
             try:
-                message = decode_from_learn(frame)
+                if len(frame) >= DECODE_OFF_LOOP_BYTES:
+                    message = await asyncio.to_thread(decode_from_learn, frame)
+                else:
+                    message = decode_from_learn(frame)
             except ProtocolError as exc:
                 self._drop(str(exc))
                 continue

@@ -471,7 +471,7 @@ def decode_from_serve(frame: bytes) -> ServeMessage:
         raise ProtocolError(f"malformed message from dora serve: {exc}") from exc
 
 
-def decode_from_learn(frame: bytes) -> LearnMessage:
+def decode_from_learn(frame: bytes | memoryview) -> LearnMessage:
     """Decode a frame sent by `dora learn`; raises `ProtocolError` if malformed."""
     from dora.errors import ProtocolError
 

@@ -348,3 +348,36 @@ async def test_a_refused_hello_with_the_token_is_answered_with_the_reason() -> N
         for link in (ours, stranger):
             link.close()
         serve.close()
+
+
+async def test_inline_weights_are_decoded_off_the_loop(monkeypatch) -> None:
+    """A frame of weights (at least DECODE_OFF_LOOP_BYTES) is decoded in a worker thread, so the
+    loop goes on meanwhile; a small message is decoded on the loop, without a thread hop."""
+    import threading
+
+    import dora.link
+
+    decoded_in: list[int] = []
+    decode = dora.link.decode_from_learn
+
+    def recording(frame: bytes | memoryview) -> object:
+        decoded_in.append(threading.get_ident())
+        return decode(frame)
+
+    monkeypatch.setattr(dora.link, "decode_from_learn", recording)
+    serve = ServeLink()
+    learn = LearnLink(serve.address)
+    data = bytes(range(256)) * (dora.link.DECODE_OFF_LOOP_BYTES // 256 + 1)
+    chunk = WeightChunk(
+        version=1, index=0, names=["w"], dtypes=["uint8"], shapes=[[len(data)]], data=[data]
+    )
+    try:
+        learn.send(Hello(role="learn", incarnation=0, step=0))
+        assert isinstance(await asyncio.wait_for(serve.recv(), 5), Hello)
+        learn.send(chunk)
+        assert await asyncio.wait_for(serve.recv(), 5) == chunk
+    finally:
+        learn.close()
+        serve.close()
+    loop_thread = threading.get_ident()
+    assert decoded_in[0] == loop_thread and decoded_in[1] != loop_thread
