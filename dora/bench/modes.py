@@ -30,6 +30,7 @@ import platform
 import subprocess
 import sys
 import time
+from collections.abc import Iterable
 from dataclasses import asdict
 from datetime import UTC, datetime
 from pathlib import Path
@@ -131,14 +132,20 @@ def run_mode(
                 stderr=subprocess.STDOUT,
             )
         window = _Window(counter, first=1 + warmup, last=steps)
-        while any(p.poll() is None for p in procs.values()):
-            if any(p.returncode not in (None, 0) for p in procs.values()):
-                break
+        while not sides_ended(procs.values()):
             window.sample(procs)
             time.sleep(POLL_S)
     (run_dir / "bench-cpu.json").write_text(json.dumps(window.record(procs)))
     codes = [p.returncode for p in procs.values()]
     return next((c for c in codes if c), 0)
+
+
+def sides_ended(procs: Iterable[subprocess.Popen[bytes]]) -> bool:
+    """Whether a run's sides are done: all exited, or one failed (the others are then stopped).
+    Every process is polled: a side that failed at start (`dora learn` refusing a run directory)
+    is seen while the other still runs."""
+    codes = [p.poll() for p in procs]
+    return all(c is not None for c in codes) or any(c not in (None, 0) for c in codes)
 
 
 def _run_settings(
