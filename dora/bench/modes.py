@@ -30,7 +30,7 @@ import platform
 import subprocess
 import sys
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import asdict
 from datetime import UTC, datetime
 from pathlib import Path
@@ -135,7 +135,12 @@ def run_mode(
         while not sides_ended(procs.values()):
             window.sample(procs)
             time.sleep(POLL_S)
+        failed = first_failure(procs)  # before the other side is stopped
     (run_dir / "bench-cpu.json").write_text(json.dumps(window.record(procs)))
+    if failed is not None:
+        side, code = failed
+        print(f"dora {side} exited {code}: see {run_dir / f'{side}.log'}", file=sys.stderr)
+        return code
     codes = [p.returncode for p in procs.values()]
     return next((c for c in codes if c), 0)
 
@@ -146,6 +151,11 @@ def sides_ended(procs: Iterable[subprocess.Popen[bytes]]) -> bool:
     is seen while the other still runs."""
     codes = [p.poll() for p in procs]
     return all(c is not None for c in codes) or any(c not in (None, 0) for c in codes)
+
+
+def first_failure(procs: Mapping[str, subprocess.Popen[bytes]]) -> tuple[str, int] | None:
+    """The side that exited with an error on its own, and its code (None if none did)."""
+    return next(((side, p.returncode) for side, p in procs.items() if p.returncode), None)
 
 
 def _run_settings(

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from dora.bench.modes import sides_ended
+from dora.bench.modes import first_failure, sides_ended
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -25,6 +25,8 @@ def test_a_side_that_fails_ends_the_run_while_the_other_still_runs() -> None:
         learn.wait(10)
         assert sides_ended([serve, learn]), "serve listed first must not hide learn's failure"
         assert serve.poll() is None
+        # what the benchmark reports: learn's own error, not serve's code once it is stopped
+        assert first_failure({"serve": serve, "learn": learn}) == ("learn", 1)
     finally:
         serve.kill()
         serve.wait()
@@ -37,3 +39,4 @@ def test_the_run_goes_on_while_a_side_runs_and_ends_when_all_exit_well() -> None
     serve.wait(10)
     time.sleep(0.01)
     assert sides_ended([serve, learn])
+    assert first_failure({"serve": serve, "learn": learn}) is None
