@@ -66,10 +66,10 @@ log = logging.getLogger("dora.link")
 _HWM = 1000  # bounded queues: backpressure instead of unbounded memory
 DEFAULT_MAX_MESSAGE_BYTES = 4 << 30  # an inline weight chunk holds at least one whole tensor
 REFUSAL_LOG_S = 10.0
+"""At most one log line per this many seconds for refused hellos: a flood does not fill the log."""
 DECODE_OFF_LOOP_BYTES = 1 << 20
 """A frame from the trainer at least this large (inline weights) is decoded in a worker thread:
 decoding half a gigabyte of tensors held serve's loop for 1.7 s, and every call waited."""
-"""At most one log line per this many seconds for refused hellos: a flood does not fill the log."""
 _MONITORED = zmq.EVENT_DISCONNECTED
 _Z85 = set("0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ.-:+=^!/*?&<>()[]{}@%$#")
 

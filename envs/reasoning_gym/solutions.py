@@ -29,11 +29,12 @@ def running_sums(entry: Mapping[str, Any]) -> str | None:
     expression = metadata.get("expression") if isinstance(metadata, Mapping) else None
     if not isinstance(expression, str):
         return None
-    head = re.match(r"\s*(-?\d+)", expression)
+    expression = expression.strip()
+    head = re.match(r"-?\d+", expression)
     if head is None:
         return None
-    total, position, lines = int(head.group(1)), head.end(), []
-    while position < len(expression.rstrip()):
+    total, position, lines = int(head.group()), head.end(), []
+    while position < len(expression):
         step = _TERM.match(expression, position)
         if step is None:
             return None
