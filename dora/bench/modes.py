@@ -204,7 +204,10 @@ class _Window:
         self.loads: list[float] = []
 
     def sample(self, procs: dict[str, subprocess.Popen[bytes]]) -> None:
+        """Keep a sample only while every side runs: a side that exited reads as no CPU."""
         cpu = {side: tree_cpu_s([p.pid]) for side, p in procs.items()}
+        if any(p.poll() is not None for p in procs.values()):
+            return
         cpu["serve_self"] = own_cpu_s(procs["serve"].pid)
         self.latest = cpu
         n = self.counter.poll()

@@ -40,3 +40,43 @@ def test_the_run_goes_on_while_a_side_runs_and_ends_when_all_exit_well() -> None
     time.sleep(0.01)
     assert sides_ended([serve, learn])
     assert first_failure({"serve": serve, "learn": learn}) is None
+
+
+class Steps:
+    """The trained-step count a `_Window` polls, set by the test."""
+
+    def __init__(self) -> None:
+        self.n = 0
+
+    def poll(self) -> int:
+        return self.n
+
+
+def test_a_cpu_sample_after_a_side_exited_is_not_kept() -> None:
+    """A side that exited (and was reaped) reads as 0 CPU-seconds: a window ending at such a
+    sample measured negative CPU and printed a negative machine bound."""
+    from dora.bench.modes import _Window
+    from dora.bench.proc import tree_cpu_s
+
+    burn = "import time\nwhile time.process_time() < 0.3: pass\ntime.sleep(60)"
+    serve, learn = side("import time; time.sleep(60)"), side(burn)
+    procs = {"serve": serve, "learn": learn}
+    steps = Steps()
+    window = _Window(steps, first=1, last=3)  # type: ignore[arg-type]
+    try:
+        deadline = time.monotonic() + 10
+        while tree_cpu_s([learn.pid]) < 0.2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        steps.n = 1
+        window.sample(procs)
+        learn.kill()
+        learn.wait(10)
+        steps.n = 3  # the last step was trained, and learn has exited since
+        window.sample(procs)
+        record = window.record(procs)
+        assert record, "the window's first end was sampled"
+        assert all(v >= 0 for k, v in record.items() if k.endswith("cpu_s")), record
+    finally:
+        for p in procs.values():
+            p.kill()
+            p.wait()
