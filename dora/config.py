@@ -438,6 +438,22 @@ class DataConfig(_Section):
             "`accuracy` is the fraction of successes (the math environments score 1.0 right)"
         ),
     ] = 1.0
+    eval_temperature: Annotated[
+        float,
+        M(
+            ge=0,
+            description="Sampling temperature of held-out episodes; 0 decodes greedily",
+        ),
+    ] = 0.0
+    eval_samples: Annotated[
+        int,
+        M(
+            ge=1,
+            description="Episodes per held-out task: `accuracy` is their mean success (avg@k), "
+            "`pass_at_k` the share of tasks with at least one success; more than 1 needs "
+            "eval_temperature > 0",
+        ),
+    ] = 1
 
 
 class LogConfig(_Section):
@@ -562,25 +578,6 @@ def config_from_raw(raw: Mapping[str, object]) -> DoraConfig:
             config, learn=msgspec.structs.replace(config.learn, lr=LORA_LR)
         )
     return _resolve(config)
-
-
-def default_sections(raw: Mapping[str, object]) -> list[str]:
-    """Sentences naming what a run trains when its config as written (`raw_config`: the file's
-    sections with the command's overrides) leaves out `[model]` or `[env]`: dora's own tiny model
-    and chain arithmetic, which a user who forgot a section should hear about at start rather
-    than discover in the results."""
-    notes = []
-    if "model" not in raw:
-        notes.append(
-            "no [model] section: training dora's tiny character model, built from scratch "
-            "(model.path = 'tiny')"
-        )
-    if "env" not in raw:
-        notes.append(
-            "no [env] section: the environment is chain arithmetic "
-            f"(env.cls = {EnvConfig().cls!r}; set it to 'module:Class' of yours)"
-        )
-    return notes
 
 
 def _resolve(config: DoraConfig) -> DoraConfig:

@@ -107,6 +107,16 @@ def _band_inverted(c: DoraConfig) -> str | None:
     return None
 
 
+def _greedy_repeats(c: DoraConfig) -> str | None:
+    if c.data.eval_samples == 1 or c.data.eval_temperature > 0:
+        return None
+    return (
+        f"data.eval_samples = {c.data.eval_samples} is invalid with data.eval_temperature = 0: "
+        "greedy decoding gives every episode of a task the same answer; set "
+        "data.eval_temperature (0.6, say) or data.eval_samples = 1"
+    )
+
+
 CROSS_FIELD_RULES: tuple[CrossFieldRule, ...] = (
     CrossFieldRule(
         "`rollout.group_size` >= 2 with the group-relative losses (`grpo`, `dr_grpo`, `gspo`)",
@@ -138,6 +148,10 @@ CROSS_FIELD_RULES: tuple[CrossFieldRule, ...] = (
         "`learn.icepop.low` < `learn.icepop.high` and `learn.mis.low` < `learn.mis.high`",
         _band_inverted,
     ),
+    CrossFieldRule(
+        "`data.eval_samples` > 1 needs `data.eval_temperature` > 0",
+        _greedy_repeats,
+    ),
 )
 """Checked in this order at load, after the mode presets; the first broken rule is the error."""
 
@@ -162,6 +176,8 @@ SAFE_ON_RESUME: tuple[str, ...] = (
     "data.eval_every",
     "data.eval_every_s",
     "data.eval_success_at",
+    "data.eval_temperature",
+    "data.eval_samples",
 )
 """Keys (or whole sections and tables) a resume may change; every other key defines the run."""
 

@@ -1,5 +1,6 @@
 """The config as text: TOML that `load_config` reads back (`dora config show`, the copy in every run
-directory, the trackers' record of a run) and the generated reference docs/config.md.
+directory, the trackers' record of a run), the generated reference docs/config.md, and the notes a
+run prints at start when its config leaves out a section.
 
 Both are derived from the Structs of `dora.config` and their `msgspec.Meta` (types, bounds, one-line
 descriptions), so the docs cannot drift from the code: a test regenerates docs/config.md and fails
@@ -13,11 +14,11 @@ from typing import Literal, get_args, get_origin, get_type_hints
 
 import msgspec
 
-from dora.config import DoraConfig
+from dora.config import DoraConfig, EnvConfig
 from dora.config_check import struct_type
 from dora.config_rules import CROSS_FIELD_RULES, SAFE_ON_RESUME
 
-__all__ = ["config_markdown", "field_docs", "render_toml", "to_toml_dict"]
+__all__ = ["config_markdown", "default_sections", "field_docs", "render_toml", "to_toml_dict"]
 
 
 def to_toml_dict(config: DoraConfig) -> dict[str, object]:
@@ -163,3 +164,22 @@ def config_markdown() -> str:
     out += [f"- {rule.text}" for rule in CROSS_FIELD_RULES]
     out += ["", *_resume_markdown(), ""]
     return "\n".join(out).replace("|\n## ", "|\n\n## ")
+
+
+def default_sections(raw: Mapping[str, object]) -> list[str]:
+    """Sentences naming what a run trains when its config as written (`raw_config`: the file's
+    sections with the command's overrides) leaves out `[model]` or `[env]`: dora's own tiny model
+    and chain arithmetic, which a user who forgot a section should hear about at start rather
+    than discover in the results."""
+    notes = []
+    if "model" not in raw:
+        notes.append(
+            "no [model] section: training dora's tiny character model, built from scratch "
+            "(model.path = 'tiny')"
+        )
+    if "env" not in raw:
+        notes.append(
+            "no [env] section: the environment is chain arithmetic "
+            f"(env.cls = {EnvConfig().cls!r}; set it to 'module:Class' of yours)"
+        )
+    return notes

@@ -55,8 +55,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from dora.config import DoraConfig, config_from_raw, default_sections, load_config
+from dora.config import DoraConfig, config_from_raw, load_config
 from dora.config_file import raw_config
+from dora.config_text import default_sections
 from dora.dryrun import planned, process_lines, thread_overrides
 from dora.errors import RunAborted
 from dora.gpu_plan import GpuPlan

@@ -213,6 +213,9 @@ class Eval(Record, tag="eval"):
     seconds: float
     success_at: float = 1.0
     off_version_tokens: float = 0.0
+    temperature: float = 0.0
+    samples_per_task: int = 1
+    pass_at_k: float | None = None
 
 
 class InstanceTick(msgspec.Struct, kw_only=True):

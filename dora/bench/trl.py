@@ -12,13 +12,14 @@ settings: GRPO advantages scaled by the group's std, token-level aggregation ove
 TRL generates with `model.generate` in the trainer's process, synchronously (on-policy), and has no
 counterpart of dora's off-policy correction, which an on-policy run does not need.
 
-Both runs are evaluated the same way, greedily on the config's held-out tasks, scored by the
-environment: dora by its own evaluation (`eval` records), TRL by a callback at the same versions
-(the initial model, every `data.eval_every` steps, the last step) that decodes with dora's engine
-in process (its time is left out of TRL's clock). Wall-clock seconds are counted from the start
-of training: for TRL from `train()`, for dora from the start of serve's rollout (its records'
-clock, which starts once its instances are up); the version w point is where step w-1 trained
-(dora: its `trained` record). Printed: steps/s and accuracy against seconds for each, and
+Both runs are evaluated the same way, on the config's held-out tasks (greedily, or at
+`data.eval_temperature` with `data.eval_samples` episodes per task, each episode seeded alike),
+scored by the environment: dora by its own evaluation (`eval` records), TRL by a callback at the
+same versions (the initial model, every `data.eval_every` steps, the last step) that decodes with
+dora's engine in process (its time is left out of TRL's clock). Wall-clock seconds are counted from
+the start of training: for TRL from `train()`, for dora from the start of serve's rollout (its
+records' clock, which starts once its instances are up); the version w point is where step w-1
+trained (dora: its `trained` record). Printed: steps/s and accuracy against seconds for each, and
 `dora/trl steps/s ratio: X.XX`; written: `OUT/bench-trl.json` and the curves drawn in
 `OUT/bench-trl.png`.
 """
@@ -108,7 +109,7 @@ def _score(env_factory: Callable[[], Env], tasks: list[Any], index: int, text: s
     return float(reward)  # type: ignore[arg-type]
 
 
-def _greedy_accuracy(
+def _held_out_accuracy(
     model: Any,
     tok: Any,
     config: DoraConfig,
@@ -116,7 +117,9 @@ def _greedy_accuracy(
     rows: list,
     tasks: list,
 ) -> float:
-    """Held-out accuracy of `model` as it is now, decoded greedily by dora's engine."""
+    """Held-out accuracy of `model` as it is now, decoded by dora's engine as dora's own
+    evaluation decodes: `data.eval_samples` episodes per task at `data.eval_temperature`, episode
+    j of the evaluation seeded with j (greedy at temperature 0)."""
     import torch
 
     from dora.engine.batcher import Batcher, BatcherConfig
@@ -130,13 +133,19 @@ def _greedy_accuracy(
         decode=tok.decode,
         config=BatcherConfig(max_running=64, max_model_len=config.model.max_model_len),
     )
-    params = SamplingParams(max_tokens=config.rollout.max_tokens, temperature=0.0)
+    k, temperature = config.data.eval_samples, config.data.eval_temperature
     seqs = []
-    for row in rows:
+    for i, row in enumerate(rows):
         ids = trl_prompt_ids(tok, row["prompt"])
-        seq = batcher.new_sequence(f"e{row['task_index']}", ids, params)
-        batcher.add(seq)
-        seqs.append((row["task_index"], seq))
+        for rep in range(k):
+            params = SamplingParams(
+                max_tokens=config.rollout.max_tokens,
+                temperature=temperature,
+                seed=i * k + rep if temperature > 0 else None,
+            )
+            seq = batcher.new_sequence(f"e{row['task_index']}-{rep}", ids, params)
+            batcher.add(seq)
+            seqs.append((row["task_index"], seq))
     with torch.inference_mode():
         while batcher.has_work():
             batcher.step()
@@ -202,7 +211,7 @@ def run_trl(config: DoraConfig, out: Path) -> dict[str, object]:
     def evaluate(step: int) -> None:
         started = time.monotonic()
         seconds = started - clock["start"] - clock["excluded"]
-        acc = _greedy_accuracy(model, tok, config, env_factory, eval_rows, eval_tasks)
+        acc = _held_out_accuracy(model, tok, config, env_factory, eval_rows, eval_tasks)
         clock["excluded"] += time.monotonic() - started
         curve.append({"version": step, "seconds": round(seconds, 2), "accuracy": acc})
         print(f"trl: v{step} accuracy {acc:.3f} at {seconds:.0f} s", flush=True)

@@ -1,4 +1,4 @@
-"""Evaluation while training: greedy accuracy on held-out tasks, on the newest loaded version.
+"""Evaluation while training: accuracy on held-out tasks, on the newest loaded version.
 
 Which versions. Version `w` is the model after `w` trained steps. Version 0 (the initial model,
 after the warm-up) is evaluated as soon as an instance holds it; then, every time the newest
@@ -11,38 +11,44 @@ is trained, before `Shutdown`. So a run's first and last `eval` records are the 
 numbers. One evaluation runs at a time; a threshold crossed while one runs starts the next one,
 on the newest loaded version, when it ends.
 
-How, without blocking training. The evaluation runs on ordinary leases of one version (at most
-half of an instance's capacity, so groups still find room), each a worker that runs held-out
-episodes one after another at temperature 0 (the engine samples greedily when
-`temperature <= 0`) until the tasks are used up, then ends its lease. A periodic evaluation takes
-the newest loaded version at the moment it finds room: one that waited for a version superseded
-meanwhile would wait forever (no instance takes new requests of an old version), and would hold
-up every later evaluation and the end of the run. It starts with the room there is and adds
-leases as slots free up, up to its share, so an evaluation that starts on busy instances runs
-as batched as the first one rather than one episode at a time. The leases are ordinary leases
-for the orchestrator and the router: they keep the version loaded while the evaluation runs and
-may be migrated like any other (same version, C1); they are not groups, so nothing of an
-evaluation reaches the transfer queue or the trainer. With episode runners (`serve.runners`) the
-held-out episodes run on them, as the training episodes do (a lost runner's episode runs again
-from its start); serve's loop keeps only the leases and the record. In `partial` mode a publish
-resumes every request on the newest version, so an evaluation there may finish on a newer version
-than its record says. In `inflight` mode an instance that holds evaluation leases (pinned leases,
-`Router.open`) puts off loading a newer version until they have ended, so an evaluation is of the
-one version its record names (the instance's other requests go on under the old weights
-meanwhile). The record says how many of the evaluation's sampled tokens another version sampled
-(`off_version_tokens`: 0 but in partial mode). At the end, the running evaluation is waited for
-(bounded, and logged), no periodic one starts any more, and the final version is evaluated.
+How, without blocking training. The evaluation runs on ordinary leases of one version (at most half
+of an instance's capacity, so groups still find room), each a worker that runs held-out episodes one
+after another at `data.eval_temperature` (0 by default: the engine samples greedily when
+`temperature <= 0`), `data.eval_samples` episodes per task (1 by default), until the tasks are used
+up, then ends its lease. At a temperature each held-out episode has its own seed, the same in every
+evaluation, so two versions are compared on the same sampling noise. A periodic evaluation takes the
+newest loaded version at the moment it finds room: one that waited for a version superseded
+meanwhile would wait forever (no instance takes new requests of an old version), and would hold up
+every later evaluation and the end of the run. It starts with the room there is and adds leases as
+slots free up, up to its share, so an evaluation that starts on busy instances runs as batched as
+the first one rather than one episode at a time. The leases are ordinary leases for the orchestrator
+and the router: they keep the version loaded while the evaluation runs and may be migrated like any
+other (same version, C1); they are not groups, so nothing of an evaluation reaches the transfer
+queue or the trainer. With episode runners (`serve.runners`) the held-out episodes run on them, as
+the training episodes do (a lost runner's episode runs again from its start); serve's loop keeps
+only the leases and the record. In `partial` mode a publish resumes every request on the newest
+version, so an evaluation there may finish on a newer version than its record says. In `inflight`
+mode an instance that holds evaluation leases (pinned leases, `Router.open`) puts off loading a
+newer version until they have ended, so an evaluation is of the one version its record names (the
+instance's other requests go on under the old weights meanwhile). The record says how many of the
+evaluation's sampled tokens another version sampled (`off_version_tokens`: 0 but in partial mode).
+At the end, the running evaluation is waited for (bounded, and logged), no periodic one starts any
+more, and the final version is evaluated.
 
 Records (`rollout.jsonl`): `{"kind": "eval", "time_s", "step": w, "version": w, "due", "due_s",
 "accuracy", "success_at", "reward_mean", "n", "masked", "concurrency", "version_time_s",
-"started_s", "seconds", "off_version_tokens"}`: `due` and `due_s` are the thresholds (a multiple of
+"started_s", "seconds", "off_version_tokens", "temperature", "samples_per_task", "pass_at_k"}`:
+`due` and `due_s` are the thresholds (a multiple of
 `data.eval_every`, of `data.eval_every_s`; null for the one that did not fall due) the evaluation
 was started for, `concurrency` the most episodes it ran at once, `version_time_s` when version `w`
 was trained (on the clock of `time_s`: seconds since serve started; 0 for version 0), `started_s`
 when the evaluation started; `accuracy` is the success rate: the fraction of held-out episodes
 whose reward is at least `success_at` (`data.eval_success_at`, 1.0 by default: the math
 environments score 1.0 for a right answer), and `reward_mean` the mean reward of all of them, for
-tasks whose reward has no such line.
+tasks whose reward has no such line. With `samples_per_task` k > 1, `accuracy` is the mean over
+the k episodes of every task (avg@k) and `pass_at_k` the share of tasks with at least one success
+(null with k = 1, where it equals `accuracy`); `n` counts episodes, k per task. `temperature` is
+`data.eval_temperature`.
 """
 
 from __future__ import annotations
@@ -53,6 +59,8 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+
+import msgspec
 
 from dora.config import DataConfig
 from dora.env import Env, Task
@@ -120,9 +128,13 @@ class Evaluator:
         self._every = data.eval_every
         self._every_s = data.eval_every_s
         self._success_at = data.eval_success_at
-        self._params = SamplingParams(max_tokens=max_tokens, temperature=0.0, top_p=1.0)
+        self._params = SamplingParams(
+            max_tokens=max_tokens, temperature=data.eval_temperature, top_p=1.0
+        )
+        self._k = data.eval_samples
+        """Episodes per held-out task."""
         self._limits = limits
-        self._workers = max(1, min(len(tasks), max_running // 2))
+        self._workers = max(1, min(len(tasks) * self._k, max_running // 2))
         """Leases at once: half an instance's `serve.max_running` at most."""
         self._next_due: float = 0
         """The smallest version the next periodic evaluation waits for (by steps)."""
@@ -200,12 +212,18 @@ class Evaluator:
         started = time.monotonic()
         self._count += 1
         prefix = f"eval{self._count}"
-        queue = list(reversed(self._tasks))
-        samples: list[Sample] = []
-        version, concurrency = await self._run_workers(version, prefix, queue, samples)
+        queue = [
+            (i, task, self._episode_params(i * self._k + rep))
+            for i, task in enumerate(self._tasks)
+            for rep in range(self._k)
+        ][::-1]
+        done: list[tuple[int, Sample]] = []
+        version, concurrency = await self._run_workers(version, prefix, queue, done)
+        samples = [s for _, s in done]
         n = len(samples)
         success_at = self._success_at
-        correct = sum(1 for s in samples if not s.masked and s.reward >= success_at)
+        solved = [i for i, s in done if not s.masked and s.reward >= success_at]
+        correct = len(solved)
         trained_at = self._trained_at(version)
         record = Eval(
             step=version,
@@ -222,12 +240,15 @@ class Evaluator:
             started_s=round(started - self._metrics.start, 4),
             seconds=round(time.monotonic() - started, 4),
             off_version_tokens=off_version_share(samples, version),
+            temperature=self._params.temperature,
+            samples_per_task=self._k,
+            pass_at_k=len(set(solved)) / len(self._tasks) if self._k > 1 and self._tasks else None,
         )
         self._metrics.write(record)
         self.history.append((version, record.accuracy))
         log.info(
             "eval: version %d success %.3f (reward >= %g), reward mean %.3f "
-            "(%d held-out tasks, %d at once, %.1f s)",
+            "(%d held-out episodes, %d at once, %.1f s)",
             version,
             record.accuracy,
             success_at,
@@ -239,7 +260,11 @@ class Evaluator:
         return record
 
     async def _run_workers(
-        self, version: int | None, prefix: str, queue: list[Task], samples: list[Sample]
+        self,
+        version: int | None,
+        prefix: str,
+        queue: list[tuple[int, Task, SamplingParams]],
+        samples: list[tuple[int, Sample]],
     ) -> tuple[int, int]:
         """Run the held-out episodes on leases of one version: (that version, the most leases held
         at once). Leases are added as room frees up, up to `_workers`, while the version's
@@ -279,27 +304,40 @@ class Evaluator:
         return 0
 
     async def _worker(
-        self, lease_id: str, queue: list[Task], samples: list[Sample], active: set[str]
+        self,
+        lease_id: str,
+        queue: list[tuple[int, Task, SamplingParams]],
+        samples: list[tuple[int, Sample]],
+        active: set[str],
     ) -> None:
+        """Run queued (task index, task, params) episodes on one lease; append (index, sample)."""
         try:
             while queue:
-                task = queue.pop()
-                samples.append(await self._episode(lease_id, task))
+                index, task, params = queue.pop()
+                samples.append((index, await self._episode(lease_id, task, params)))
         finally:
             active.discard(lease_id)
             self._wake.set()
             # a roll-back may have forgotten it (partial mode, ghost version)
             self._placement.end(lease_id, forgotten_ok=True)
 
-    async def _episode(self, lease_id: str, task: Task) -> Sample:
+    def _episode_params(self, episode: int) -> SamplingParams:
+        """Sampling of held-out episode `episode` (task index times k plus repeat): at a
+        temperature, seeded by that number, so every version draws the same noise for the same
+        episode and the before/after difference is not blurred by fresh sampling noise."""
+        if self._params.temperature <= 0:
+            return self._params
+        return msgspec.structs.replace(self._params, seed=episode)
+
+    async def _episode(self, lease_id: str, task: Task, params: SamplingParams) -> Sample:
         if self._runners is not None:
-            return await self._runners.run_episode(lease_id, task, self._params)
+            return await self._runners.run_episode(lease_id, task, params)
         return await run_fresh_episode(
             sampler=self._placement.sampler(lease_id),
             task=task,
             env_factory=self._env_factory,
             renderer=self._renderer,
-            params=self._params,
+            params=params,
             limits=self._limits,
         )
 

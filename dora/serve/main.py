@@ -36,7 +36,8 @@ from pathlib import Path
 
 import msgspec
 
-from dora.config import DoraConfig, default_sections
+from dora.config import DoraConfig
+from dora.config_text import default_sections
 from dora.dryrun import count_gpus
 from dora.errors import ConfigError
 from dora.gc_settings import collector_clock, settle_heap

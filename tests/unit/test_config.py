@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from dora.config import DoraConfig, default_sections, load_config
+from dora.config import DoraConfig, load_config
 from dora.config_file import raw_config
-from dora.config_text import config_markdown, render_toml
+from dora.config_text import config_markdown, default_sections, render_toml
 from dora.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[2]

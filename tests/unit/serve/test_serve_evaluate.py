@@ -18,11 +18,12 @@ from dora.config import load_config
 from dora.core.orchestrator import Action, Load, Orchestrator
 from dora.env import Env, Episode, Message, Task
 from dora.episode import ChatRenderer
+from dora.errors import ConfigError
 from dora.models.tiny import char_tokenizer
 from dora.protocol import Completion, Sample, SamplingParams
 from dora.records import Record
 from dora.serve.dispatcher import episode_limits, turn_max_tokens
-from dora.serve.evaluate import Evaluator
+from dora.serve.evaluate import Due, Evaluator
 from dora.serve.placement import Placement
 
 pytestmark = pytest.mark.timeout(30)
@@ -247,3 +248,42 @@ async def test_with_episode_runners_the_held_out_episodes_run_on_them() -> None:
     assert {t for _, _, t in runners.ran} == {0.0}, "greedy, as every evaluation"
     assert r.peak == 0, "no episode ran in serve's loop"
     assert not r.router.leases, "every evaluation lease ended"
+
+
+class SeededRunners(FakeRunners):
+    """Solves a held-out episode only when its sampling seed is a multiple of 3."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.params: list[SamplingParams] = []
+
+    async def run_episode(self, lease_id: str, task: Task, params: SamplingParams) -> Sample:
+        self.params.append(params)
+        await asyncio.sleep(0.001)
+        return Sample.build(
+            token_ids=[1, 2], loss_mask=[0, 1], logprobs=[0, 0], versions=[-1, 0],
+            prompt_len=1, reward=1.0 if params.seed is not None and params.seed % 3 == 0 else 0.0,
+        )  # fmt: skip
+
+
+async def test_at_a_temperature_k_seeded_episodes_per_task_give_avg_and_pass_at_k() -> None:
+    r = FakeRollout("data.eval_temperature=0.6", "data.eval_samples=3")
+    runners = SeededRunners()
+    evaluator = _evaluator(r, 4, runners)  # type: ignore[arg-type]
+    evaluator.on_loaded(0)
+    await asyncio.wait_for(evaluator.finish(0, timeout_s=5), 10)
+    [e] = [rec for kind, rec in r.metrics.records if kind == "eval"]
+    # seeds 0..11, task i's repeats 3i..3i+2: exactly one of each task's three is solved
+    assert sorted(p.seed for p in runners.params) == list(range(12))  # type: ignore[type-var]
+    assert {p.temperature for p in runners.params} == {0.6}
+    assert (e["n"], e["samples_per_task"], e["temperature"]) == (12, 3, 0.6)
+    assert e["accuracy"] == pytest.approx(1 / 3) and e["pass_at_k"] == 1.0
+    # a second evaluation draws the same seeds: versions compared on the same noise
+    again = await asyncio.wait_for(evaluator.evaluate(0, due=Due(steps=0)), 10)
+    assert sorted(p.seed for p in runners.params[12:]) == list(range(12))  # type: ignore[type-var]
+    assert again.accuracy == e["accuracy"]
+
+
+def test_several_greedy_samples_per_task_are_refused_naming_the_keys() -> None:
+    with pytest.raises(ConfigError, match=r"data\.eval_samples = 4 .*data\.eval_temperature"):
+        load_config(None, ["data.eval_samples=4"])
