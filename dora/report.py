@@ -7,9 +7,9 @@ one of a file being written) is skipped, so the report works while a run is goin
 with matplotlib's Agg backend, four PNGs written beside `report.html` and embedded in it as base64
 data URIs (the page needs nothing else):
 
-- `reward.png`: reward mean per step, and held-out accuracy from `eval` records (greedy, on
-  `data.eval_source`; also any `accuracy`/`eval_*` trainer metric); without them, with 0/1 rewards
-  (exact match) the reward mean is the training accuracy;
+- `reward.png`: reward mean per step, and held-out accuracy from `eval` records (greedy, or avg@k
+  at `data.eval_temperature`, on `data.eval_source`; also any `accuracy`/`eval_*` trainer
+  metric); without them, with 0/1 rewards (exact match) the reward mean is the training accuracy;
 - `throughput.png`: trained tokens/s per step (trainer) and generated tokens/s (instances);
 - `staleness.png`: how many groups trained at each staleness `t - w`;
 - `timeline.png`: instance x time, each instance coloured by the version it holds, light where it
@@ -123,8 +123,9 @@ def plot_reward(run: RunData, path: Path) -> str:
     note = ""
     if run.evals:
         pts = sorted((e.step, e.accuracy) for e in run.evals)
+        how = eval_label(run.evals[0].temperature, run.evals[0].samples_per_task)
         axes[1].plot(
-            [p[0] for p in pts], [p[1] for p in pts], marker="o", label="held-out (greedy)"
+            [p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"held-out ({how})"
         )
     for k in acc_keys:
         pts = [(step, m[k]) for step, m in metrics if k in m]
@@ -150,17 +151,22 @@ def plot_reward(run: RunData, path: Path) -> str:
     return note
 
 
+def eval_label(temperature: float, samples_per_task: int) -> str:
+    """How held-out episodes were decoded, for a plot: "greedy" or "avg@k at T t"."""
+    return "greedy" if temperature <= 0 else f"avg@{samples_per_task} at T {temperature:g}"
+
+
 def plot_accuracy_vs_time(
-    curves: dict[str, list[tuple[float, float]]], path: Path, *, title: str
+    curves: dict[str, list[tuple[float, float]]], path: Path, *, title: str, how: str = "greedy"
 ) -> None:
     """Held-out accuracy against wall-clock seconds, one line per named run (several trainers
-    on one workload: what each reaches by a given time)."""
+    on one workload: what each reaches by a given time); `how` the decoding (`eval_label`)."""
     plt = _plt()
     fig, ax = plt.subplots(figsize=(6.4, 3.6))
     for name, points in curves.items():
         pts = sorted(points)
         ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name)
-    ax.set(title=title, xlabel="seconds of training", ylabel="held-out accuracy (greedy)")
+    ax.set(title=title, xlabel="seconds of training", ylabel=f"held-out accuracy ({how})")
     ax.legend()
     ax.grid(alpha=0.3)
     _save(fig, path)

@@ -38,7 +38,7 @@ from dora.bench import dora_run, summary
 from dora.config import DoraConfig, load_config
 from dora.errors import ConfigError
 from dora.records import Eval, Trained, read_records
-from dora.report import plot_accuracy_vs_time
+from dora.report import eval_label, plot_accuracy_vs_time
 
 if TYPE_CHECKING:
     from dora.env import Env
@@ -286,6 +286,7 @@ def main(argv: list[str] | None = None) -> int:
         {name: [(p["seconds"], p["accuracy"]) for p in r["curve"]] for name, r in results.items()},
         out / "bench-trl.png",
         title=f"{Path(args.config).parent.name}: {config.learn.steps} steps",
+        how=eval_label(config.data.eval_temperature, config.data.eval_samples),
     )
     print(f"accuracy against seconds: {out / 'bench-trl.png'}")
     return 0
