@@ -15,7 +15,8 @@ trainer that does not learn) 0.004, which fails. One CI run (2026-12-07) stayed 
 group depends on timing), and a failure now prints every step's reward and staleness.
 Asserted: the trainer's mean reward over the last third of the steps is above the first
 third's by MARGIN, every sample was scored (none masked: the checker ran on every
-episode), and held-out evaluations ran on the initial and the final version. A checker that is
+episode), and held-out evaluations ran on the initial and the final version, as the example
+evaluates (4 episodes a word at temperature 1.0). A checker that is
 not reached, an answer extracted wrongly (every reward 0) or a trainer that does not learn fails
 it. The held-out accuracy gain of the full example is measured in docs/benchmarks.md, not here
 (it takes minutes).
@@ -72,4 +73,8 @@ def test_reasoning_gym_example_reward_rises(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert all(m["masked_samples"] == 0 for m in jsonl(run_dir / "learn-metrics.jsonl"))
     reward_thirds(run_dir, STEPS, margin=MARGIN)
-    assert [e["version"] for e in held_out_evals(run_dir)] == [0, STEPS]
+    evals = held_out_evals(run_dir)
+    assert [e["version"] for e in evals] == [0, STEPS]
+    # the example's evaluation: 4 seeded episodes a held-out word at temperature 1.0
+    assert [(e["n"], e["samples_per_task"], e["temperature"]) for e in evals] == [(128, 4, 1.0)] * 2
+    assert all(e["pass_at_k"] is not None and e["pass_at_k"] >= e["accuracy"] for e in evals)
