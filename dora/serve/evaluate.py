@@ -38,17 +38,16 @@ more, and the final version is evaluated.
 Records (`rollout.jsonl`): `{"kind": "eval", "time_s", "step": w, "version": w, "due", "due_s",
 "accuracy", "success_at", "reward_mean", "n", "masked", "concurrency", "version_time_s",
 "started_s", "seconds", "off_version_tokens", "temperature", "samples_per_task", "pass_at_k"}`:
-`due` and `due_s` are the thresholds (a multiple of
-`data.eval_every`, of `data.eval_every_s`; null for the one that did not fall due) the evaluation
-was started for, `concurrency` the most episodes it ran at once, `version_time_s` when version `w`
-was trained (on the clock of `time_s`: seconds since serve started; 0 for version 0), `started_s`
-when the evaluation started; `accuracy` is the success rate: the fraction of held-out episodes
-whose reward is at least `success_at` (`data.eval_success_at`, 1.0 by default: the math
-environments score 1.0 for a right answer), and `reward_mean` the mean reward of all of them, for
-tasks whose reward has no such line. With `samples_per_task` k > 1, `accuracy` is the mean over
-the k episodes of every task (avg@k) and `pass_at_k` the share of tasks with at least one success
-(null with k = 1, where it equals `accuracy`); `n` counts episodes, k per task. `temperature` is
-`data.eval_temperature`.
+`due` and `due_s` are the thresholds (a multiple of `data.eval_every`, of `data.eval_every_s`; null
+for the one that did not fall due) the evaluation was started for, `concurrency` the most episodes
+it ran at once, `version_time_s` when version `w` was trained (on the clock of `time_s`: seconds
+since serve started; 0 for version 0), `started_s` when the evaluation started; `accuracy` is the
+success rate: the fraction of held-out episodes whose reward is at least `success_at`
+(`data.eval_success_at`, 1.0 by default: the math environments score 1.0 for a right answer), and
+`reward_mean` the mean reward of all of them, for tasks whose reward has no such line. With
+`samples_per_task` k > 1, `accuracy` is the mean over the k episodes of every task (avg@k) and
+`pass_at_k` the share of tasks with at least one success (null with k = 1, where it equals
+`accuracy`); `n` counts episodes, k per task. `temperature` is `data.eval_temperature`.
 """
 
 from __future__ import annotations
