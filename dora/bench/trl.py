@@ -118,12 +118,13 @@ def _held_out_accuracy(
     tasks: list,
 ) -> float:
     """Held-out accuracy of `model` as it is now, decoded by dora's engine as dora's own
-    evaluation decodes: `data.eval_samples` episodes per task at `data.eval_temperature`, episode
-    j of the evaluation seeded with j (greedy at temperature 0)."""
+    evaluation decodes: `data.eval_samples` episodes per task at `data.eval_temperature`, each
+    seeded as there (`held_out_seed`; greedy at temperature 0)."""
     import torch
 
     from dora.engine.batcher import Batcher, BatcherConfig
     from dora.protocol import SamplingParams
+    from dora.serve.evaluate import held_out_seed
 
     was_training = model.training
     model.eval()
@@ -141,7 +142,7 @@ def _held_out_accuracy(
             params = SamplingParams(
                 max_tokens=config.rollout.max_tokens,
                 temperature=temperature,
-                seed=i * k + rep if temperature > 0 else None,
+                seed=held_out_seed(i, rep, k) if temperature > 0 else None,
             )
             seq = batcher.new_sequence(f"e{row['task_index']}-{rep}", ids, params)
             batcher.add(seq)

@@ -71,7 +71,7 @@ from dora.serve.placement import Placement
 from dora.serve.runners import RunnerHub
 from dora.serve.spawn import Spawner
 
-__all__ = ["Evaluator"]
+__all__ = ["Evaluator", "held_out_seed"]
 
 log = logging.getLogger("dora.serve")
 
@@ -212,7 +212,7 @@ class Evaluator:
         self._count += 1
         prefix = f"eval{self._count}"
         queue = [
-            (i, task, self._episode_params(i * self._k + rep))
+            (i, task, self._episode_params(held_out_seed(i, rep, self._k)))
             for i, task in enumerate(self._tasks)
             for rep in range(self._k)
         ][::-1]
@@ -320,13 +320,13 @@ class Evaluator:
             # a roll-back may have forgotten it (partial mode, ghost version)
             self._placement.end(lease_id, forgotten_ok=True)
 
-    def _episode_params(self, episode: int) -> SamplingParams:
-        """Sampling of held-out episode `episode` (task index times k plus repeat): at a
-        temperature, seeded by that number, so every version draws the same noise for the same
-        episode and the before/after difference is not blurred by fresh sampling noise."""
+    def _episode_params(self, seed: int) -> SamplingParams:
+        """Sampling of one held-out episode: at a temperature, seeded with `seed`
+        (`held_out_seed`), so every version draws the same noise for the same episode and the
+        before/after difference is not blurred by fresh sampling noise."""
         if self._params.temperature <= 0:
             return self._params
-        return msgspec.structs.replace(self._params, seed=episode)
+        return msgspec.structs.replace(self._params, seed=seed)
 
     async def _episode(self, lease_id: str, task: Task, params: SamplingParams) -> Sample:
         if self._runners is not None:
@@ -339,6 +339,12 @@ class Evaluator:
             params=params,
             limits=self._limits,
         )
+
+
+def held_out_seed(task_index: int, repeat: int, samples_per_task: int) -> int:
+    """The sampling seed of repeat `repeat` of held-out task `task_index` in every evaluation
+    (and in `dora bench trl`'s, so both trainers are evaluated on the same noise)."""
+    return task_index * samples_per_task + repeat
 
 
 def off_version_share(samples: list[Sample], version: int) -> float:
